@@ -1,0 +1,177 @@
+"""Paged KV-cache bookkeeping: fixed-size blocks, reference counts, hash-chained prefix caching.
+
+The block manager never touches tensors; it hands out block ids. A block is free when no sequence
+references it. A free block that holds a full, hashed prefix stays findable by its hash until it
+is handed out again (evicted least recently freed first), so a later request with the same
+prefix reuses it without recomputing.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+
+from pdmesh.engine.prefix_hash import ROOT_HASH, hash_block
+from pdmesh.engine.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "hash", "parent_hash", "ref_count", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.parent_hash: int | None = None
+        self.token_ids: tuple[int, ...] | None = None
+
+    def forget(self) -> None:
+        self.hash = self.parent_hash = self.token_ids = None
+
+
+class BlockManager:
+    """Protocol: `match_prefix` -> `can_allocate` -> `allocate`, then `cache_full_blocks` after each
+    step that computed KV, and `free` when the sequence finishes or is preempted."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need at least one block of one token, got {num_blocks}x{block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks in eviction order: the front is handed out first.
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    # -- sizes --------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self.blocks) - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache -------------------------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding a prefix of `seq`'s tokens, checked token by token.
+
+        At least one token is left uncached so the step that finishes the prompt has a position
+        to sample from. Takes no references: pass the result to `allocate`.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        matched: list[int] = []
+        parent = ROOT_HASH
+        for start in range(0, seq.num_tokens - 1 - bs + 1, bs):
+            tokens = tuple(seq.token_ids[start : start + bs])
+            h = hash_block(parent, tokens)
+            block_id = self._cached.get(h)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.token_ids != tokens or block.parent_hash != parent:
+                break  # a hash collision: never serve another prefix's KV
+            matched.append(block_id)
+            parent = h
+        return matched
+
+    # -- allocation ---------------------------------------------------------------------------
+    def _new_blocks_needed(self, seq: Sequence, num_new_tokens: int, prefix: Seq[int]) -> int:
+        computed = len(prefix) * self.block_size if prefix else seq.num_computed_tokens
+        held = len(prefix) if prefix else len(seq.block_table)
+        return max(0, self.blocks_for(computed + num_new_tokens) - held)
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: Seq[int] = ()) -> bool:
+        """Whether `seq` can get slots for `num_new_tokens` more tokens (after adopting `prefix`)."""
+        # Adopting a free cached block takes it out of the free pool too.
+        adopted_free = sum(1 for b in prefix if self.blocks[b].ref_count == 0)
+        needed = self._new_blocks_needed(seq, num_new_tokens, prefix)
+        return needed + adopted_free <= len(self._free)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, prefix: Seq[int] = ()) -> None:
+        """Give `seq` slots for `num_new_tokens` tokens past its computed ones.
+
+        `prefix` (from `match_prefix`, only for a sequence holding no blocks) is adopted first and
+        counts as computed. Call `can_allocate` first: this raises if blocks run out.
+        """
+        if not self.can_allocate(seq, num_new_tokens, prefix):
+            raise RuntimeError(f"out of KV blocks allocating {num_new_tokens} tokens for {seq}")
+        if not seq.block_table:
+            self.prefix_queried_tokens += seq.num_tokens
+            self.prefix_hit_tokens += len(prefix) * self.block_size
+        if prefix:
+            if seq.block_table:
+                raise RuntimeError(f"{seq} already holds blocks; a prefix can only start a table")
+            for block_id in prefix:
+                self._take(block_id)
+            seq.block_table = list(prefix)
+            seq.block_hashes = [self.blocks[b].hash for b in prefix]  # type: ignore[misc]
+            seq.num_computed_tokens = len(prefix) * self.block_size
+        for _ in range(self._new_blocks_needed(seq, num_new_tokens, ())):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.hash is not None:  # evict its prefix entry: the KV will be overwritten
+                if self._cached.get(block.hash) == block_id:
+                    del self._cached[block.hash]
+                block.forget()
+            block.ref_count = 1
+            seq.block_table.append(block_id)
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def free(self, seq: Sequence) -> None:
+        """Drop `seq`'s references; its computed prefix stays cached until evicted."""
+        # Freed in reverse so that a sequence's tail is evicted before its head: heads are the
+        # parts most often shared.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+            elif block.ref_count < 0:
+                raise RuntimeError(f"block {block_id} freed twice")
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Publish the blocks of `seq` that became full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = hash_block(parent, tokens)
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and h not in self._cached:
+                block.hash, block.parent_hash, block.token_ids = h, parent, tokens
+                self._cached[h] = block.block_id
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix held by a free block (used blocks keep theirs)."""
+        for block_id in self._free:
+            block = self.blocks[block_id]
+            if block.hash is not None:
+                self._cached.pop(block.hash, None)
+                block.forget()

@@ -1,0 +1,92 @@
+"""The paged KV cache tensors and how many blocks fit.
+
+Layout: one tensor [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim]. A
+block of one layer is contiguous, so a transfer of block ids moves whole pages.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+CPU_DEFAULT_FRACTION = 0.1
+GPU_DEFAULT_FRACTION = 0.9
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int  # per rank
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+
+class KVCache:
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
+        self.spec = spec
+        self.num_blocks = num_blocks
+        shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        # Zeroed, not empty: padded reads (masked out) must never meet NaN bit patterns.
+        self.data = torch.zeros(shape, dtype=spec.dtype, device=device)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data[i, 0], self.data[i, 1]
+
+    def bind(self, attention_layers: list[nn.Module]) -> None:
+        if len(attention_layers) != self.spec.num_layers:
+            raise RuntimeError(f"{len(attention_layers)} attention layers, cache has {self.spec.num_layers}")
+        for i, layer in enumerate(attention_layers):
+            layer.k_cache, layer.v_cache = self.layer(i)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+def available_cpu_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def plan_num_blocks(
+    spec: KVCacheSpec,
+    device: torch.device,
+    kv_cache_tokens: int | None,
+    memory_fraction: float | None,
+) -> int:
+    """Blocks for an explicit token count, or for a fraction of the device's memory.
+
+    GPU: `fraction` of total memory minus what is already in use (weights, activations).
+    CPU: `fraction` of the RAM available now.
+    """
+    if kv_cache_tokens is not None:
+        return max(1, -(-kv_cache_tokens // spec.block_size))
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = total * (memory_fraction or GPU_DEFAULT_FRACTION) - (total - free)
+    else:
+        budget = available_cpu_memory() * (memory_fraction or CPU_DEFAULT_FRACTION)
+    blocks = int(budget // spec.bytes_per_block)
+    if blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory_fraction leaves no room for a KV block ({spec.bytes_per_block} bytes)"
+        )
+    return blocks

@@ -1,0 +1,1 @@
+"""Model building blocks; parallel-aware, backed by `pdmesh.kernels`."""

@@ -1,0 +1,74 @@
+"""Attention over the paged KV cache for a flat batch of decodes and prefill chunks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pdmesh.kernels import paged_decode_attention, paged_prefill_attention, store_kv_cache
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of a flat batch reads and writes KV.
+
+    The first `num_decode_tokens` tokens are single-token steps (one per sequence); the rest are
+    prefill chunks, sequence after sequence.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot each token's K/V is written to
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor  # [D, max_blocks] int32
+    decode_context_lens: torch.Tensor  # [D] int32
+    max_decode_context_len: int
+    prefill_cu_seqlens: torch.Tensor  # [P+1] int32: query offsets within the prefill part
+    prefill_context_lens: torch.Tensor  # [P] int32
+    prefill_block_tables: torch.Tensor  # [P, max_blocks] int32
+    max_prefill_query_len: int
+    max_prefill_context_len: int
+
+
+class Attention(nn.Module):
+    """Stores this step's K/V in the cache, then attends over each sequence's pages.
+
+    `k_cache`/`v_cache` ([num_blocks, block_size, Hkv, D]) are bound by the model runner once the
+    cache is allocated.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        # q: [T, H, D], k/v: [T, Hkv, D] -> [T, H * D]
+        store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        nd = meta.num_decode_tokens
+        if nd == q.shape[0]:
+            out = self._decode(q, meta)
+        elif nd == 0:
+            out = self._prefill(q, meta)
+        else:
+            out = torch.cat((self._decode(q[:nd], meta), self._prefill(q[nd:], meta)))
+        return out.flatten(1)
+
+    def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return paged_decode_attention(
+            q, self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_context_lens,
+            self.scale, meta.max_decode_context_len,
+        )
+
+    def _prefill(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return paged_prefill_attention(
+            q, self.k_cache, self.v_cache, meta.prefill_cu_seqlens, meta.prefill_context_lens,
+            meta.prefill_block_tables, self.scale, meta.max_prefill_query_len,
+            meta.max_prefill_context_len,
+        )

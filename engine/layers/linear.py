@@ -1,0 +1,137 @@
+"""Linear layers, Megatron-style: column-parallel (output split) and row-parallel (input split,
+then all-reduce). Each parameter carries a `weight_loader` that reads only this rank's part of a
+checkpoint tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdmesh.engine.parallel import SINGLE, ParallelGroup
+from pdmesh.engine.weights import CheckpointTensor
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def default_weight_loader(param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None):
+    if tuple(loaded.shape) != tuple(param.shape):
+        raise ValueError(f"checkpoint shape {tuple(loaded.shape)} != parameter {tuple(param.shape)}")
+    param.data.copy_(loaded.load())
+
+
+class ReplicatedLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = _param(out_features, in_features)
+        self.bias = _param(out_features) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's rows (outputs) split across ranks; the output stays split."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, tp: ParallelGroup = SINGLE
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.out_local = tp.shard(out_features, "output features")
+        self.weight = _param(self.out_local, in_features)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = _param(self.out_local) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id=None) -> None:
+        size = param.shape[0]
+        param.data.copy_(loaded.narrow(0, self.tp.rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input stored as one matrix (gate | up)."""
+
+    def __init__(
+        self, in_features: int, output_sizes: list[int], bias: bool = False,
+        tp: ParallelGroup = SINGLE,
+    ) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id=None) -> None:
+        local = [s // self.tp.size for s in self.output_sizes]
+        offset = sum(local[:shard_id])
+        size = local[shard_id]
+        part = loaded.narrow(0, self.tp.rank * size, size)
+        param.data.narrow(0, offset, size).copy_(part)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections in one matrix, split by heads. With fewer KV heads than ranks,
+    each KV head is replicated over `size / num_kv_heads` ranks (as vLLM does)."""
+
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+        bias: bool = False, tp: ParallelGroup = SINGLE,
+    ) -> None:
+        self.head_dim = head_dim
+        self.num_heads = tp.shard(num_heads, "attention heads")
+        if num_kv_heads >= tp.size:
+            self.num_kv_heads = tp.shard(num_kv_heads, "KV heads")
+            self.kv_head_start = tp.rank * self.num_kv_heads
+        else:
+            if tp.size % num_kv_heads:
+                raise ValueError(f"parallel size {tp.size} is not a multiple of {num_kv_heads} KV heads")
+            self.num_kv_heads = 1
+            self.kv_head_start = tp.rank // (tp.size // num_kv_heads)
+        out_global = (self.num_heads * tp.size + 2 * self.num_kv_heads * tp.size) * head_dim
+        super().__init__(hidden_size, out_global, bias, tp)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id=None) -> None:
+        d = self.head_dim
+        if shard_id == "q":
+            offset, size, start = 0, self.q_size, self.tp.rank * self.q_size
+        elif shard_id == "k":
+            offset, size, start = self.q_size, self.kv_size, self.kv_head_start * d
+        else:  # "v"
+            offset, size, start = self.q_size + self.kv_size, self.kv_size, self.kv_head_start * d
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's columns (inputs) split across ranks; partial sums are all-reduced."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, tp: ParallelGroup = SINGLE
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.in_local = tp.shard(in_features, "input features")
+        self.weight = _param(out_features, self.in_local)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = _param(out_features) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id=None) -> None:
+        size = param.shape[1]
+        param.data.copy_(loaded.narrow(1, self.tp.rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = self.tp.all_reduce(y)
+        return y + self.bias if self.bias is not None else y

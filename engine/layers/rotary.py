@@ -1,0 +1,53 @@
+"""Rotary embeddings built from a Hugging Face config (default, linear, llama3 and yarn RoPE)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pdmesh.kernels import apply_rotary
+
+# RoPE types whose frequencies do not depend on the sequence being run.
+_STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The RoPE settings of a config, in transformers 5's `rope_parameters` form."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        return dict(params)
+    scaling = dict(getattr(config, "rope_scaling", None) or {})
+    scaling.setdefault("rope_type", scaling.pop("type", "default"))
+    scaling["rope_theta"] = getattr(config, "rope_theta", 10000.0)
+    return scaling
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: Any, head_dim: int, max_position: int) -> None:
+        super().__init__()
+        params = rope_parameters(config)
+        rope_type = params.get("rope_type", "default")
+        if rope_type not in _STATIC_ROPE:
+            raise ValueError(
+                f"rope_type {rope_type!r} is not supported; supported: {', '.join(_STATIC_ROPE)}"
+            )
+        rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        if rope_type == "default":
+            exps = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+            inv_freq = 1.0 / (params["rope_theta"] ** exps)
+            scaling = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        # Same float32 arithmetic as transformers: position * inv_freq, then cos/sin, then scaling.
+        freqs = torch.arange(max_position, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+        cache = torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)  # [max_pos, rotary_dim]
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rotary(positions, q, k, self.cos_sin_cache)

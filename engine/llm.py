@@ -1,0 +1,146 @@
+"""The offline API: `LLM(...).generate(prompts, sampling_params)`, named as in vLLM."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from pdmesh.engine.config import EngineConfig
+from pdmesh.engine.llm_engine import LLMEngine
+from pdmesh.engine.outputs import RequestOutput
+from pdmesh.engine.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+Message = dict[str, str]
+
+
+def chat_token_ids(tokenizer: Any, messages: list[Message]) -> list[int]:
+    """The prompt token ids of one conversation through the model's chat template."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...}.")
+    for m in messages:
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
+        ):
+            raise ValueError(f"each message needs a string 'role' and 'content', got {m!r}.")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("this model's tokenizer has no chat template; use generate() instead.")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+class LLM:
+    """An engine in this process. `model=None` serves the embedded default model."""
+
+    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        config = EngineConfig.from_kwargs(model=model, **engine_options)
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. A prompt is a string or
+        `{"prompt_token_ids": [...]}`."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        inputs = [self._prompt_input(p) for p in prompts]
+        return self._run(inputs, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them (chat template applied)."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        tokenizer = self.engine.tokenizer
+        inputs = [chat_token_ids(tokenizer, conv) for conv in conversations]  # type: ignore[arg-type]
+        return self._run(inputs, sampling_params, use_tqdm)
+
+    def _prompt_input(self, prompt: PromptType) -> str | list[int]:
+        if isinstance(prompt, str):
+            return prompt
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            return prompt["prompt"]
+        raise ValueError(
+            f"each prompt must be a string or {{'prompt_token_ids': [...]}}, got {prompt!r:.80}."
+        )
+
+    def _run(
+        self,
+        inputs: list[str | list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(inputs)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(inputs):
+                raise ValueError(
+                    f"sampling_params has {len(params)} entries for {len(inputs)} prompts."
+                )
+        engine = self.engine
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(inputs, params, strict=True):
+                request_id = f"offline-{next(self._ids)}"
+                engine.add_request(request_id, prompt, p)
+                ids.append(request_id)
+        except Exception:
+            for request_id in ids:  # leave the engine as it was
+                engine.abort_request(request_id)
+                engine.release(request_id)
+            raise
+        with _progress(len(ids), use_tqdm) as advance:
+            while engine.has_unfinished_requests():
+                for delta in engine.step():
+                    if delta.finish_reason is not None:
+                        advance()
+        outputs = [engine.get_output(i) for i in ids]
+        for request_id in ids:
+            engine.release(request_id)
+        return outputs
+
+
+class _progress:
+    """A rich progress bar over finished requests, shown on a terminal for batches > 1."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.bar = None
+        if enabled and total > 1 and sys.stderr.isatty():
+            from rich.progress import Progress
+
+            self.bar = Progress(transient=True)
+            self.task = self.bar.add_task("generating", total=total)
+
+    def __enter__(self):  # type: ignore[no-untyped-def]
+        if self.bar is not None:
+            self.bar.start()
+        return self._advance
+
+    def _advance(self) -> None:
+        if self.bar is not None:
+            self.bar.advance(self.task)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()

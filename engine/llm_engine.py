@@ -1,0 +1,218 @@
+"""The engine loop shared by every worker: add requests, step, stream deltas, abort."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pdmesh import envs
+from pdmesh.engine.block_manager import BlockManager
+from pdmesh.engine.config import EngineConfig
+from pdmesh.engine.detokenizer import IncrementalDetokenizer
+from pdmesh.engine.model_info import ModelInfo
+from pdmesh.engine.model_runner import ModelRunner
+from pdmesh.engine.model_source import resolve_model_folder
+from pdmesh.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepDelta
+from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.engine.scheduler import Scheduler
+from pdmesh.engine.sequence import Sequence
+from pdmesh.logger import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_blocks_total: int
+    num_blocks_used: int
+    num_blocks_free: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    num_preemptions: int
+
+
+def load_tokenizer(folder: Any) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        if config.tensor_parallel_size != 1:
+            raise ValueError(
+                "tensor_parallel_size > 1 needs one process per rank; "
+                "this engine runs a single rank (use LLM(tensor_parallel_size=N))"
+            )
+        self.config = config
+        if (threads := envs.num_threads()) is not None:
+            torch.set_num_threads(threads)
+        self.info = ModelInfo.load(resolve_model_folder(config.model))
+        self.tokenizer = load_tokenizer(self.info.folder)
+        device = config.torch_device()
+        max_len = config.max_model_len or self.info.max_position
+        if max_len > self.info.max_position:
+            log.warning(
+                "max_model_len %d exceeds the model's %d positions", max_len, self.info.max_position
+            )
+        self.runner = ModelRunner(
+            self.info, device, config.torch_dtype(device), config.block_size, max_len,
+            config.kv_cache_tokens, config.kv_cache_memory_fraction, config.seed,
+        )
+        capacity = self.runner.num_blocks * config.block_size
+        if capacity < max_len:
+            if config.max_model_len is not None:
+                raise ValueError(
+                    f"max_model_len ({max_len}) is larger than the KV cache ({capacity} tokens); "
+                    "raise kv_cache_tokens / kv_cache_memory_fraction or lower max_model_len"
+                )
+            log.warning("max_model_len lowered from %d to the KV cache's %d tokens", max_len, capacity)
+            max_len = capacity
+        self.max_model_len = max_len
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+        )
+        self._seqs: dict[str, Sequence] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._texts: dict[str, str] = {}
+        log.info(
+            "KV cache: %s tokens (%d blocks of %d, %.2f GiB); "
+            "maximum concurrency for %s tokens per request: %.2fx",
+            f"{capacity:,}", self.runner.num_blocks, config.block_size,
+            self.runner.kv_cache.nbytes / 2**30, f"{max_len:,}", capacity / max_len,
+        )
+
+    # -- requests -----------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        return list(self.tokenizer.encode(prompt))
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> Sequence:
+        """Queue a request; raises ValueError (naming the field) for bad input."""
+        if request_id in self._seqs:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params must be a SamplingParams")
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        self.validate_prompt(token_ids)
+        seq = Sequence(request_id, token_ids, params, text, arrival_time)
+        self._seqs[request_id] = seq
+        self._detok[request_id] = IncrementalDetokenizer(
+            self.tokenizer, token_ids, params.skip_special_tokens, params.stop
+        )
+        self._texts[request_id] = ""
+        self.scheduler.add(seq)
+        return seq
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("prompt must not be empty (it has 0 tokens).")
+        vocab = self.info.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}), got {bad[0]!r}.")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; the model's max length (max_model_len) is "
+                f"{self.max_model_len}, which must leave room for at least one new token."
+            )
+
+    def abort_request(self, request_id: str) -> StepDelta | None:
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.is_finished:
+            return None
+        self.scheduler.finish(seq, "abort")
+        seq.finished_time = time.monotonic()
+        return StepDelta(request_id, [], "", "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop -----------------------------------------------------------------------------
+    def step(self) -> list[StepDelta]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler made no progress with requests pending")
+            return []
+        sampled = self.runner.run(batch)
+        deltas: list[StepDelta] = []
+        for seq, n, token in zip(batch.seqs, batch.num_new_tokens, sampled, strict=True):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+            if token is not None:
+                deltas.append(self._append(seq, token))
+        return deltas
+
+    def _append(self, seq: Sequence, token: int) -> StepDelta:
+        seq.append_token(token)
+        params = seq.params
+        detok = self._detok[seq.request_id]
+        if (not params.ignore_eos and token in self.info.eos_token_ids) or (
+            token in params.stop_token_ids
+        ):
+            # The stop token's own text is not output; text held back for stop strings is.
+            return self._finish(seq, token, detok.flush(), "stop")
+        delta = detok.add(token)
+        if delta.stopped:
+            return self._finish(seq, token, delta.text, "stop")
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return self._finish(seq, token, delta.text + detok.flush(), "length")
+        self._texts[seq.request_id] += delta.text
+        return StepDelta(seq.request_id, [token], delta.text, None)
+
+    def _finish(self, seq: Sequence, token: int, text: str, reason: str) -> StepDelta:
+        self.scheduler.finish(seq, reason)
+        seq.finished_time = time.monotonic()
+        self._texts[seq.request_id] += text
+        return StepDelta(seq.request_id, [token], text, reason)
+
+    # -- results ------------------------------------------------------------------------------
+    def get_output(self, request_id: str) -> RequestOutput:
+        seq = self._seqs[request_id]
+        return RequestOutput(
+            request_id=request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[
+                CompletionOutput(0, self._texts[request_id], seq.output_token_ids, seq.finish_reason)
+            ],
+            finished=seq.is_finished,
+            num_cached_tokens=seq.num_cached_tokens,
+            metrics=RequestMetrics(
+                seq.arrival_time, seq.first_token_time, seq.finished_time, seq.num_preemptions
+            ),
+        )
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's results."""
+        seq = self._seqs.get(request_id)
+        if seq is not None and seq.is_finished:
+            del self._seqs[request_id], self._detok[request_id], self._texts[request_id]
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_blocks_total=bm.num_blocks,
+            num_blocks_used=bm.num_used_blocks,
+            num_blocks_free=bm.num_free_blocks,
+            prefix_queried_tokens=bm.prefix_queried_tokens,
+            prefix_hit_tokens=bm.prefix_hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+        )

@@ -1,0 +1,66 @@
+"""What the engine needs to know about a model, read from its Hugging Face folder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdmesh.engine.models import model_class
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    folder: Path
+    hf_config: Any
+    model_cls: type
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_position: int
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def load(cls, folder: Path) -> ModelInfo:
+        from transformers import AutoConfig, GenerationConfig
+
+        try:
+            hf_config = AutoConfig.from_pretrained(folder)
+        except Exception as e:  # transformers raises several types for a broken config
+            raise ValueError(f"model: cannot read {folder / 'config.json'}: {e}") from None
+        model_cls = model_class(hf_config)
+        eos: set[int] = set()
+        try:
+            gen = GenerationConfig.from_pretrained(folder)
+            eos.update(_as_ids(gen.eos_token_id))
+        except OSError:
+            pass  # no generation_config.json
+        eos.update(_as_ids(getattr(hf_config, "eos_token_id", None)))
+        head_dim = getattr(hf_config, "head_dim", None)
+        head_dim = head_dim or hf_config.hidden_size // hf_config.num_attention_heads
+        return cls(
+            folder=folder,
+            hf_config=hf_config,
+            model_cls=model_cls,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=hf_config.num_attention_heads,
+            num_kv_heads=hf_config.num_key_value_heads,
+            head_dim=head_dim,
+            hidden_size=hf_config.hidden_size,
+            vocab_size=hf_config.vocab_size,
+            max_position=getattr(hf_config, "max_position_embeddings", 4096),
+            eos_token_ids=tuple(sorted(eos)),
+        )
+
+    @property
+    def name(self) -> str:
+        return getattr(self.hf_config, "_name_or_path", "") or self.folder.name
+
+
+def _as_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else [int(v) for v in value]

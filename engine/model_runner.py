@@ -1,0 +1,170 @@
+"""Runs one scheduled step: a single forward over a flat batch, then sampling."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from pdmesh.engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
+from pdmesh.engine.layers.attention import AttentionMetadata
+from pdmesh.engine.model_info import ModelInfo
+from pdmesh.engine.parallel import SINGLE, ParallelGroup
+from pdmesh.engine.sampler import Sampler, SamplingBatch
+from pdmesh.engine.scheduler import ScheduledBatch
+from pdmesh.engine.weights import load_weights
+
+
+@dataclass
+class StepInputs:
+    """One step's model inputs. Sequences are reordered: decodes (one token) first."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [S]: flat index of each sampled sequence's last token
+    sample_seq_index: list[int]  # [S]: index into batch.seqs of each sampled row
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _pad(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    out = torch.zeros(len(rows), max(width, 1), dtype=torch.int32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
+    return out.to(device)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        info: ModelInfo,
+        device: torch.device,
+        dtype: torch.dtype,
+        block_size: int,
+        max_model_len: int,
+        kv_cache_tokens: int | None,
+        kv_cache_memory_fraction: float | None,
+        seed: int = 0,
+        tp: ParallelGroup = SINGLE,
+    ) -> None:
+        self.info = info
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        with torch.device(device), _default_dtype(dtype):
+            model = info.model_cls(info.hf_config, max_model_len, tp)
+        load_weights(model, info.folder)
+        self.model = model.eval()
+        attn_layers = model.attention_layers()
+        self.kv_spec = KVCacheSpec(
+            num_layers=len(attn_layers),
+            num_kv_heads=attn_layers[0].num_kv_heads,
+            head_dim=info.head_dim,
+            block_size=block_size,
+            dtype=dtype,
+        )
+        num_blocks = plan_num_blocks(self.kv_spec, device, kv_cache_tokens, kv_cache_memory_fraction)
+        self.kv_cache = KVCache(self.kv_spec, num_blocks, device)
+        self.kv_cache.bind(attn_layers)
+        self.sampler = Sampler(seed)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        bs = self.block_size
+        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] != 1)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefill_tables: list[list[int]] = []
+        prefill_lens: list[int] = []
+        cu_seqlens = [0]
+        logits_indices: list[int] = []
+        sample_seq_index: list[int] = []
+        for i in order:
+            seq, n = batch.seqs[i], batch.num_new_tokens[i]
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            table = seq.block_table
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if n == 1:
+                decode_tables.append(table)
+                decode_lens.append(end)
+            else:
+                prefill_tables.append(table)
+                prefill_lens.append(end)
+                cu_seqlens.append(cu_seqlens[-1] + n)
+            if end == seq.num_tokens:
+                logits_indices.append(len(input_ids) - 1)
+                sample_seq_index.append(i)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            num_decode_tokens=len(decode_lens),
+            decode_block_tables=_pad(decode_tables, dev),
+            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
+            max_decode_context_len=max(decode_lens, default=0),
+            prefill_cu_seqlens=torch.tensor(cu_seqlens, dtype=torch.int32, device=dev),
+            prefill_context_lens=torch.tensor(prefill_lens, dtype=torch.int32, device=dev),
+            prefill_block_tables=_pad(prefill_tables, dev),
+            max_prefill_query_len=max(
+                (b - a for a, b in zip(cu_seqlens, cu_seqlens[1:], strict=False)), default=0
+            ),
+            max_prefill_context_len=max(prefill_lens, default=0),
+        )
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta=meta,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+            sample_seq_index=sample_seq_index,
+        )
+
+    @torch.inference_mode()
+    def forward_logits(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The model over the flat batch; logits [S, V] of the rows to sample (None if none)."""
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        if not inputs.sample_seq_index:
+            return None
+        return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[int | None]:
+        """Forward `batch`; the sampled token of each sequence whose KV is now complete."""
+        inputs = self.prepare(batch)
+        logits = self.forward_logits(inputs)
+        sampled: list[int | None] = [None] * len(batch.seqs)
+        if logits is None:
+            return sampled
+        seqs = [batch.seqs[i] for i in inputs.sample_seq_index]
+        sampling = SamplingBatch.build(
+            [s.params for s in seqs], [s.generator for s in seqs], logits.shape[-1], self.device
+        )
+        tokens = self.sampler(logits, sampling).tolist()
+        for i, token in zip(inputs.sample_seq_index, tokens, strict=True):
+            sampled[i] = token
+        return sampled
+
+    def expert_counts(self) -> list[int] | None:
+        """Tokens routed to each expert, summed over MoE layers (None for dense models)."""
+        counts = [m.expert_counts for m in self.model.modules() if hasattr(m, "expert_counts")]
+        if not counts:
+            return None
+        return torch.stack(counts).sum(0).tolist()

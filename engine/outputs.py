@@ -1,0 +1,43 @@
+"""What the engine hands back: per-step deltas for streaming, whole results for offline use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class StepDelta(NamedTuple):
+    """One request's progress in one engine step (what a streaming server forwards)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None  # None while the request runs; "stop", "length" or "abort"
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None
+    finished_time: float | None
+    num_preemptions: int = 0
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = field(default=None, repr=False)

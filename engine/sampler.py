@@ -1,0 +1,94 @@
+"""Token sampling for one step: greedy, temperature, top-k, top-p, per-request seeds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdmesh.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings of one step, as tensors on the logits' device."""
+
+    temperature: torch.Tensor  # [S] float32, 0 for greedy rows
+    top_k: torch.Tensor  # [S] int64, vocab size where off
+    top_p: torch.Tensor  # [S] float32, 1 where off
+    generators: list[torch.Generator | None]
+    all_greedy: bool
+    need_filter: bool
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        vocab_size: int,
+        device: torch.device,
+    ) -> SamplingBatch:
+        temps = [p.temperature for p in params]
+        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        top_p = [p.top_p for p in params]
+        return cls(
+            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            generators=generators,
+            all_greedy=all(t == 0 for t in temps),
+            need_filter=any(k < vocab_size for k in top_k) or any(p < 1 for p in top_p),
+        )
+
+
+class Sampler:
+    """Samples one token per row of logits. Seeded rows draw from their own generator, so a
+    seeded request gives the same tokens whatever else is in the batch."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._generator: torch.Generator | None = None
+        self._seed = seed
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        # logits: [S, V] -> tokens: [S] int64
+        logits = logits.float()
+        greedy = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            return greedy
+        temps = batch.temperature
+        scaled = logits / torch.where(temps > 0, temps, 1.0).unsqueeze(1)
+        if batch.need_filter:
+            scaled = _apply_top_k_top_p(scaled, batch.top_k, batch.top_p)
+        probs = torch.softmax(scaled, dim=-1)
+        sampled = self._sample(probs, batch.generators)
+        return torch.where(temps > 0, sampled, greedy)
+
+    def _sample(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; one draw per vocab entry
+        # from the row's own generator keeps seeded rows independent of their neighbours.
+        if self._generator is None:
+            self._generator = torch.Generator(device=probs.device).manual_seed(self._seed)
+        noise = torch.empty_like(probs)
+        seeded = [(row, gen) for row, gen in enumerate(generators) if gen is not None]
+        if len(seeded) < len(generators):
+            noise.exponential_(generator=self._generator)
+        for row, gen in seeded:
+            # Per-request generators live on the CPU so seeds mean the same on every device.
+            noise[row] = torch.empty(probs.shape[-1]).exponential_(generator=gen).to(probs.device)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    # logits: [S, V]; masked entries become -inf. Sorting once serves both filters.
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    mask = ranks >= top_k.unsqueeze(1)
+    probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it
+    # already does. The first token always stays.
+    mass_before = probs.cumsum(dim=-1) - probs
+    mask |= mass_before >= top_p.unsqueeze(1)
+    mask[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -1,0 +1,92 @@
+"""A request as the engine sees it: its tokens, its KV blocks and how far the KV is computed."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from pdmesh.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Token ids (prompt then output) and the progress of their KV cache.
+
+    `num_computed_tokens` tokens have their KV in `block_table`; the scheduler runs the next
+    `num_tokens - num_computed_tokens` of them (a prefill chunk, or the last sampled token).
+    When the KV covers every token, the step samples one more.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        # Tokens whose KV lives in the cache, and the blocks holding it.
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        # Hashes of the full blocks published to the prefix cache (a chain: each has its parent).
+        self.block_hashes: list[int] = []
+        # Prompt tokens served from the prefix cache when first admitted.
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+
+    # -- sizes --------------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        self.token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_table)}, "
+            f"{self.status.value})"
+        )

@@ -1,0 +1,92 @@
+"""Reading Hugging Face safetensors checkpoints (single file or sharded index) into a model.
+
+Tensors are read lazily: a parameter's `weight_loader` narrows a `CheckpointTensor` to the part
+its rank needs, and only those bytes are read from disk.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+
+class CheckpointTensor:
+    """A tensor in a safetensors file, read only when (part of) it is asked for."""
+
+    def __init__(self, name: str, handle: Any) -> None:
+        self.name = name
+        self._slice = handle.get_slice(name)
+        self.shape = tuple(self._slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        if start < 0 or start + length > self.shape[dim]:
+            raise ValueError(
+                f"{self.name}: cannot read [{start}, {start + length}) of dim {dim} of {self.shape}"
+            )
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._slice[tuple(index)]
+
+    def load(self) -> torch.Tensor:
+        return self._slice[:]
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [folder / f for f in sorted(set(weight_map.values()))]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: no *.safetensors weights in {folder}")
+    return files
+
+
+def iter_checkpoint(folder: Path) -> Iterator[tuple[str, CheckpointTensor]]:
+    with ExitStack() as stack:
+        for path in checkpoint_files(folder):
+            if not path.exists():
+                raise ValueError(f"model: weight shard {path.name} listed in the index is missing")
+            handle = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, CheckpointTensor(name, handle)
+
+
+class WeightMapped(Protocol):
+    def map_checkpoint_name(self, name: str) -> tuple[str, object] | None: ...
+
+
+def load_weights(model: nn.Module, folder: Path) -> None:
+    """Load every parameter of `model` from the checkpoint in `folder`.
+
+    The model maps each checkpoint name to (parameter name, shard id) or None to skip it; a
+    parameter with a `weight_loader` places its shard, others are copied whole.
+    """
+    from pdmesh.engine.layers.linear import default_weight_loader
+
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    mapper: WeightMapped = model  # type: ignore[assignment]
+    with torch.no_grad():
+        for name, tensor in iter_checkpoint(folder):
+            target = mapper.map_checkpoint_name(name)
+            if target is None:
+                continue
+            param_name, shard_id = target
+            param = params.get(param_name)
+            if param is None:
+                continue  # held by another rank (expert parallelism) or unused by this model
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            loader(param, tensor, shard_id)
+            loaded.add(param_name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ValueError(f"model: checkpoint in {folder} lacks {len(missing)} weights: {shown}")

@@ -1,0 +1,28 @@
+"""Attention, MoE and norm kernels: a torch reference for each, Triton versions for GPU.
+
+Callers use only the wrappers exported here; each picks its implementation per call
+(see `backend.py`).
+"""
+
+from pdmesh.kernels.activation import silu_and_mul
+from pdmesh.kernels.attention import (
+    paged_decode_attention,
+    paged_prefill_attention,
+    store_kv_cache,
+)
+from pdmesh.kernels.moe import count_expert_tokens, moe_experts, moe_route
+from pdmesh.kernels.norm import fused_add_rms_norm, rms_norm
+from pdmesh.kernels.rotary import apply_rotary
+
+__all__ = [
+    "apply_rotary",
+    "count_expert_tokens",
+    "fused_add_rms_norm",
+    "moe_experts",
+    "moe_route",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "rms_norm",
+    "silu_and_mul",
+    "store_kv_cache",
+]

@@ -1,0 +1,116 @@
+"""Paged attention and the KV-cache store.
+
+Cache layout, per layer: k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+Token slot s lives at block s // block_size, offset s % block_size. A batch is flat: prefill
+chunks and decodes side by side, each sequence's keys read from its block table.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pdmesh.kernels.backend import pick
+
+
+def store_kv_cache(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64; -1 skips the token (padding)
+) -> None:
+    pick("store_kv_cache", key, store_kv_cache_ref)(key, value, k_cache, v_cache, slot_mapping)
+
+
+def store_kv_cache_ref(key, value, k_cache, v_cache, slot_mapping) -> None:
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [B, H, D]: one query token per sequence
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32/int64
+    context_lens: torch.Tensor,  # [B]: keys per sequence, the query's own included
+    scale: float,
+    max_context_len: int | None = None,
+) -> torch.Tensor:  # [B, H, D]
+    fn = pick("paged_decode_attention", query, paged_decode_attention_ref)
+    return fn(query, k_cache, v_cache, block_tables, context_lens, scale, max_context_len)
+
+
+def paged_decode_attention_ref(
+    query, k_cache, v_cache, block_tables, context_lens, scale, max_context_len=None
+):
+    block_size = k_cache.shape[1]
+    if max_context_len is None:
+        max_context_len = int(context_lens.max())
+    num_blocks = -(-max_context_len // block_size)
+    tables = block_tables[:, :num_blocks].long()
+    batch = query.shape[0]
+    # Gather each sequence's pages: [B, nb, BS, Hkv, D] -> [B, Hkv, L, D]
+    keys = k_cache[tables].flatten(1, 2)[:, :max_context_len].transpose(1, 2)
+    values = v_cache[tables].flatten(1, 2)[:, :max_context_len].transpose(1, 2)
+    positions = torch.arange(max_context_len, device=query.device)
+    mask = (positions.unsqueeze(0) < context_lens.unsqueeze(1)).view(batch, 1, 1, -1)
+    out = F.scaled_dot_product_attention(
+        query.unsqueeze(2), keys.to(query.dtype), values.to(query.dtype),
+        attn_mask=mask, scale=scale, enable_gqa=True,
+    )  # [B, H, 1, D]
+    return out.squeeze(2)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,  # [T, H, D]: the new tokens of every prefilling sequence, concatenated
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D], the new tokens' keys already stored
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,  # [S+1]: query offsets of each sequence
+    context_lens: torch.Tensor,  # [S]: keys per sequence (cached prefix + new tokens)
+    block_tables: torch.Tensor,  # [S, max_blocks]
+    scale: float,
+    max_query_len: int | None = None,
+    max_context_len: int | None = None,
+) -> torch.Tensor:  # [T, H, D]
+    """Causal attention of each sequence's new tokens over its whole context. The new tokens are
+    the last `q_len` of the context, so a prefix held in cached pages is attended too."""
+    fn = pick("paged_prefill_attention", query, paged_prefill_attention_ref)
+    return fn(
+        query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
+        max_query_len, max_context_len,
+    )
+
+
+def paged_prefill_attention_ref(
+    query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
+    max_query_len=None, max_context_len=None,
+):
+    block_size = k_cache.shape[1]
+    out = torch.empty_like(query)
+    starts = cu_seqlens_q.tolist()
+    lens = context_lens.tolist()
+    for i, ctx in enumerate(lens):
+        q_start, q_end = starts[i], starts[i + 1]
+        q_len = q_end - q_start
+        pages = block_tables[i, : -(-ctx // block_size)].long()
+        keys = k_cache[pages].flatten(0, 1)[:ctx].transpose(0, 1).to(query.dtype)  # [Hkv, ctx, D]
+        values = v_cache[pages].flatten(0, 1)[:ctx].transpose(0, 1).to(query.dtype)
+        q = query[q_start:q_end].transpose(0, 1)  # [H, q_len, D]
+        if q_len == ctx:
+            o = F.scaled_dot_product_attention(
+                q, keys, values, is_causal=True, scale=scale, enable_gqa=True
+            )
+        else:
+            # Query j sits at position ctx - q_len + j and sees keys up to it.
+            qpos = torch.arange(ctx - q_len, ctx, device=query.device).unsqueeze(1)
+            mask = torch.arange(ctx, device=query.device).unsqueeze(0) <= qpos
+            o = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+            )
+        out[q_start:q_end] = o.transpose(0, 1)
+    return out

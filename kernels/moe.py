@@ -1,0 +1,61 @@
+"""Mixture-of-experts: top-k routing and the expert computation (SwiGLU experts).
+
+Expert weights are stacked: w13: [E, 2I, H] (gate rows then up rows), w2: [E, H, I]. Under
+expert parallelism a rank holds experts [first_expert, first_expert + E_local); routed ids are
+global and ids outside that range are skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pdmesh.kernels.backend import pick
+
+
+def moe_route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits: [T, E] -> (weights [T, k] float32, expert ids [T, k] int64)."""
+    return pick("moe_route", router_logits, moe_route_ref)(router_logits, top_k, renormalize)
+
+
+def moe_route_ref(router_logits, top_k, renormalize):
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def moe_experts(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E_local, 2I, H]
+    w2: torch.Tensor,  # [E_local, H, I]
+    topk_weights: torch.Tensor,  # [T, k]
+    topk_ids: torch.Tensor,  # [T, k] global expert ids
+    first_expert: int = 0,
+) -> torch.Tensor:  # [T, H]: sum over each token's experts held here of weight * expert(x)
+    fn = pick("moe_experts", x, moe_experts_ref)
+    return fn(x, w13, w2, topk_weights, topk_ids, first_expert)
+
+
+def moe_experts_ref(x, w13, w2, topk_weights, topk_ids, first_expert=0):
+    out = torch.zeros_like(x)
+    local_ids = topk_ids - first_expert
+    # Experts in ascending order, each over the tokens routed to it: the order Hugging Face uses,
+    # so float sums round the same way.
+    for e in torch.unique(local_ids).tolist():
+        if e < 0 or e >= w13.shape[0]:
+            continue
+        token_idx, slot = torch.where(local_ids == e)
+        gate, up = F.linear(x[token_idx], w13[e]).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, w2[e])
+        h = h * topk_weights[token_idx, slot, None]
+        out.index_add_(0, token_idx, h.to(out.dtype))
+    return out
+
+
+def count_expert_tokens(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Tokens routed to each expert in this batch: [E] int64 (for load statistics)."""
+    return torch.bincount(topk_ids.flatten(), minlength=num_experts)
