@@ -1,0 +1,1 @@
+"""Triton implementations of the kernels, registered with `pdmesh.kernels.backend`."""
