@@ -97,7 +97,7 @@ class BlockManager:
         return max(0, self.blocks_for(computed + num_new_tokens) - held)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: Seq[int] = ()) -> bool:
-        """Whether `seq` can get slots for `num_new_tokens` more tokens (after adopting `prefix`)."""
+        """Whether `seq` can get slots for `num_new_tokens` more tokens (after taking `prefix`)."""
         # Adopting a free cached block takes it out of the free pool too.
         adopted_free = sum(1 for b in prefix if self.blocks[b].ref_count == 0)
         needed = self._new_blocks_needed(seq, num_new_tokens, prefix)

@@ -48,9 +48,13 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
-            raise ValueError(f"model must be a path or None (the default model), got {self.model!r}.")
+            raise ValueError(
+                f"model must be a path or None (the default model), got {self.model!r}."
+            )
         if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be auto or one of {', '.join(_DTYPES)}, got {self.dtype!r}.")
+            raise ValueError(
+                f"dtype must be auto or one of {', '.join(_DTYPES)}, got {self.dtype!r}."
+            )
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}.")
         _check_positive("tensor_parallel_size", self.tensor_parallel_size)

@@ -46,7 +46,9 @@ class KVCache:
 
     def bind(self, attention_layers: list[nn.Module]) -> None:
         if len(attention_layers) != self.spec.num_layers:
-            raise RuntimeError(f"{len(attention_layers)} attention layers, cache has {self.spec.num_layers}")
+            raise RuntimeError(
+                f"{len(attention_layers)} attention layers, cache has {self.spec.num_layers}"
+            )
         for i, layer in enumerate(attention_layers):
             layer.k_cache, layer.v_cache = self.layer(i)
 

@@ -61,8 +61,14 @@ class LLMEngine:
                 "max_model_len %d exceeds the model's %d positions", max_len, self.info.max_position
             )
         self.runner = ModelRunner(
-            self.info, device, config.torch_dtype(device), config.block_size, max_len,
-            config.kv_cache_tokens, config.kv_cache_memory_fraction, config.seed,
+            self.info,
+            device,
+            config.torch_dtype(device),
+            config.block_size,
+            max_len,
+            config.kv_cache_tokens,
+            config.kv_cache_memory_fraction,
+            config.seed,
         )
         capacity = self.runner.num_blocks * config.block_size
         if capacity < max_len:
@@ -71,7 +77,9 @@ class LLMEngine:
                     f"max_model_len ({max_len}) is larger than the KV cache ({capacity} tokens); "
                     "raise kv_cache_tokens / kv_cache_memory_fraction or lower max_model_len"
                 )
-            log.warning("max_model_len lowered from %d to the KV cache's %d tokens", max_len, capacity)
+            log.warning(
+                "max_model_len lowered from %d to the KV cache's %d tokens", max_len, capacity
+            )
             max_len = capacity
         self.max_model_len = max_len
         self.block_manager = BlockManager(
@@ -86,8 +94,12 @@ class LLMEngine:
         log.info(
             "KV cache: %s tokens (%d blocks of %d, %.2f GiB); "
             "maximum concurrency for %s tokens per request: %.2fx",
-            f"{capacity:,}", self.runner.num_blocks, config.block_size,
-            self.runner.kv_cache.nbytes / 2**30, f"{max_len:,}", capacity / max_len,
+            f"{capacity:,}",
+            self.runner.num_blocks,
+            config.block_size,
+            self.runner.kv_cache.nbytes / 2**30,
+            f"{max_len:,}",
+            capacity / max_len,
         )
 
     # -- requests -----------------------------------------------------------------------------
@@ -122,7 +134,11 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("prompt must not be empty (it has 0 tokens).")
         vocab = self.info.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        bad = [
+            t
+            for t in token_ids
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
+        ]
         if bad:
             raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}), got {bad[0]!r}.")
         if len(token_ids) >= self.max_model_len:
@@ -189,7 +205,9 @@ class LLMEngine:
             prompt=seq.prompt,
             prompt_token_ids=seq.prompt_token_ids,
             outputs=[
-                CompletionOutput(0, self._texts[request_id], seq.output_token_ids, seq.finish_reason)
+                CompletionOutput(
+                    0, self._texts[request_id], seq.output_token_ids, seq.finish_reason
+                )
             ],
             finished=seq.is_finished,
             num_cached_tokens=seq.num_cached_tokens,

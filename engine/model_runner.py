@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -75,7 +76,9 @@ class ModelRunner:
             block_size=block_size,
             dtype=dtype,
         )
-        num_blocks = plan_num_blocks(self.kv_spec, device, kv_cache_tokens, kv_cache_memory_fraction)
+        num_blocks = plan_num_blocks(
+            self.kv_spec, device, kv_cache_tokens, kv_cache_memory_fraction
+        )
         self.kv_cache = KVCache(self.kv_spec, num_blocks, device)
         self.kv_cache.bind(attn_layers)
         self.sampler = Sampler(seed)
@@ -125,7 +128,7 @@ class ModelRunner:
             prefill_context_lens=torch.tensor(prefill_lens, dtype=torch.int32, device=dev),
             prefill_block_tables=_pad(prefill_tables, dev),
             max_prefill_query_len=max(
-                (b - a for a, b in zip(cu_seqlens, cu_seqlens[1:], strict=False)), default=0
+                (b - a for a, b in itertools.pairwise(cu_seqlens)), default=0
             ),
             max_prefill_context_len=max(prefill_lens, default=0),
         )

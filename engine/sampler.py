@@ -63,7 +63,9 @@ class Sampler:
         sampled = self._sample(probs, batch.generators)
         return torch.where(temps > 0, sampled, greedy)
 
-    def _sample(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    def _sample(
+        self, probs: torch.Tensor, generators: list[torch.Generator | None]
+    ) -> torch.Tensor:
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; one draw per vocab entry
         # from the row's own generator keeps seeded rows independent of their neighbours.
         if self._generator is None:
@@ -78,7 +80,9 @@ class Sampler:
         return (probs / noise).argmax(dim=-1)
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     # logits: [S, V]; masked entries become -inf. Sorting once serves both filters.
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]

@@ -60,8 +60,12 @@ def paged_decode_attention_ref(
     positions = torch.arange(max_context_len, device=query.device)
     mask = (positions.unsqueeze(0) < context_lens.unsqueeze(1)).view(batch, 1, 1, -1)
     out = F.scaled_dot_product_attention(
-        query.unsqueeze(2), keys.to(query.dtype), values.to(query.dtype),
-        attn_mask=mask, scale=scale, enable_gqa=True,
+        query.unsqueeze(2),
+        keys.to(query.dtype),
+        values.to(query.dtype),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
     )  # [B, H, 1, D]
     return out.squeeze(2)
 
@@ -81,14 +85,28 @@ def paged_prefill_attention(
     the last `q_len` of the context, so a prefix held in cached pages is attended too."""
     fn = pick("paged_prefill_attention", query, paged_prefill_attention_ref)
     return fn(
-        query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
-        max_query_len, max_context_len,
+        query,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        context_lens,
+        block_tables,
+        scale,
+        max_query_len,
+        max_context_len,
     )
 
 
 def paged_prefill_attention_ref(
-    query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
-    max_query_len=None, max_context_len=None,
+    query,
+    k_cache,
+    v_cache,
+    cu_seqlens_q,
+    context_lens,
+    block_tables,
+    scale,
+    max_query_len=None,
+    max_context_len=None,
 ):
     block_size = k_cache.shape[1]
     out = torch.empty_like(query)

@@ -1,7 +1,9 @@
 """Which implementation a kernel wrapper runs: the torch reference or a Triton kernel.
 
 Every wrapper in this package calls `pick(name, tensor)`; a Triton implementation registers
-itself with `register_triton(name)`. `PDMESH_KERNEL_BACKEND=torch` forces the references.
+itself with `register_triton(name)`. The Triton implementations (`pdmesh.kernels.triton`) are
+imported the first time one could be used (a CUDA tensor, or `PDMESH_KERNEL_BACKEND=triton`), so
+CPU-only processes never import Triton. `PDMESH_KERNEL_BACKEND=torch` forces the references.
 """
 
 from __future__ import annotations
@@ -12,8 +14,11 @@ from typing import Any
 import torch
 
 from pdmesh import envs
+from pdmesh.logger import get_logger
 
 _TRITON: dict[str, Callable[..., Any]] = {}
+# Whether importing pdmesh.kernels.triton has been tried (once per process, hit or miss).
+_TRITON_IMPORT_TRIED = False
 
 
 def register_triton(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -30,9 +35,20 @@ def pick(name: str, like: torch.Tensor, reference: Callable[..., Any]) -> Callab
     if backend == "torch":
         return reference
     if backend == "triton" or like.is_cuda:
+        if not _TRITON_IMPORT_TRIED:
+            _import_triton_kernels()
         fn = _TRITON.get(name)
         if fn is not None:
             return fn
         if backend == "triton":
             raise RuntimeError(f"no Triton implementation of kernel {name!r} is registered")
     return reference
+
+
+def _import_triton_kernels() -> None:
+    global _TRITON_IMPORT_TRIED
+    _TRITON_IMPORT_TRIED = True
+    try:
+        import pdmesh.kernels.triton  # noqa: F401  (registers the Triton kernels)
+    except ImportError as exc:
+        get_logger(__name__).warning("Triton kernels unavailable, using torch references: %s", exc)

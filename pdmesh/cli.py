@@ -38,8 +38,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     llm = LLM(**_engine_options(args))
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
     )
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
@@ -47,12 +50,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out = llm.generate([args.prompt], params)[0]
     completion = out.outputs[0]
     if args.json:
-        print(json.dumps({
-            "text": completion.text,
-            "token_ids": completion.token_ids,
-            "prompt_token_ids": out.prompt_token_ids,
-            "finish_reason": completion.finish_reason,
-        }))
+        print(
+            json.dumps(
+                {
+                    "text": completion.text,
+                    "token_ids": completion.token_ids,
+                    "prompt_token_ids": out.prompt_token_ids,
+                    "finish_reason": completion.finish_reason,
+                }
+            )
+        )
     else:
         print(completion.text)
     return 0
@@ -64,13 +71,18 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     llm = LLM(**_engine_options(args))
     question = args.prompt
-    out = llm.chat([{"role": "user", "content": question}], SamplingParams(max_tokens=64, temperature=0))
+    out = llm.chat(
+        [{"role": "user", "content": question}], SamplingParams(max_tokens=64, temperature=0)
+    )
     print(f"Q: {question}\nA: {out[0].outputs[0].text}")
     return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from pdmesh.bench_offline import run_offline_bench
+    if not args.offline:
+        print("pdmesh bench: only --offline is available in this version", file=sys.stderr)
+        return 2
+    from pdmesh.bench.offline import run_offline_bench
 
     return run_offline_bench(args)
 

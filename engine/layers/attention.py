@@ -62,13 +62,24 @@ class Attention(nn.Module):
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return paged_decode_attention(
-            q, self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_context_lens,
-            self.scale, meta.max_decode_context_len,
+            q,
+            self.k_cache,
+            self.v_cache,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            self.scale,
+            meta.max_decode_context_len,
         )
 
     def _prefill(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return paged_prefill_attention(
-            q, self.k_cache, self.v_cache, meta.prefill_cu_seqlens, meta.prefill_context_lens,
-            meta.prefill_block_tables, self.scale, meta.max_prefill_query_len,
+            q,
+            self.k_cache,
+            self.v_cache,
+            meta.prefill_cu_seqlens,
+            meta.prefill_context_lens,
+            meta.prefill_block_tables,
+            self.scale,
+            meta.max_prefill_query_len,
             meta.max_prefill_context_len,
         )

@@ -25,7 +25,7 @@ class VocabParallelEmbedding(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id=None) -> None:
         if loaded.shape[0] != self.vocab_size:
             raise ValueError(
-                f"{loaded.name}: vocabulary of {loaded.shape[0]} rows, config says {self.vocab_size}"
+                f"{loaded.name}: {loaded.shape[0]} vocabulary rows, config says {self.vocab_size}"
             )
         n = self.end - self.start
         param.data.zero_()
@@ -46,7 +46,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits over this rank's vocabulary slice, gathered to the full vocabulary."""
 
     def __init__(
-        self, vocab_size: int, hidden_size: int, tp: ParallelGroup = SINGLE,
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        tp: ParallelGroup = SINGLE,
         tie_to: VocabParallelEmbedding | None = None,
     ) -> None:
         super().__init__(vocab_size, hidden_size, tp)

@@ -19,7 +19,9 @@ def _param(*shape: int) -> nn.Parameter:
 
 def default_weight_loader(param: nn.Parameter, loaded: CheckpointTensor, shard_id: object = None):
     if tuple(loaded.shape) != tuple(param.shape):
-        raise ValueError(f"checkpoint shape {tuple(loaded.shape)} != parameter {tuple(param.shape)}")
+        raise ValueError(
+            f"checkpoint shape {tuple(loaded.shape)} != parameter {tuple(param.shape)}"
+        )
     param.data.copy_(loaded.load())
 
 
@@ -60,7 +62,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of one input stored as one matrix (gate | up)."""
 
     def __init__(
-        self, in_features: int, output_sizes: list[int], bias: bool = False,
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        bias: bool = False,
         tp: ParallelGroup = SINGLE,
     ) -> None:
         self.output_sizes = output_sizes
@@ -79,8 +84,13 @@ class QKVParallelLinear(ColumnParallelLinear):
     each KV head is replicated over `size / num_kv_heads` ranks (as vLLM does)."""
 
     def __init__(
-        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-        bias: bool = False, tp: ParallelGroup = SINGLE,
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        tp: ParallelGroup = SINGLE,
     ) -> None:
         self.head_dim = head_dim
         self.num_heads = tp.shard(num_heads, "attention heads")
@@ -89,7 +99,9 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.kv_head_start = tp.rank * self.num_kv_heads
         else:
             if tp.size % num_kv_heads:
-                raise ValueError(f"parallel size {tp.size} is not a multiple of {num_kv_heads} KV heads")
+                raise ValueError(
+                    f"parallel size {tp.size} is not a multiple of {num_kv_heads} KV heads"
+                )
             self.num_kv_heads = 1
             self.kv_head_start = tp.rank // (tp.size // num_kv_heads)
         out_global = (self.num_heads * tp.size + 2 * self.num_kv_heads * tp.size) * head_dim

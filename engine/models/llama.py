@@ -32,14 +32,23 @@ def head_dim_of(config: Any) -> int:
 
 class SelfAttention(nn.Module):
     def __init__(
-        self, config: Any, max_position: int, tp: ParallelGroup, qkv_bias: bool, o_bias: bool,
+        self,
+        config: Any,
+        max_position: int,
+        tp: ParallelGroup,
+        qkv_bias: bool,
+        o_bias: bool,
         qk_norm: bool,
     ) -> None:
         super().__init__()
         head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, head_dim, config.num_attention_heads,
-            config.num_key_value_heads, bias=qkv_bias, tp=tp,
+            config.hidden_size,
+            head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=qkv_bias,
+            tp=tp,
         )
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * head_dim, config.hidden_size, bias=o_bias, tp=tp

@@ -1,0 +1,147 @@
+"""Offline throughput: pdmesh's engine against transformers `generate` on the same prompts.
+
+Workload (fixed seed): N requests, prompt lengths uniform in [16, 512], output lengths uniform in
+[16, 256], random token ids, ignore_eos so every request produces exactly its length. The peer is
+transformers `generate`, batched with left padding, on the same weights and dtype in the same
+process: it must run every row of a batch to the batch's longest output, so it is also timed in
+length-sorted batches of 8 and the faster of its two runs is the one compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+
+def make_workload(num_requests: int, vocab: int, seed: int) -> Workload:
+    rng = random.Random(seed)
+    prompts = [
+        [rng.randrange(100, vocab) for _ in range(rng.randint(16, 512))]
+        for _ in range(num_requests)
+    ]
+    return Workload(prompts, [rng.randint(16, 256) for _ in range(num_requests)])
+
+
+def run_pdmesh(llm: object, work: Workload) -> float:
+    from pdmesh import SamplingParams
+
+    params = [
+        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in work.output_lens
+    ]
+    prompts = [{"prompt_token_ids": p} for p in work.prompts]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)  # type: ignore[attr-defined]
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    if produced != work.output_tokens:
+        raise RuntimeError(f"pdmesh produced {produced} tokens, expected {work.output_tokens}")
+    return elapsed
+
+
+def run_transformers(model: object, work: Workload, batch_size: int, pad_id: int) -> float:
+    order = sorted(range(len(work.prompts)), key=lambda i: work.output_lens[i])
+    start = time.perf_counter()
+    for b in range(0, len(order), batch_size):
+        idx = order[b : b + batch_size]
+        width = max(len(work.prompts[i]) for i in idx)
+        ids = torch.full((len(idx), width), pad_id)
+        mask = torch.zeros((len(idx), width), dtype=torch.int64)
+        for row, i in enumerate(idx):
+            p = work.prompts[i]
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        new = max(work.output_lens[i] for i in idx)
+        with torch.inference_mode():
+            model.generate(  # type: ignore[attr-defined]
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
+    return time.perf_counter() - start
+
+
+def run_offline_bench(args: argparse.Namespace) -> int:
+    from pdmesh import LLM
+
+    llm = LLM(
+        args.model,
+        kv_cache_tokens=args.kv_cache_tokens or 32768,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    work = make_workload(args.num_requests, llm.engine.info.vocab_size, args.seed)
+    run_pdmesh(llm, Workload(work.prompts[:2], [4, 4]))  # warm-up
+    ours = run_pdmesh(llm, work)
+    result = {
+        "device": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "requests": len(work.prompts),
+        "prompt_tokens": work.prompt_tokens,
+        "output_tokens": work.output_tokens,
+        "pdmesh_seconds": round(ours, 2),
+        "pdmesh_output_tok_s": round(work.output_tokens / ours, 1),
+    }
+    print(
+        f"pdmesh: {work.output_tokens} output tokens in {ours:.1f} s "
+        f"= {work.output_tokens / ours:.1f} tok/s"
+    )
+    if not args.skip_peer:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(llm.engine.info.folder, dtype=torch.float32)
+        hf.eval()
+        pad = llm.engine.info.eos_token_ids[0] if llm.engine.info.eos_token_ids else 0
+        peer = {}
+        for batch in (len(work.prompts), 8):
+            seconds = run_transformers(hf, work, batch, pad)
+            peer[batch] = seconds
+            print(
+                f"transformers generate, batches of {batch}: {seconds:.1f} s "
+                f"= {work.output_tokens / seconds:.1f} useful tok/s"
+            )
+        best = min(peer.values())
+        result.update(
+            {
+                "transformers_seconds_by_batch": {str(k): round(v, 2) for k, v in peer.items()},
+                "transformers_output_tok_s": round(work.output_tokens / best, 1),
+                "speedup": round(best / ours, 2),
+            }
+        )
+        print(f"speedup over transformers' best: {best / ours:.2f}x")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    from pdmesh.cli import main
+
+    sys.exit(main(["bench", "--offline", *sys.argv[1:]]))

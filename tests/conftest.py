@@ -1,0 +1,37 @@
+"""Shared fixtures: the embedded default model and tiny random models."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from support import make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """tiny_model(arch) -> folder of a saved random tiny model (made once per session)."""
+    made: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in made:
+            made[arch] = make_tiny_model(tmp_path_factory.mktemp(arch), arch)
+        return made[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def default_model_folder() -> Path:
+    from pdmesh.engine.model_source import resolve_model_folder
+
+    return resolve_model_folder(None)
+
+
+@pytest.fixture(scope="session")
+def default_llm(default_model_folder: Path):  # -> pdmesh.LLM, imported lazily
+    """One engine on the default model shared by the tests that only read from it."""
+    from pdmesh import LLM
+
+    return LLM(kv_cache_tokens=16384)

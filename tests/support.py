@@ -1,0 +1,122 @@
+"""Helpers shared by tests: tiny random models and Hugging Face greedy references."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+TINY_VOCAB = 512
+
+
+def _tiny_configs() -> dict[str, tuple[type, object]]:
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
+
+    common = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    llama3_rope = {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    return {
+        "llama": (LlamaForCausalLM, LlamaConfig(**common, rope_parameters=llama3_rope)),
+        "qwen2": (Qwen2ForCausalLM, Qwen2Config(**common)),
+        "qwen3": (Qwen3ForCausalLM, Qwen3Config(**common, head_dim=32)),
+        "mixtral": (
+            MixtralForCausalLM,
+            MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2),
+        ),
+        "qwen3_moe": (
+            Qwen3MoeForCausalLM,
+            Qwen3MoeConfig(
+                **{**common, "intermediate_size": 96, "num_hidden_layers": 3},
+                moe_intermediate_size=32,
+                num_experts=8,
+                num_experts_per_tok=2,
+                head_dim=16,
+                norm_topk_prob=True,
+                mlp_only_layers=[1],
+            ),
+        ),
+    }
+
+
+TINY_ARCHS = tuple(_tiny_configs())
+
+
+def save_word_tokenizer(folder: Path, vocab_size: int = TINY_VOCAB) -> None:
+    """A word-level tokenizer whose words are 't0' .. 't{vocab-1}'."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(folder)
+
+
+def make_tiny_model(folder: Path, arch: str, seed: int = 0, **save_kwargs: object) -> Path:
+    """Save a random-initialised model of architecture `arch` (and a tokenizer) in `folder`."""
+    cls, config = _tiny_configs()[arch]
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    with torch.no_grad():
+        # Larger weights than the default init: the argmax then depends on every layer.
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(folder, **save_kwargs)
+    save_word_tokenizer(folder)
+    return folder
+
+
+def random_prompts(lengths: list[int], seed: int = 1, vocab: int = TINY_VOCAB) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def hf_greedy(
+    model: object, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool
+) -> list[int]:
+    """Transformers' greedy `generate` on one unpadded prompt: the reference."""
+    ids = torch.tensor([prompt_ids])
+    extra = {"min_new_tokens": max_new_tokens} if ignore_eos else {}
+    out = model.generate(  # type: ignore[attr-defined]
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        **extra,
+    )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def load_hf(folder: Path) -> object:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

@@ -1,0 +1,70 @@
+"""Scheduler: token budget, sequence cap, admission order and preemption by recompute."""
+
+from __future__ import annotations
+
+from pdmesh.engine.block_manager import BlockManager
+from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.engine.scheduler import Scheduler
+from pdmesh.engine.sequence import Sequence, SequenceStatus
+
+
+def _seq(name: str, n: int) -> Sequence:
+    return Sequence(name, list(range(n)), SamplingParams(max_tokens=100))
+
+
+def _run(sched: Scheduler) -> dict[str, int]:
+    """One step as the engine does it: advance computed tokens, sample for complete ones."""
+    batch = sched.schedule()
+    for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        seq.num_computed_tokens += n
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.append_token(1)
+    return {s.request_id: n for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)}
+
+
+def test_chunked_prefill_respects_budget_and_decodes_go_first() -> None:
+    sched = Scheduler(BlockManager(64, 16, False), max_num_seqs=8, max_num_batched_tokens=32)
+    sched.add(_seq("short", 10))
+    sched.add(_seq("long", 70))
+    assert _run(sched) == {"short": 10, "long": 22}
+    assert _run(sched) == {"short": 1, "long": 31}  # the running decode is served first
+    assert _run(sched) == {"short": 1, "long": 17}
+    assert _run(sched) == {"short": 1, "long": 1}
+
+
+def test_max_num_seqs_caps_running() -> None:
+    sched = Scheduler(BlockManager(64, 16, False), max_num_seqs=2, max_num_batched_tokens=512)
+    for i in range(3):
+        sched.add(_seq(f"r{i}", 5))
+    assert set(_run(sched)) == {"r0", "r1"}
+    assert sched.num_waiting == 1
+
+
+def test_preemption_frees_newest_and_recomputes_it() -> None:
+    bm = BlockManager(4, 4, False)  # 16 token slots
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    old, new = _seq("old", 7), _seq("new", 7)
+    sched.add(old)
+    sched.add(new)
+    _run(sched)  # both prefilled: 2 blocks each, all 4 used
+    assert bm.num_free_blocks == 0
+    _run(sched)  # 8 tokens each: still fits
+    scheduled = _run(sched)  # old needs a 3rd block: new is preempted
+    assert "old" in scheduled and "new" not in scheduled
+    assert new.status is SequenceStatus.WAITING and new.num_computed_tokens == 0
+    assert new.block_table == [] and sched.num_preemptions == 1
+    assert new.num_output_tokens == 2  # its output is kept and recomputed later
+    sched.finish(old, "stop")
+    assert _run(sched) == {"new": 9}  # prompt + 2 outputs prefilled again
+
+
+def test_finish_frees_blocks_in_any_state() -> None:
+    bm = BlockManager(8, 4, False)
+    sched = Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=64)
+    a, b = _seq("a", 5), _seq("b", 5)
+    sched.add(a)
+    sched.add(b)
+    _run(sched)
+    sched.finish(b, "abort")  # still waiting
+    sched.finish(a, "abort")  # running
+    assert bm.num_free_blocks == 8 and not sched.has_unfinished()
