@@ -1,2 +1,41 @@
 """Moving paged KV blocks between workers: one interface, several transports (DESIGN.md §6).
 Knows blocks and bytes, never models."""
+
+from pdmesh.kv_transfer import tcp as tcp  # registers the "tcp" transport
+from pdmesh.kv_transfer.base import (
+    KVReceiver,
+    KVSender,
+    PageGeometry,
+    ReceiverStats,
+    SenderStats,
+    SendHandle,
+    TransferError,
+    TransferSpec,
+    TransferStats,
+)
+from pdmesh.kv_transfer.frame import MAX_FRAME_PAYLOAD, FrameHeader, Verdict
+from pdmesh.kv_transfer.registry import (
+    available_transports,
+    create_receiver,
+    create_sender,
+    register_transport,
+)
+
+__all__ = [
+    "MAX_FRAME_PAYLOAD",
+    "FrameHeader",
+    "KVReceiver",
+    "KVSender",
+    "PageGeometry",
+    "ReceiverStats",
+    "SendHandle",
+    "SenderStats",
+    "TransferError",
+    "TransferSpec",
+    "TransferStats",
+    "Verdict",
+    "available_transports",
+    "create_receiver",
+    "create_sender",
+    "register_transport",
+]

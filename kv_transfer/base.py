@@ -1,0 +1,319 @@
+"""The KV-transfer contract: page geometry, transfer specs, and the receiver and sender interfaces.
+
+A worker's KV cache is one tensor [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads,
+head_dim] (engine/kv_cache.py); a rank holds global KV heads [head_start, head_start +
+num_kv_heads). A transfer moves some blocks of every layer from a prefill rank (sender) into
+blocks of a decode rank (receiver). The receiver announces it with `expect` (ids and token arrive
+over the gRPC control plane), the sender pushes it layer by layer as prefill computes it.
+Sender and receiver may hold different head ranges (different TP sizes): every frame names its
+heads and the receiver writes the intersection with its own.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from types import TracebackType
+
+import torch
+
+from pdmesh.kv_transfer.frame import DTYPE_CODES, ID_NBYTES, TOKEN_NBYTES
+
+_TRANSFER_ID = re.compile(r"[0-9a-f]{32}")
+_U32 = 1 << 32  # frame header fields are u32
+
+
+class TransferError(Exception):
+    """A transfer did not complete: the peer is gone, a deadline passed, or it was cancelled or
+    refused. The receiver's blocks of a failed transfer hold undefined (partial) data."""
+
+
+def head_overlap(start_a: int, count_a: int, start_b: int, count_b: int) -> tuple[int, int]:
+    """The global heads [lo, hi) in both ranges; empty when lo >= hi."""
+    return max(start_a, start_b), min(start_a + count_a, start_b + count_b)
+
+
+def check_transfer_id(transfer_id: str) -> None:
+    if not isinstance(transfer_id, str) or not _TRANSFER_ID.fullmatch(transfer_id):
+        raise ValueError(f"transfer_id must be 32 lowercase hex characters, got {transfer_id!r}")
+
+
+def check_token(token: bytes) -> None:
+    if not isinstance(token, bytes) or len(token) != TOKEN_NBYTES:
+        raise ValueError(f"a transfer token is {TOKEN_NBYTES} bytes (secrets.token_bytes)")
+
+
+def _check_count(owner: str, name: str, value: object, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value < _U32:
+        raise ValueError(f"{owner}.{name} must be an int in [{minimum}, 2**32), got {value!r}")
+
+
+@dataclass(frozen=True)
+class PageGeometry:
+    """What one rank's pages look like."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int  # heads held by this rank
+    head_start: int  # first global KV head held by this rank
+    head_dim: int
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
+            _check_count("PageGeometry", name, getattr(self, name), 1)
+        _check_count("PageGeometry", "head_start", self.head_start, 0)
+        if self.dtype not in DTYPE_CODES:
+            names = ", ".join(str(d).removeprefix("torch.") for d in DTYPE_CODES)
+            raise ValueError(f"KV dtype {self.dtype} cannot be transferred; supported: {names}")
+
+    @property
+    def head_end(self) -> int:
+        return self.head_start + self.num_kv_heads
+
+    @property
+    def bytes_per_block_per_head(self) -> int:
+        """One block of one head of K (or of V) in one layer."""
+        return self.block_size * self.head_dim * self.dtype.itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        """One block of all this rank's heads, K and V, in one layer: a frame's cost per block."""
+        return 2 * self.num_kv_heads * self.bytes_per_block_per_head
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, int, int, int, int, int]:
+        return (
+            self.num_layers,
+            2,
+            num_blocks,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+        )
+
+    def check_cache(self, cache: torch.Tensor) -> int:
+        """The cache's number of blocks; ValueError when it does not have this geometry."""
+        if cache.dim() != 6 or tuple(cache.shape) != self.cache_shape(cache.shape[2]):
+            expected = (
+                f"[{self.num_layers}, 2, num_blocks, {self.block_size}, {self.num_kv_heads}, "
+                f"{self.head_dim}]"
+            )
+            raise ValueError(f"KV cache of shape {list(cache.shape)} is not {expected}")
+        if cache.dtype != self.dtype:
+            raise ValueError(
+                f"KV cache dtype {cache.dtype} differs from the geometry's {self.dtype}"
+            )
+        if not cache.is_contiguous():
+            raise ValueError("the KV cache tensor must be contiguous")
+        return int(cache.shape[2])
+
+
+@dataclass(frozen=True)
+class TransferSpec:
+    """A transfer as the receiver announces it over the control plane."""
+
+    transfer_id: str  # 32 lowercase hex characters
+    token: bytes = field(repr=False)  # 16 random bytes every frame must carry; never logged
+    block_ids: tuple[int, ...]  # the receiver's block ids in sequence order: j -> block_ids[j]
+    head_start: int  # global KV heads the receiver expects covered, normally its own range
+    num_heads: int
+
+    def __post_init__(self) -> None:
+        check_transfer_id(self.transfer_id)
+        check_token(self.token)
+        object.__setattr__(self, "block_ids", tuple(self.block_ids))
+        if not self.block_ids:
+            raise ValueError("a transfer needs at least one block id")
+        for block_id in self.block_ids:
+            _check_count("TransferSpec", "block_ids[]", block_id, 0)
+        if len(set(self.block_ids)) != len(self.block_ids):
+            raise ValueError(f"TransferSpec.block_ids repeats a block: {self.block_ids}")
+        _check_count("TransferSpec", "head_start", self.head_start, 0)
+        _check_count("TransferSpec", "num_heads", self.num_heads, 1)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+    @property
+    def raw_id(self) -> bytes:
+        """The id as it travels in frames."""
+        return bytes.fromhex(self.transfer_id)
+
+    @staticmethod
+    def new(block_ids: Sequence[int], head_start: int, num_heads: int) -> TransferSpec:
+        return TransferSpec(
+            transfer_id=secrets.token_hex(ID_NBYTES),
+            token=secrets.token_bytes(TOKEN_NBYTES),
+            block_ids=tuple(block_ids),
+            head_start=head_start,
+            num_heads=num_heads,
+        )
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """One finished transfer. `seconds` runs from its first frame to its last (receiver: written;
+    sender: acknowledged), so bytes / seconds is the rate it moved at, not how long it waited."""
+
+    bytes: int  # payload bytes of accepted frames
+    seconds: float
+    frames: int
+
+
+@dataclass(frozen=True)
+class ReceiverStats:
+    """Counters since the receiver started; a snapshot."""
+
+    transfers_completed: int
+    transfers_failed: int  # timed out, cancelled, or open when the receiver closed
+    bytes_received: int  # payload bytes of accepted frames
+    frames_received: int  # accepted frames
+    dropped_unknown_transfer: int
+    dropped_bad_token: int
+    dropped_bad_size: int
+    dropped_malformed: int
+    seconds_receiving: float  # sum of TransferStats.seconds of completed transfers
+
+    @property
+    def frames_dropped(self) -> int:
+        return (
+            self.dropped_unknown_transfer
+            + self.dropped_bad_token
+            + self.dropped_bad_size
+            + self.dropped_malformed
+        )
+
+
+@dataclass(frozen=True)
+class SenderStats:
+    """Counters since the sender started; a snapshot."""
+
+    bytes_sent: int  # payload bytes handed to the transport
+    frames_sent: int
+    seconds_sending: float  # sum of TransferStats.seconds of completed transfers
+    transfers: int  # completed (every frame acknowledged)
+    transfers_failed: int
+
+
+class SendHandle:
+    """One outgoing transfer: returned by `KVSender.start`, passed back to its other methods."""
+
+    def __init__(self, endpoint: str, transfer_id: str, token: bytes, num_blocks: int) -> None:
+        check_transfer_id(transfer_id)
+        check_token(token)
+        _check_count("SendHandle", "num_blocks", num_blocks, 1)
+        self.endpoint = endpoint
+        self.transfer_id = transfer_id
+        self.raw_id = bytes.fromhex(transfer_id)
+        self.token = token
+        self.num_blocks = num_blocks
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.transfer_id} -> {self.endpoint})"
+
+
+class KVReceiver(ABC):
+    """Receives pages into one rank's KV cache.
+
+    Callers may rely on: `expect`, `cancel` and `stats` are thread-safe; the returned futures are
+    `concurrent.futures.Future`s (wrap with `asyncio.wrap_future`) that resolve, on a transport
+    thread, only after every announced block of every layer and every expected head has been
+    written; frames are never trusted: anything that does not match an announced transfer and
+    its token, or does not fit, is dropped and counted, never written and never raised. Once a
+    transfer's future has failed or `cancel` has returned, none of its frames is written any more,
+    so its blocks may be freed; cancelling the future itself has the same effect.
+    """
+
+    def __init__(self, cache: torch.Tensor, geometry: PageGeometry, bind: str) -> None:
+        self.num_blocks = geometry.check_cache(cache)
+        self.cache = cache  # [L, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.geometry = geometry
+
+    @property
+    @abstractmethod
+    def endpoint(self) -> str:
+        """The address senders connect to, e.g. "tcp://127.0.0.1:41234"."""
+
+    @abstractmethod
+    def expect(self, spec: TransferSpec, timeout: float) -> Future[TransferStats]:
+        """Announce a transfer. Fails with TransferError after `timeout` seconds without
+        completion. ValueError when the spec cannot fit this rank (block ids beyond the cache, no
+        head in common, an id already announced)."""
+
+    @abstractmethod
+    def cancel(self, transfer_id: str) -> None:
+        """Fail the transfer's future with TransferError and forget it; a no-op when unknown."""
+
+    @property
+    @abstractmethod
+    def stats(self) -> ReceiverStats: ...
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop receiving; open transfers fail. Idempotent."""
+
+    def __enter__(self) -> KVReceiver:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class KVSender(ABC):
+    """Pushes pages from one rank's KV cache.
+
+    Callers may rely on: `send_layer` never blocks on the network (it copies and queues) and
+    never raises for transport failures, only for arguments that do not fit (ValueError);
+    failures surface in `finish`. Every started transfer must end with `finish` or `abort`. One
+    handle's `send_layer` calls come from one thread at a time; different handles may be driven
+    from different threads.
+    """
+
+    def __init__(self, geometry: PageGeometry) -> None:
+        self.geometry = geometry
+
+    @abstractmethod
+    def start(self, endpoint: str, spec_id: str, token: bytes, num_blocks: int) -> SendHandle:
+        """Begin a transfer of `num_blocks` block indices to the receiver at `endpoint`."""
+
+    @abstractmethod
+    def send_layer(
+        self, handle: SendHandle, layer: int, first_block: int, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Queue block indices [first_block, first_block + n) of one layer.
+
+        k, v: [n, block_size, num_kv_heads, head_dim] of this rank. They are copied before this
+        returns (on CUDA: the copy is queued on the current stream), so the caller may reuse them.
+        """
+
+    @abstractmethod
+    def finish(self, handle: SendHandle, timeout: float) -> TransferStats:
+        """Wait until every queued frame was accepted by the receiver; TransferError when one
+        was refused, the peer is gone, or `timeout` seconds pass (the transfer is then aborted)."""
+
+    @abstractmethod
+    def abort(self, handle: SendHandle) -> None:
+        """Drop the transfer's unsent frames; does not wait."""
+
+    @property
+    @abstractmethod
+    def stats(self) -> SenderStats: ...
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop sending; open transfers fail. Idempotent."""
+
+    def __enter__(self) -> KVSender:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

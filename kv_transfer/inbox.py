@@ -1,0 +1,271 @@
+"""Receiver-side bookkeeping shared by every transport: announced transfers, frame checks, writes
+into the cache, head coverage, deadlines and counters.
+
+A transport thread hands each message to `deliver` and calls `expire` now and then; control-plane
+threads call `expect` and `cancel`. One lock covers the table *and* the writes, so once a transfer
+has been removed (completed, expired, cancelled) no frame of it can still be half-way into the
+cache: its blocks are safe to free or reuse.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import threading
+import time
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
+
+import torch
+
+from pdmesh.kv_transfer.base import (
+    PageGeometry,
+    ReceiverStats,
+    TransferError,
+    TransferSpec,
+    TransferStats,
+    head_overlap,
+)
+from pdmesh.kv_transfer.frame import (
+    FrameHeader,
+    MalformedFrame,
+    Verdict,
+    payload_nbytes,
+)
+from pdmesh.logger import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass
+class _Pending:
+    spec: TransferSpec
+    future: Future[TransferStats]
+    deadline: float  # time.monotonic()
+    block_index: torch.Tensor  # [num_blocks] int64 receiver block ids, on the cache's device
+    cover_start: int  # global heads expected: spec range ∩ this rank's range
+    coverage: torch.Tensor  # [L, num_blocks, cover_heads] bool, on the CPU
+    covered: int = 0  # True entries of `coverage`
+    bytes: int = 0
+    frames: int = 0
+    first_frame_at: float | None = None
+
+
+class TransferInbox:
+    def __init__(self, cache: torch.Tensor, geometry: PageGeometry) -> None:
+        self.num_blocks = geometry.check_cache(cache)
+        self.cache = cache  # [L, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.geometry = geometry
+        self._lock = threading.Lock()
+        self._pending: dict[bytes, _Pending] = {}  # raw transfer id -> state
+        self._closed = False
+        self._completed = 0
+        self._failed = 0
+        self._bytes = 0
+        self._frames = 0
+        self._seconds = 0.0
+        self._dropped = dict.fromkeys(Verdict, 0)
+
+    # -- control plane ------------------------------------------------------------------------
+    def expect(self, spec: TransferSpec, timeout: float) -> Future[TransferStats]:
+        if not timeout > 0:
+            raise ValueError(f"a transfer timeout must be positive seconds, got {timeout!r}")
+        geo = self.geometry
+        if max(spec.block_ids) >= self.num_blocks:
+            raise ValueError(
+                f"transfer {spec.transfer_id} names block {max(spec.block_ids)}, "
+                f"this cache has {self.num_blocks} blocks"
+            )
+        lo, hi = head_overlap(spec.head_start, spec.num_heads, geo.head_start, geo.num_kv_heads)
+        if lo >= hi:
+            raise ValueError(
+                f"transfer {spec.transfer_id} expects heads [{spec.head_start}, "
+                f"{spec.head_start + spec.num_heads}), this rank holds [{geo.head_start}, "
+                f"{geo.head_end})"
+            )
+        future: Future[TransferStats] = Future()
+        pending = _Pending(
+            spec=spec,
+            future=future,
+            deadline=time.monotonic() + timeout,
+            block_index=torch.tensor(spec.block_ids, dtype=torch.int64, device=self.cache.device),
+            cover_start=lo,
+            coverage=torch.zeros((geo.num_layers, spec.num_blocks, hi - lo), dtype=torch.bool),
+        )
+        key = spec.raw_id
+        with self._lock:
+            if self._closed:
+                raise TransferError("the KV receiver is closed")
+            if key in self._pending:
+                raise ValueError(f"transfer {spec.transfer_id} is already expected")
+            self._pending[key] = pending
+        # asyncio.wrap_future cancels this future when its awaiter is cancelled: forget the
+        # transfer then, so the caller can free its blocks.
+        future.add_done_callback(lambda f: self._forget_if_cancelled(key, f))
+        return future
+
+    def cancel(self, transfer_id: str) -> None:
+        key = bytes.fromhex(transfer_id)
+        with self._lock:
+            pending = self._pending.pop(key, None)
+            if pending is not None:
+                self._failed += 1
+        if pending is not None:
+            _fail(pending.future, TransferError(f"transfer {transfer_id} was cancelled"))
+
+    def expire(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            expired = [key for key, p in self._pending.items() if p.deadline <= now]
+            gone = [self._pending.pop(key) for key in expired]
+            self._failed += len(gone)
+        for pending in gone:
+            missing = pending.coverage.numel() - pending.covered
+            _fail(
+                pending.future,
+                TransferError(
+                    f"transfer {pending.spec.transfer_id} timed out with {missing} of "
+                    f"{pending.coverage.numel()} (layer, block, head) pages missing"
+                ),
+            )
+
+    def close(self, reason: str) -> None:
+        with self._lock:
+            self._closed = True
+            gone = list(self._pending.values())
+            self._pending.clear()
+            self._failed += len(gone)
+        for pending in gone:
+            _fail(pending.future, TransferError(f"transfer {pending.spec.transfer_id}: {reason}"))
+
+    @property
+    def stats(self) -> ReceiverStats:
+        with self._lock:
+            return ReceiverStats(
+                transfers_completed=self._completed,
+                transfers_failed=self._failed,
+                bytes_received=self._bytes,
+                frames_received=self._frames,
+                dropped_unknown_transfer=self._dropped[Verdict.UNKNOWN_TRANSFER],
+                dropped_bad_token=self._dropped[Verdict.BAD_TOKEN],
+                dropped_bad_size=self._dropped[Verdict.BAD_SIZE],
+                dropped_malformed=self._dropped[Verdict.MALFORMED],
+                seconds_receiving=self._seconds,
+            )
+
+    # -- data plane ---------------------------------------------------------------------------
+    def deliver(
+        self, header_bytes: bytes | memoryview, payload: memoryview | None
+    ) -> tuple[Verdict, FrameHeader | None]:
+        """Check one message and write it. `payload` is None when the message had no second part
+        (or extra parts). Returns the verdict and the parsed header (None when malformed)."""
+        try:
+            header = FrameHeader.unpack(header_bytes)
+        except MalformedFrame:
+            return self._drop(Verdict.MALFORMED), None
+        if payload is None:
+            return self._drop(Verdict.MALFORMED), header
+        arrived = time.monotonic()
+        done: tuple[_Pending, float] | None = None  # (transfer, seconds) when this frame ends it
+        with self._lock:
+            pending = self._pending.get(header.transfer_id)
+            verdict = self._check(header, payload, pending)
+            if verdict is not Verdict.ACCEPTED or pending is None:
+                self._dropped[verdict] += 1
+                return verdict, header
+            try:
+                self._write(header, payload, pending, arrived)
+            except Exception:  # a bug must not kill the transport thread
+                log.exception("writing a KV frame of transfer %s failed", header.transfer_id.hex())
+                self._dropped[Verdict.BAD_SIZE] += 1
+                return Verdict.BAD_SIZE, header
+            if pending.covered == pending.coverage.numel():
+                del self._pending[header.transfer_id]
+                done = pending, time.monotonic() - (pending.first_frame_at or arrived)
+                self._completed += 1
+                self._seconds += done[1]
+        if done is not None:
+            pending, seconds = done
+            if self.cache.is_cuda:  # writes were queued on this thread's stream
+                torch.cuda.current_stream(self.cache.device).synchronize()
+            stats = TransferStats(bytes=pending.bytes, seconds=seconds, frames=pending.frames)
+            with contextlib.suppress(InvalidStateError):  # cancelled by its owner meanwhile
+                pending.future.set_result(stats)
+        return Verdict.ACCEPTED, header
+
+    def _check(self, h: FrameHeader, payload: memoryview, pending: _Pending | None) -> Verdict:
+        if pending is None:
+            return Verdict.UNKNOWN_TRANSFER
+        if not hmac.compare_digest(h.token, pending.spec.token):
+            return Verdict.BAD_TOKEN
+        geo = self.geometry
+        if (h.dtype, h.block_size, h.head_dim) != (geo.dtype, geo.block_size, geo.head_dim):
+            return Verdict.BAD_SIZE
+        if h.layer >= geo.num_layers:
+            return Verdict.BAD_SIZE
+        if h.num_blocks == 0 or h.first_block + h.num_blocks > pending.spec.num_blocks:
+            return Verdict.BAD_SIZE
+        lo, hi = head_overlap(
+            h.head_start, h.num_heads, pending.cover_start, pending.coverage.shape[2]
+        )
+        if h.num_heads == 0 or lo >= hi:
+            return Verdict.BAD_SIZE
+        expected = payload_nbytes(
+            h.num_blocks, h.block_size, h.num_heads, h.head_dim, geo.dtype.itemsize
+        )
+        if h.payload_nbytes != expected or payload.nbytes != expected:
+            return Verdict.BAD_SIZE
+        return Verdict.ACCEPTED
+
+    def _write(
+        self, h: FrameHeader, payload: memoryview, pending: _Pending, arrived: float
+    ) -> None:
+        geo = self.geometry
+        data = torch.frombuffer(payload, dtype=torch.uint8)
+        if data.data_ptr() % geo.dtype.itemsize:  # small messages may sit unaligned in zmq's buffer
+            data = data.clone()
+        # src: [2 (k, v), n, block_size, frame heads, head_dim], zero-copy over the message
+        src = data.view(geo.dtype).view(2, h.num_blocks, h.block_size, h.num_heads, h.head_dim)
+        lo, hi = head_overlap(
+            h.head_start, h.num_heads, pending.cover_start, pending.coverage.shape[2]
+        )
+        src = src[:, :, :, lo - h.head_start : hi - h.head_start]
+        if self.cache.is_cuda:
+            src = src.to(self.cache.device)
+        # dst: [2, num_blocks, block_size, hi - lo, head_dim], a strided view of this layer
+        dst = self.cache[h.layer, :, :, :, lo - geo.head_start : hi - geo.head_start]
+        index = pending.block_index[h.first_block : h.first_block + h.num_blocks]
+        dst.index_copy_(1, index, src)
+
+        cover = pending.coverage[
+            h.layer,
+            h.first_block : h.first_block + h.num_blocks,
+            lo - pending.cover_start : hi - pending.cover_start,
+        ]
+        pending.covered += cover.numel() - int(cover.sum())  # repeats do not count twice
+        cover.fill_(True)
+        pending.bytes += h.payload_nbytes
+        pending.frames += 1
+        if pending.first_frame_at is None:
+            pending.first_frame_at = arrived
+        self._bytes += h.payload_nbytes
+        self._frames += 1
+
+    def _drop(self, verdict: Verdict) -> Verdict:
+        with self._lock:
+            self._dropped[verdict] += 1
+        return verdict
+
+    def _forget_if_cancelled(self, key: bytes, future: Future[TransferStats]) -> None:
+        if not future.cancelled():
+            return
+        with self._lock:
+            pending = self._pending.get(key)
+            if pending is not None and pending.future is future:
+                del self._pending[key]
+                self._failed += 1
+
+
+def _fail(future: Future[TransferStats], error: TransferError) -> None:
+    with contextlib.suppress(InvalidStateError):  # cancelled by its owner meanwhile
+        future.set_exception(error)

@@ -1,0 +1,60 @@
+"""KV transports by name (DESIGN.md §6): services pick one from config.
+
+A transport registers a class that names its pair:
+
+    @register_transport("tcp")
+    class TcpTransport:
+        receiver = TcpReceiver
+        sender = TcpSender
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+from pdmesh.kv_transfer.base import KVReceiver, KVSender, PageGeometry
+
+T = TypeVar("T", bound=type)
+
+_TRANSPORTS: dict[str, tuple[type[KVReceiver], type[KVSender]]] = {}
+
+
+def register_transport(name: str) -> Callable[[T], T]:
+    def register(holder: T) -> T:
+        receiver = getattr(holder, "receiver", None)
+        sender = getattr(holder, "sender", None)
+        if not (isinstance(receiver, type) and issubclass(receiver, KVReceiver)):
+            raise TypeError(f"transport {name!r}: {holder.__name__}.receiver is not a KVReceiver")
+        if not (isinstance(sender, type) and issubclass(sender, KVSender)):
+            raise TypeError(f"transport {name!r}: {holder.__name__}.sender is not a KVSender")
+        if name in _TRANSPORTS:
+            raise ValueError(f"KV transport {name!r} is registered twice")
+        _TRANSPORTS[name] = (receiver, sender)
+        return holder
+
+    return register
+
+
+def available_transports() -> tuple[str, ...]:
+    return tuple(sorted(_TRANSPORTS))
+
+
+def _lookup(name: str) -> tuple[type[KVReceiver], type[KVSender]]:
+    try:
+        return _TRANSPORTS[name]
+    except KeyError:
+        valid = ", ".join(available_transports())
+        raise ValueError(f"unknown KV transport {name!r}; available: {valid}") from None
+
+
+def create_receiver(
+    name: str, cache: torch.Tensor, geometry: PageGeometry, bind: str
+) -> KVReceiver:
+    return _lookup(name)[0](cache, geometry, bind)
+
+
+def create_sender(name: str, geometry: PageGeometry) -> KVSender:
+    return _lookup(name)[1](geometry)
