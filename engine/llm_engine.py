@@ -17,11 +17,25 @@ from pdmesh.engine.model_runner import ModelRunner
 from pdmesh.engine.model_source import resolve_model_folder
 from pdmesh.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepDelta
 from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.engine.sampler import Sampler
 from pdmesh.engine.scheduler import Scheduler
-from pdmesh.engine.sequence import Sequence
+from pdmesh.engine.sequence import Sequence, SequenceStatus
 from pdmesh.logger import get_logger
 
 log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Blocks held for a prompt whose KV another worker computes (see `reserve_prefill`)."""
+
+    seq: Sequence
+    first_block: int  # prompt blocks already here (prefix cache): not to be sent
+    block_ids: list[int]  # this worker's blocks for the rest of the prompt, in order
+
+    @property
+    def uncached_tokens(self) -> int:
+        return self.seq.num_tokens - self.seq.num_computed_tokens
 
 
 @dataclass(frozen=True)
@@ -91,6 +105,7 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._texts: dict[str, str] = {}
+        self._reserved: dict[str, Sequence] = {}
         log.info(
             "KV cache: %s tokens (%d blocks of %d, %.2f GiB); "
             "maximum concurrency for %s tokens per request: %.2fx",
@@ -114,6 +129,17 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> Sequence:
         """Queue a request; raises ValueError (naming the field) for bad input."""
+        seq = self._new_sequence(request_id, prompt, params, arrival_time)
+        self.scheduler.add(seq)
+        return seq
+
+    def _new_sequence(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None,
+    ) -> Sequence:
         if request_id in self._seqs:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
@@ -127,8 +153,61 @@ class LLMEngine:
             self.tokenizer, token_ids, params.skip_special_tokens, params.stop
         )
         self._texts[request_id] = ""
-        self.scheduler.add(seq)
         return seq
+
+    # -- prompts prefilled by another worker ---------------------------------------------------
+    def reserve_prefill(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> Reservation | None:
+        """Hold blocks for the whole prompt (after this worker's prefix-cache hit) so another
+        worker can fill them. None when blocks or sequence slots are short right now."""
+        if request_id in self._seqs:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.validate_prompt(list(prompt))
+        probe = Sequence(request_id, list(prompt), params)
+        prefix = self.block_manager.match_prefix(probe)
+        new_tokens = probe.num_tokens - len(prefix) * self.block_manager.block_size
+        busy = self.scheduler.num_running + len(self._reserved)
+        if busy >= self.config.max_num_seqs or not self.block_manager.can_allocate(
+            probe, new_tokens, prefix
+        ):
+            return None
+        seq = self._new_sequence(request_id, prompt, params, arrival_time)
+        self.block_manager.allocate(seq, new_tokens, prefix)
+        seq.num_cached_tokens = seq.num_computed_tokens
+        seq.status = SequenceStatus.PREFILLING
+        self._reserved[request_id] = seq
+        return Reservation(seq, len(prefix), seq.block_table[len(prefix) :])
+
+    def cached_prefix_tokens(self, prompt: list[int]) -> int:
+        """Prompt tokens this worker's prefix cache holds now."""
+        probe = Sequence("", list(prompt), SamplingParams())
+        return len(self.block_manager.match_prefix(probe)) * self.block_manager.block_size
+
+    def commit_prefill(self, request_id: str, first_token: int) -> StepDelta:
+        """The prompt's KV is in its blocks and `first_token` was sampled: start decoding."""
+        seq = self._reserved.pop(request_id)
+        seq.num_computed_tokens = seq.num_tokens
+        self.block_manager.cache_full_blocks(seq)
+        if seq.generator is not None and not seq.params.greedy:
+            # The prefill worker drew the first token from this seed: skip that draw here so
+            # the rest matches a single-worker run.
+            Sampler.skip_draw(seq.generator, self.info.vocab_size)
+        self.scheduler.add_running(seq)
+        return self._append(seq, first_token)
+
+    def release_prefill(self, request_id: str) -> None:
+        """The remote prefill failed: free the blocks and prefill the prompt here instead."""
+        seq = self._reserved.pop(request_id)
+        self.block_manager.free(seq)
+        self.scheduler.add(seq)
+
+    def is_reserved(self, request_id: str) -> bool:
+        return request_id in self._reserved
 
     def validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -151,6 +230,7 @@ class LLMEngine:
         seq = self._seqs.get(request_id)
         if seq is None or seq.is_finished:
             return None
+        self._reserved.pop(request_id, None)
         self.scheduler.finish(seq, "abort")
         seq.finished_time = time.monotonic()
         return StepDelta(request_id, [], "", "abort")

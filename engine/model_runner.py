@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +47,10 @@ def _pad(rows: list[list[int]], device: torch.device) -> torch.Tensor:
     return out.to(device)
 
 
+# hook(layer index, batch being run): called right after that layer stored the step's K/V.
+LayerHook = Callable[[int, ScheduledBatch], None]
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -82,6 +86,10 @@ class ModelRunner:
         self.kv_cache = KVCache(self.kv_spec, num_blocks, device)
         self.kv_cache.bind(attn_layers)
         self.sampler = Sampler(seed)
+        self._layer_hooks: list[LayerHook] = []
+        self._batch: ScheduledBatch | None = None
+        for i, layer in enumerate(attn_layers):
+            layer.register_forward_hook(self._after_attention(i))
 
     @property
     def num_blocks(self) -> int:
@@ -148,11 +156,28 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
+    def add_layer_hook(self, hook: LayerHook) -> None:
+        """Run `hook(layer, batch)` after each attention layer of each step: a prefill worker
+        pushes a layer's KV blocks while the next layers compute."""
+        self._layer_hooks.append(hook)
+
+    def _after_attention(self, layer: int) -> Callable[..., None]:
+        def hook(*_: object) -> None:
+            if self._batch is not None:
+                for fn in self._layer_hooks:
+                    fn(layer, self._batch)
+
+        return hook
+
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int | None]:
         """Forward `batch`; the sampled token of each sequence whose KV is now complete."""
         inputs = self.prepare(batch)
-        logits = self.forward_logits(inputs)
+        self._batch = batch if self._layer_hooks else None
+        try:
+            logits = self.forward_logits(inputs)
+        finally:
+            self._batch = None
         sampled: list[int | None] = [None] * len(batch.seqs)
         if logits is None:
             return sampled

@@ -39,6 +39,14 @@ def default_model_gguf() -> Path:
     return path
 
 
+def model_display_name(model: str | None) -> str:
+    """The name a model is served under: the default model's, or the folder / file stem."""
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    path = Path(model).expanduser()
+    return path.stem if path.suffix == ".gguf" else path.resolve().name
+
+
 def resolve_model_folder(model: str | None) -> Path:
     """A Hugging Face folder for `model`, converting a GGUF file on first use."""
     if model is None:

@@ -63,6 +63,11 @@ class Sampler:
         sampled = self._sample(probs, batch.generators)
         return torch.where(temps > 0, sampled, greedy)
 
+    @staticmethod
+    def skip_draw(generator: torch.Generator, vocab_size: int) -> None:
+        """Advance a seeded request's generator past one sampled token (drawn elsewhere)."""
+        torch.empty(vocab_size).exponential_(generator=generator)
+
     def _sample(
         self, probs: torch.Tensor, generators: list[torch.Generator | None]
     ) -> torch.Tensor:

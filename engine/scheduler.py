@@ -47,6 +47,11 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """Admit a sequence whose prompt KV is already in its blocks (prefilled elsewhere)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -59,7 +64,7 @@ class Scheduler:
         return len(self.running)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """End `seq` (stop, length or abort) and free its blocks."""
+        """End `seq` (stop, length or abort) and free its blocks, whatever its state."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:

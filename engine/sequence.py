@@ -12,6 +12,7 @@ from pdmesh.engine.sampling_params import SamplingParams
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    PREFILLING = "prefilling"  # blocks held, KV arriving from a prefill worker
     RUNNING = "running"
     FINISHED = "finished"
 

@@ -29,3 +29,8 @@ def num_threads() -> int | None:
     """PDMESH_NUM_THREADS: torch intra-op threads on CPU (default: torch's own choice)."""
     value = os.environ.get("PDMESH_NUM_THREADS")
     return int(value) if value else None
+
+
+def flag_env(dest: str) -> str | None:
+    """The PDMESH_<DEST> variable that stands for a command-line flag, if set."""
+    return os.environ.get(f"PDMESH_{dest.upper()}")

@@ -1,0 +1,36 @@
+"""Decode worker settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdmesh.engine.config import EngineConfig
+
+PREFILL_FAILURE_POLICIES = ("recompute", "fail")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """bind: gRPC host:port. kv_bind: where the KV data plane listens; kv_advertise: the address
+    prefill workers are told to push to (default: the bound one). prefill_failure_policy:
+    'recompute' prefills here when a remote prefill or its transfer fails, 'fail' ends the
+    request with UNAVAILABLE."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    bind: str = "127.0.0.1:50061"
+    kv_transport: str = "tcp"
+    kv_bind: str = "tcp://127.0.0.1:0"
+    kv_advertise: str | None = None
+    prefill_failure_policy: str = "recompute"
+    kv_timeout_s: float = 30.0
+    prefill_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.prefill_failure_policy not in PREFILL_FAILURE_POLICIES:
+            raise ValueError(
+                f"prefill_failure_policy must be one of {', '.join(PREFILL_FAILURE_POLICIES)}, "
+                f"got {self.prefill_failure_policy!r}."
+            )
+        for name in ("kv_timeout_s", "prefill_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}.")

@@ -1,0 +1,37 @@
+"""`pdmesh decode`: one decode worker process."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from pdmesh.decode_service.config import DecodeConfig
+from pdmesh.decode_service.servicer import DecodeServicer
+from pdmesh.decode_service.worker import DecodeWorker
+from pdmesh.engine.llm_engine import LLMEngine
+from pdmesh.logger import get_logger
+from pdmesh.serving.grpc_server import ServiceSpec, build_server
+from pdmesh.serving.runner import serve_until_stopped
+from pdmesh.v1 import worker_pb2_grpc
+
+log = get_logger(__name__)
+SERVICE = "pdmesh.v1.DecodeWorker"
+
+
+async def serve(config: DecodeConfig, on_ready: Callable[[int], None] | None = None) -> None:
+    engine = await asyncio.to_thread(LLMEngine, config.engine)
+    worker = DecodeWorker(config, engine)
+    worker.start(asyncio.get_running_loop())
+    server, health, port = build_server(
+        config.bind,
+        [
+            ServiceSpec(
+                SERVICE, worker_pb2_grpc.add_DecodeWorkerServicer_to_server, DecodeServicer(worker)
+            )
+        ],
+    )
+    await server.start()
+    log.info("decode worker on port %d, KV data plane at %s", port, worker.kv_address)
+    if on_ready is not None:
+        on_ready(port)
+    await serve_until_stopped(server, health, worker.close, worker.stopped)

@@ -1,0 +1,109 @@
+"""gRPC edge of the decode worker: protobuf in, domain calls, protobuf out."""
+
+from __future__ import annotations
+
+import time
+
+from pdmesh.decode_service.types import Delta, Submission
+from pdmesh.decode_service.worker import DecodeWorker
+from pdmesh.serving.convert import FINISH_TO_PB, sampling_from_pb
+from pdmesh.v1 import generation_pb2 as gen_pb
+from pdmesh.v1 import worker_pb2, worker_pb2_grpc
+
+
+def submission_from_pb(req: worker_pb2.DecodeRequest) -> Submission:
+    if not req.request_id:
+        raise ValueError("request_id must not be empty.")
+    return Submission(
+        request_id=req.request_id,
+        subscriber_id=req.subscriber_id,
+        prompt=list(req.prompt_token_ids),
+        params=sampling_from_pb(req.sampling),
+        prefill_address=req.prefill_address or None,
+        disagg_min_tokens=req.disagg_min_tokens,
+        deadline=req.deadline_unix_ms / 1000 if req.deadline_unix_ms > 0 else None,
+        arrival_ns=req.arrival_unix_ns or time.time_ns(),
+    )
+
+
+def delta_to_pb(d: Delta) -> worker_pb2.RequestDelta:
+    pb = worker_pb2.RequestDelta(
+        request_id=d.request_id,
+        token_ids=d.token_ids,
+        text=d.text,
+        finish_reason=FINISH_TO_PB[d.finish_reason],
+        error_code=d.error_code,
+        error_message=d.error_message,
+    )
+    if d.usage is not None:
+        pb.usage.CopyFrom(
+            gen_pb.Usage(
+                prompt_tokens=d.usage.prompt_tokens,
+                completion_tokens=d.usage.completion_tokens,
+                cached_prompt_tokens=d.usage.cached_prompt_tokens,
+            )
+        )
+    if d.timings is not None:
+        t = d.timings
+        pb.timings.CopyFrom(
+            gen_pb.Timings(
+                queue_ns=max(0, t.queue_ns),
+                prefill_ns=max(0, t.prefill_ns),
+                first_token_ns=max(0, t.first_token_ns),
+                decode_ns=max(0, t.decode_ns),
+                total_ns=max(0, t.total_ns),
+                disaggregated=t.disaggregated,
+            )
+        )
+    return pb
+
+
+class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, worker: DecodeWorker) -> None:
+        self.worker = worker
+
+    async def Submit(self, request, context):
+        await self.worker.submit(submission_from_pb(request))
+        return worker_pb2.SubmitReply()
+
+    async def Subscribe(self, request, context):
+        queue = self.worker.subscribe(request.subscriber_id)
+        try:
+            yield worker_pb2.StepUpdate()  # the handshake: this subscriber is registered now
+            while True:
+                deltas = await queue.get()
+                # Coalesce steps that piled up while the previous message was being sent.
+                while not queue.empty():
+                    deltas.extend(queue.get_nowait())
+                yield worker_pb2.StepUpdate(deltas=[delta_to_pb(d) for d in deltas])
+        finally:
+            await self.worker.unsubscribe(request.subscriber_id, queue)
+
+    async def Abort(self, request, context):
+        return worker_pb2.AbortReply(aborted=await self.worker.abort(list(request.request_ids)))
+
+    async def GetStats(self, request, context):
+        s = await self.worker.stats()
+        e = s["engine"]
+        c = s["counters"]
+        return worker_pb2.WorkerStats(
+            role="decode",
+            num_running=e.num_running,
+            num_waiting=e.num_waiting,
+            kv_blocks_total=e.num_blocks_total,
+            kv_blocks_used=e.num_blocks_used,
+            kv_blocks_free=e.num_blocks_free,
+            prefix_queried_tokens=e.prefix_queried_tokens,
+            prefix_hit_tokens=e.prefix_hit_tokens,
+            num_preemptions=e.num_preemptions,
+            kv_bytes_received=s["kv_bytes_received"],
+            kv_seconds=s["kv_seconds"],
+            kv_transfers=s["kv_transfers"],
+            kv_frames_dropped=s["kv_frames_dropped"],
+            local_prefills=c.local_prefills,
+            remote_prefills=c.remote_prefills,
+            prefill_fallbacks=c.prefill_fallbacks,
+            expert_token_counts=s["expert_token_counts"],
+            block_size=self.worker.geometry.block_size,
+            tensor_parallel_size=1,
+        )

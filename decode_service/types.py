@@ -1,0 +1,69 @@
+"""The decode worker's domain messages (protobuf lives only in the servicer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdmesh.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Submission:
+    request_id: str
+    subscriber_id: str
+    prompt: list[int]
+    params: SamplingParams
+    prefill_address: str | None  # None: prefill here
+    disagg_min_tokens: int  # prefill here when fewer uncached prompt tokens than this
+    deadline: float | None  # unix seconds
+    arrival_ns: int  # unix ns, when the router received the request
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Timings:
+    queue_ns: int
+    prefill_ns: int
+    first_token_ns: int
+    decode_ns: int
+    total_ns: int
+    disaggregated: bool
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A request's news from one step, as subscribers receive it."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    error_code: int = 0  # a grpc.StatusCode value[0] when the request failed
+    error_message: str = ""
+
+
+@dataclass(frozen=True)
+class RemotePlan:
+    """A prompt to be prefilled by a prefill worker into blocks held here."""
+
+    first_block: int
+    block_ids: list[int]
+    uncached_tokens: int
+
+
+@dataclass
+class RequestClock:
+    """Wall-clock milestones of one request (unix ns)."""
+
+    arrival_ns: int
+    admitted_ns: int
+    disaggregated: bool = False
+    first_token_ns: int = 0

@@ -1,0 +1,315 @@
+"""The decode worker: admits requests, has them prefilled (by a prefill worker or here), decodes
+them in one continuous batch and hands each step's tokens to its subscribers (routers).
+
+Threads: the engine and everything it owns live on the engine thread (`EngineLoop`); the
+asyncio loop owns subscribers, request ownership and the remote-prefill tasks. The two talk only
+through `EngineLoop.acall` / `publish` and `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdmesh.decode_service.config import DecodeConfig
+from pdmesh.decode_service.prefill_client import KVDestination, PrefillClient
+from pdmesh.decode_service.types import Delta, RemotePlan, RequestClock, Submission, Timings, Usage
+from pdmesh.engine.llm_engine import LLMEngine
+from pdmesh.engine.outputs import StepDelta
+from pdmesh.kv_transfer import PageGeometry, TransferSpec, create_receiver
+from pdmesh.logger import get_logger
+from pdmesh.serving.engine_loop import EngineLoop
+from pdmesh.serving.errors import ServiceError
+
+log = get_logger(__name__)
+
+
+@dataclass
+class Counters:
+    local_prefills: int = 0
+    remote_prefills: int = 0
+    prefill_fallbacks: int = 0
+
+
+@dataclass
+class _EngineSide:
+    """State only the engine thread touches."""
+
+    deadlines: dict[str, float] = field(default_factory=dict)
+    clocks: dict[str, RequestClock] = field(default_factory=dict)
+    errors: dict[str, tuple[int, str]] = field(default_factory=dict)
+
+
+class DecodeWorker:
+    def __init__(self, config: DecodeConfig, engine: LLMEngine) -> None:
+        self.config = config
+        self.engine = engine
+        runner = engine.runner
+        attn = runner.model.attention_layers()[0]
+        self.geometry = PageGeometry(
+            num_layers=runner.kv_spec.num_layers,
+            block_size=runner.kv_spec.block_size,
+            num_kv_heads=attn.num_kv_heads,
+            head_start=0,
+            head_dim=runner.kv_spec.head_dim,
+            dtype=runner.kv_spec.dtype,
+        )
+        self.receiver = create_receiver(
+            config.kv_transport, runner.kv_cache.data, self.geometry, config.kv_bind
+        )
+        self.kv_address = self._advertised(self.receiver.endpoint)
+        self.loop = EngineLoop(engine, self._on_engine_deltas, self._on_tick, self._on_fatal)
+        self.counters = Counters()
+        self.fatal: BaseException | None = None
+        self._side = _EngineSide()
+        self._aio: asyncio.AbstractEventLoop | None = None
+        self._subscribers: dict[str, asyncio.Queue[list[Delta]]] = {}
+        self._owner: dict[str, str] = {}  # request id -> subscriber id
+        self._remote: dict[str, asyncio.Task[None]] = {}
+        self._prefill = PrefillClient()
+
+    def _advertised(self, endpoint: str) -> str:
+        if self.config.kv_advertise is None:
+            return endpoint
+        port = endpoint.rsplit(":", 1)[1]
+        return f"tcp://{self.config.kv_advertise}:{port}"
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self, aio_loop: asyncio.AbstractEventLoop) -> None:
+        self._aio = aio_loop
+        self.stopped = asyncio.Event()  # set when the engine fails: the process should exit
+        self.loop.start()
+
+    async def close(self) -> None:
+        for task in list(self._remote.values()):
+            task.cancel()
+        self.loop.stop()
+        self.receiver.close()
+        await self._prefill.close()
+
+    def _on_fatal(self, exc: BaseException) -> None:
+        self.fatal = exc
+        if self._aio is not None:
+            self._aio.call_soon_threadsafe(self.stopped.set)
+
+    # -- subscribers (event loop) ---------------------------------------------------------------
+    def subscribe(self, subscriber_id: str) -> asyncio.Queue[list[Delta]]:
+        if not subscriber_id:
+            raise ValueError("subscriber_id must not be empty.")
+        queue: asyncio.Queue[list[Delta]] = asyncio.Queue()
+        self._subscribers[subscriber_id] = queue
+        return queue
+
+    async def unsubscribe(self, subscriber_id: str, queue: asyncio.Queue[list[Delta]]) -> None:
+        """The subscriber's stream ended: nobody will read its requests' tokens, so end them."""
+        if self._subscribers.get(subscriber_id) is not queue:
+            return  # replaced by a newer stream of the same subscriber
+        del self._subscribers[subscriber_id]
+        orphans = [rid for rid, sub in self._owner.items() if sub == subscriber_id]
+        if orphans:
+            await self.abort(orphans)
+
+    def _dispatch(self, deltas: list[Delta]) -> None:
+        by_subscriber: dict[str, list[Delta]] = {}
+        for d in deltas:
+            sub = self._owner.get(d.request_id)
+            if sub is None:
+                continue
+            by_subscriber.setdefault(sub, []).append(d)
+            if d.finish_reason is not None:
+                del self._owner[d.request_id]
+        for sub, items in by_subscriber.items():
+            queue = self._subscribers.get(sub)
+            if queue is not None:
+                queue.put_nowait(items)
+
+    # -- requests (event loop) ------------------------------------------------------------------
+    async def submit(self, sub: Submission) -> None:
+        if self.fatal is not None:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "this decode worker's engine failed")
+        if sub.subscriber_id not in self._subscribers:
+            raise ServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"subscriber {sub.subscriber_id!r} has no open Subscribe stream; subscribe first",
+            )
+        if sub.request_id in self._owner:
+            raise ValueError(f"request_id {sub.request_id!r} is already in use.")
+        self._owner[sub.request_id] = sub.subscriber_id
+        try:
+            plan = await self.loop.acall(lambda e: self._admit(e, sub))
+        except BaseException:
+            self._owner.pop(sub.request_id, None)
+            raise
+        if plan is not None:
+            task = asyncio.create_task(self._remote_prefill(sub, plan))
+            self._remote[sub.request_id] = task
+
+    async def abort(self, request_ids: list[str]) -> int:
+        for rid in request_ids:
+            task = self._remote.pop(rid, None)
+            if task is not None:
+                task.cancel()
+        return await self.loop.acall(lambda e: sum(self._abort_one(e, rid) for rid in request_ids))
+
+    async def _remote_prefill(self, sub: Submission, plan: RemotePlan) -> None:
+        rid = sub.request_id
+        spec = TransferSpec.new(
+            plan.block_ids, self.geometry.head_start, self.geometry.num_kv_heads
+        )
+        arrived = self.receiver.expect(spec, timeout=self.config.kv_timeout_s)
+        timeout = self.config.prefill_timeout_s
+        if sub.deadline is not None:
+            timeout = max(0.001, min(timeout, sub.deadline - time.time()))
+        try:
+            result = await self._prefill.prefill(
+                sub.prefill_address or "",
+                rid,
+                sub.prompt,
+                sub.params,
+                spec,
+                plan.first_block,
+                self.geometry.block_size,
+                [
+                    KVDestination(
+                        self.kv_address, self.geometry.head_start, self.geometry.num_kv_heads
+                    )
+                ],
+                self.config.kv_transport,
+                timeout,
+            )
+            await asyncio.wait_for(asyncio.wrap_future(arrived), self.config.kv_timeout_s)
+        except asyncio.CancelledError:
+            self.receiver.cancel(spec.transfer_id)
+            raise
+        except Exception as exc:
+            self.receiver.cancel(spec.transfer_id)
+            log.warning("remote prefill of %s failed: %s", rid, exc)
+            await self.loop.acall(lambda e, err=exc: self._prefill_failed(e, rid, err))
+            return
+        finally:
+            self._remote.pop(rid, None)
+        await self.loop.acall(lambda e: self._prefill_done(e, rid, result.first_token))
+
+    # -- engine thread ----------------------------------------------------------------------------
+    def _admit(self, engine: LLMEngine, sub: Submission) -> RemotePlan | None:
+        side = self._side
+        clock = RequestClock(
+            arrival_ns=sub.arrival_ns or time.time_ns(), admitted_ns=time.time_ns()
+        )
+        plan = None
+        if sub.prefill_address:
+            uncached = len(sub.prompt) - engine.cached_prefix_tokens(sub.prompt)
+            if uncached >= max(1, sub.disagg_min_tokens):
+                res = engine.reserve_prefill(sub.request_id, sub.prompt, sub.params)
+                if res is not None:
+                    plan = RemotePlan(res.first_block, list(res.block_ids), res.uncached_tokens)
+        if plan is None:
+            engine.add_request(sub.request_id, sub.prompt, sub.params)
+            self.counters.local_prefills += 1
+        else:
+            clock.disaggregated = True
+            self.counters.remote_prefills += 1
+        side.clocks[sub.request_id] = clock
+        if sub.deadline is not None:
+            side.deadlines[sub.request_id] = sub.deadline
+        return plan
+
+    def _prefill_done(self, engine: LLMEngine, rid: str, first_token: int) -> None:
+        if engine.is_reserved(rid):  # else aborted meanwhile
+            self.loop.publish([engine.commit_prefill(rid, first_token)])
+
+    def _prefill_failed(self, engine: LLMEngine, rid: str, exc: BaseException) -> None:
+        if not engine.is_reserved(rid):
+            return
+        if self.config.prefill_failure_policy == "recompute":
+            engine.release_prefill(rid)
+            self.counters.prefill_fallbacks += 1
+            return
+        self._side.errors[rid] = (grpc.StatusCode.UNAVAILABLE.value[0], f"prefill failed: {exc}")
+        self._abort_one(engine, rid)
+
+    def _abort_one(self, engine: LLMEngine, rid: str) -> int:
+        delta = engine.abort_request(rid)
+        if delta is None:
+            return 0
+        self.loop.publish([delta])
+        return 1
+
+    def _on_tick(self, engine: LLMEngine) -> None:
+        deadlines = self._side.deadlines
+        if not deadlines:
+            return
+        now = time.time()
+        for rid in [r for r, d in deadlines.items() if now > d]:
+            code = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+            self._side.errors[rid] = (code, "the request's deadline passed")
+            if self._aio is not None:
+                self._aio.call_soon_threadsafe(self._cancel_remote, rid)
+            self._abort_one(engine, rid)
+            deadlines.pop(rid, None)
+
+    def _cancel_remote(self, rid: str) -> None:
+        task = self._remote.pop(rid, None)
+        if task is not None:
+            task.cancel()
+
+    def _on_engine_deltas(self, deltas: list[StepDelta]) -> None:
+        side = self._side
+        out: list[Delta] = []
+        now = time.time_ns()
+        for d in deltas:
+            clock = side.clocks.get(d.request_id)
+            if clock is not None and not clock.first_token_ns and d.token_ids:
+                clock.first_token_ns = now
+            if d.finish_reason is None:
+                out.append(Delta(d.request_id, d.token_ids, d.text, None))
+                continue
+            result = self.engine.get_output(d.request_id)
+            self.engine.release(d.request_id)
+            side.deadlines.pop(d.request_id, None)
+            code, message = side.errors.pop(d.request_id, (0, ""))
+            clock = side.clocks.pop(d.request_id, None) or RequestClock(now, now)
+            first = clock.first_token_ns or now
+            out.append(
+                Delta(
+                    d.request_id,
+                    d.token_ids,
+                    d.text,
+                    d.finish_reason,
+                    Usage(
+                        len(result.prompt_token_ids),
+                        len(result.outputs[0].token_ids),
+                        result.num_cached_tokens,
+                    ),
+                    Timings(
+                        queue_ns=clock.admitted_ns - clock.arrival_ns,
+                        prefill_ns=first - clock.admitted_ns,
+                        first_token_ns=first - clock.arrival_ns,
+                        decode_ns=now - first,
+                        total_ns=now - clock.arrival_ns,
+                        disaggregated=clock.disaggregated,
+                    ),
+                    code,
+                    message,
+                )
+            )
+        if out and self._aio is not None:
+            self._aio.call_soon_threadsafe(self._dispatch, out)
+
+    # -- stats --------------------------------------------------------------------------------
+    async def stats(self) -> dict[str, object]:
+        engine_stats = await self.loop.acall(lambda e: e.stats())
+        experts = await self.loop.acall(lambda e: e.runner.expert_counts())
+        rx = self.receiver.stats
+        return {
+            "engine": engine_stats,
+            "kv_bytes_received": rx.bytes_received,
+            "kv_seconds": rx.seconds_receiving,
+            "kv_transfers": rx.transfers_completed,
+            "kv_frames_dropped": rx.frames_dropped,
+            "counters": self.counters,
+            "expert_token_counts": experts or [],
+        }

@@ -1,0 +1,216 @@
+"""The `pdmesh` subcommands: their flags and what they run."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Any
+
+from pdmesh.cli import engine_args, engine_options, sampling_args
+
+
+def _sampling_params(args: argparse.Namespace) -> Any:
+    from pdmesh import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sample_seed,
+    )
+
+
+# -- generate ---------------------------------------------------------------------------------
+def add_generate(sub: Any) -> None:
+    g = sub.add_parser("generate", help="generate text for one prompt (offline or from a router)")
+    mode = g.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--offline", action="store_true", help="run the engine in this process")
+    mode.add_argument("--target", help="stream from a router at HOST:PORT")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="apply the chat template")
+    g.add_argument("--json", action="store_true", help="print JSON with token ids")
+    sampling_args(g)
+    engine_args(g)
+    g.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if args.target:
+        from pdmesh.client import stream_generate
+
+        return asyncio.run(stream_generate(args))
+    from pdmesh import LLM
+
+    llm = LLM(**engine_options(args))
+    params = _sampling_params(args)
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    else:
+        out = llm.generate([args.prompt], params)[0]
+    completion = out.outputs[0]
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "text": completion.text,
+                    "token_ids": completion.token_ids,
+                    "prompt_token_ids": out.prompt_token_ids,
+                    "finish_reason": completion.finish_reason,
+                }
+            )
+        )
+    else:
+        print(completion.text)
+    return 0
+
+
+# -- up ---------------------------------------------------------------------------------------
+def add_up(sub: Any) -> None:
+    u = sub.add_parser("up", help="start a router and its workers as local processes")
+    u.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    u.add_argument("--decode", type=int, default=1, help="decode workers")
+    u.add_argument(
+        "--colocated",
+        action="store_true",
+        help="no prefill pool: decode workers do both phases (the baseline)",
+    )
+    u.add_argument("--host", default="127.0.0.1")
+    u.add_argument("--port", type=int, default=50051, help="the router's gRPC port")
+    u.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP; 0: off")
+    u.add_argument("--policy", default="kv")
+    u.add_argument("--disagg-min-tokens", type=int, default=64)
+    u.add_argument("--ready-timeout", type=float, default=600.0)
+    u.add_argument(
+        "--ask",
+        default="What is the capital of France?",
+        help="ask this once everything is up (empty: don't)",
+    )
+    engine_args(u)
+    u.set_defaults(func=cmd_up)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from pdmesh.launcher import run_up
+
+    return run_up(args)
+
+
+# -- services ---------------------------------------------------------------------------------
+def add_services(sub: Any) -> None:
+    r = sub.add_parser("router", help="run the router (gRPC API + HTTP gateway)")
+    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--port", type=int, default=50051)
+    r.add_argument("--http-port", type=int, default=8000, help="0: no HTTP gateway")
+    r.add_argument("--prefill", default="", help="prefill workers: HOST:PORT,HOST:PORT")
+    r.add_argument("--decode", default="", help="decode workers: HOST:PORT,HOST:PORT")
+    r.add_argument("--policy", default="kv", help="kv | round_robin")
+    r.add_argument("--overlap-weight", type=float, default=1.0)
+    r.add_argument("--disagg-min-tokens", type=int, default=64)
+    r.add_argument("--served-model-name", default=None)
+    r.add_argument("--model", default=None, help="for the tokenizer and model info")
+    r.add_argument("--max-model-len", type=int, default=None)
+    r.set_defaults(func=cmd_router)
+
+    d = sub.add_parser("decode", help="run a decode worker")
+    d.add_argument("--host", default="127.0.0.1")
+    d.add_argument("--port", type=int, default=50061)
+    d.add_argument("--kv-transport", default="tcp")
+    d.add_argument("--kv-host", default=None, help="KV data plane bind host (default: --host)")
+    d.add_argument("--kv-port", type=int, default=0)
+    d.add_argument("--kv-advertise", default=None, help="host prefill workers push KV to")
+    d.add_argument("--prefill-failure-policy", default="recompute", help="recompute | fail")
+    d.add_argument("--kv-timeout", type=float, default=30.0)
+    engine_args(d)
+    d.set_defaults(func=cmd_decode)
+
+    p = sub.add_parser("prefill", help="run a prefill worker")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50071)
+    p.add_argument("--kv-transport", default="tcp")
+    p.add_argument("--kv-send-timeout", type=float, default=30.0)
+    engine_args(p)
+    p.set_defaults(func=cmd_prefill)
+
+
+def _addresses(value: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in value.split(",") if a.strip())
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from pdmesh.router.config import RouterConfig
+    from pdmesh.router.server import serve
+
+    config = RouterConfig(
+        model=args.model,
+        prefill=_addresses(args.prefill),
+        decode=_addresses(args.decode),
+        bind=f"{args.host}:{args.port}",
+        http_bind=f"{args.host}:{args.http_port}" if args.http_port else None,
+        policy=args.policy,
+        overlap_weight=args.overlap_weight,
+        disagg_min_tokens=args.disagg_min_tokens,
+        max_model_len=args.max_model_len,
+        served_model_name=args.served_model_name,
+    )
+    asyncio.run(serve(config))
+    return 0
+
+
+def cmd_decode(args: argparse.Namespace) -> int:
+    from pdmesh.decode_service.config import DecodeConfig
+    from pdmesh.decode_service.server import serve
+    from pdmesh.engine.config import EngineConfig
+
+    config = DecodeConfig(
+        engine=EngineConfig(**engine_options(args)),
+        bind=f"{args.host}:{args.port}",
+        kv_transport=args.kv_transport,
+        kv_bind=f"tcp://{args.kv_host or args.host}:{args.kv_port}",
+        kv_advertise=args.kv_advertise,
+        prefill_failure_policy=args.prefill_failure_policy,
+        kv_timeout_s=args.kv_timeout,
+    )
+    asyncio.run(serve(config))
+    return 0
+
+
+def cmd_prefill(args: argparse.Namespace) -> int:
+    from pdmesh.engine.config import EngineConfig
+    from pdmesh.prefill_service.config import PrefillConfig
+    from pdmesh.prefill_service.server import serve
+
+    config = PrefillConfig(
+        engine=EngineConfig(**engine_options(args)),
+        bind=f"{args.host}:{args.port}",
+        kv_transport=args.kv_transport,
+        kv_send_timeout_s=args.kv_send_timeout,
+    )
+    asyncio.run(serve(config))
+    return 0
+
+
+# -- bench ------------------------------------------------------------------------------------
+def add_bench(sub: Any) -> None:
+    b = sub.add_parser("bench", help="benchmarks (see BENCHMARKS.md)")
+    mode = b.add_mutually_exclusive_group(required=True)
+    mode.add_argument(
+        "--offline", action="store_true", help="the engine in this process vs transformers"
+    )
+    mode.add_argument("--target", help="a serving benchmark against a router at HOST:PORT")
+    b.add_argument("--num-requests", type=int, default=32)
+    b.add_argument("--json-out", default=None, help="write the figures as JSON here")
+    b.add_argument("--skip-peer", action="store_true", help="do not run transformers")
+    engine_args(b)
+    b.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.target:
+        print("pdmesh bench --target: the serving benchmark is not installed", file=sys.stderr)
+        return 2
+    from pdmesh.bench.offline import run_offline_bench
+
+    return run_offline_bench(args)

@@ -1,0 +1,199 @@
+"""`pdmesh up`: a router and its workers as separate local processes.
+
+Children are started with PR_SET_PDEATHSIG so they die with this process even if it is killed
+outright; on Ctrl-C or SIGTERM everything is stopped (SIGTERM, then SIGKILL after a grace).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from pdmesh.v1 import generation_pb2 as gen_pb
+from pdmesh.v1 import generation_pb2_grpc
+
+PR_SET_PDEATHSIG = 1
+STOP_GRACE_S = 10.0
+
+
+@dataclass
+class Child:
+    name: str
+    address: str
+    proc: subprocess.Popen[bytes]
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _engine_flags(args: argparse.Namespace) -> list[str]:
+    flags: list[str] = []
+    for name in (
+        "model",
+        "dtype",
+        "device",
+        "tensor_parallel_size",
+        "block_size",
+        "kv_cache_tokens",
+        "kv_cache_memory_fraction",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_model_len",
+        "seed",
+    ):
+        value = getattr(args, name)
+        if value is not None:
+            flags += [f"--{name.replace('_', '-')}", str(value)]
+    if args.no_prefix_caching:
+        flags.append("--no-prefix-caching")
+    return flags
+
+
+def spawn(name: str, argv: list[str], address: str) -> Child:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdmesh.cli", *argv], preexec_fn=_die_with_parent
+    )
+    return Child(name, address, proc)
+
+
+def start_mesh(args: argparse.Namespace) -> list[Child]:
+    host = args.host
+    engine = _engine_flags(args)
+    children: list[Child] = []
+    prefill: list[str] = []
+    decode: list[str] = []
+    for i in range(0 if args.colocated else args.prefill):
+        port = free_port(host)
+        addr = f"{host}:{port}"
+        children.append(
+            spawn(f"prefill-{i}", ["prefill", "--host", host, "--port", str(port), *engine], addr)
+        )
+        prefill.append(addr)
+    for i in range(args.decode):
+        port = free_port(host)
+        addr = f"{host}:{port}"
+        children.append(
+            spawn(f"decode-{i}", ["decode", "--host", host, "--port", str(port), *engine], addr)
+        )
+        decode.append(addr)
+    router = [
+        "router",
+        "--host",
+        host,
+        "--port",
+        str(args.port),
+        "--http-port",
+        str(args.http_port),
+        "--prefill",
+        ",".join(prefill),
+        "--decode",
+        ",".join(decode),
+        "--policy",
+        args.policy,
+        "--disagg-min-tokens",
+        str(args.disagg_min_tokens),
+    ]
+    if args.model:
+        router += ["--model", args.model]
+    if args.max_model_len:
+        router += ["--max-model-len", str(args.max_model_len)]
+    children.append(spawn("router", router, f"{host}:{args.port}"))
+    return children
+
+
+def wait_ready(
+    target: str, prefill: int, decode: int, children: list[Child], timeout_s: float
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        while time.monotonic() < deadline:
+            dead = [c for c in children if c.proc.poll() is not None]
+            if dead:
+                raise RuntimeError(f"{dead[0].name} exited with code {dead[0].proc.returncode}")
+            try:
+                info = stub.GetModelInfo(gen_pb.ModelInfoRequest(), timeout=2)
+                if info.num_prefill_workers >= prefill and info.num_decode_workers >= decode:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+    raise TimeoutError(f"the mesh was not ready within {timeout_s:.0f} s")
+
+
+def stop_all(children: list[Child]) -> None:
+    for c in children:
+        if c.proc.poll() is None:
+            c.proc.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for c in children:
+        try:
+            c.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            c.proc.kill()
+            c.proc.wait()
+
+
+def ask(target: str, question: str) -> str:
+    with grpc.insecure_channel(target) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        chat = gen_pb.ChatMessages(messages=[gen_pb.ChatMessage(role="user", content=question)])
+        req = gen_pb.GenerateRequest(
+            chat=chat, sampling=gen_pb.SamplingParams(max_tokens=64, temperature=0)
+        )
+        return "".join(r.text for r in stub.Generate(req, timeout=120))
+
+
+def run_up(args: argparse.Namespace) -> int:
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    children = start_mesh(args)
+    target = f"{args.host}:{args.port}"
+    n_prefill = 0 if args.colocated else args.prefill
+    try:
+        wait_ready(target, n_prefill, args.decode, children, args.ready_timeout)
+        print(f"pdmesh is up: gRPC {target} (pdmesh.v1.Generation)", flush=True)
+        if args.http_port:
+            print(f"  OpenAI-compatible HTTP: http://{args.host}:{args.http_port}/v1", flush=True)
+        for c in children[:-1]:
+            print(f"  {c.name}: {c.address} (pid {c.proc.pid})", flush=True)
+        if args.ask:
+            print(f"Q: {args.ask}\nA: {ask(target, args.ask)}", flush=True)
+        print("Ctrl-C stops everything.", flush=True)
+        while not stopping:
+            dead = [c for c in children if c.proc.poll() is not None]
+            if dead:
+                print(
+                    f"pdmesh: {dead[0].name} exited (code {dead[0].proc.returncode}); stopping",
+                    file=sys.stderr,
+                )
+                return 1
+            time.sleep(0.2)
+        return 0
+    except (RuntimeError, TimeoutError) as e:
+        print(f"pdmesh: {e}", file=sys.stderr)
+        return 1
+    finally:
+        stop_all(children)

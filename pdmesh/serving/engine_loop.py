@@ -1,0 +1,115 @@
+"""An engine on its own thread, so model work never blocks an asyncio event loop.
+
+Every touch of the engine happens on that thread: other threads hand it commands (run between
+steps, in order) and receive each step's deltas through a callback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from pdmesh.engine.llm_engine import LLMEngine
+from pdmesh.engine.outputs import StepDelta
+from pdmesh.logger import get_logger
+
+log = get_logger(__name__)
+
+T = TypeVar("T")
+# How long the idle loop sleeps before running its tick (deadline checks) again.
+IDLE_TICK_S = 0.05
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_deltas: Callable[[list[StepDelta]], None],
+        on_tick: Callable[[LLMEngine], None] | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
+        name: str = "engine",
+    ) -> None:
+        self.engine = engine
+        self._on_deltas = on_deltas
+        self._on_tick = on_tick
+        self._on_fatal = on_fatal
+        self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future[Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.steps = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stopped.set()
+        self._commands.put(None)
+        self._thread.join(timeout)
+
+    def call(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
+        """Run `fn(engine)` on the engine thread before its next step."""
+        future: Future[T] = Future()
+        if self._stopped.is_set():
+            future.set_exception(RuntimeError("the engine has stopped"))
+        else:
+            self._commands.put((fn, future))
+        return future
+
+    async def acall(self, fn: Callable[[LLMEngine], T]) -> T:
+        return await asyncio.wrap_future(self.call(fn))
+
+    def publish(self, deltas: list[StepDelta]) -> None:
+        """Hand deltas made by a command to the same callback as step deltas (engine thread
+        only), so they reach consumers in the order they happened."""
+        if deltas:
+            self._on_deltas(deltas)
+
+    def _drain(self, block: bool) -> None:
+        timeout = IDLE_TICK_S if block else None
+        while True:
+            try:
+                item = self._commands.get(block=block, timeout=timeout)
+            except queue.Empty:
+                return
+            block = False
+            if item is None:
+                return
+            fn, future = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(self.engine))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopped.is_set():
+                self._drain(block=not engine.has_unfinished_requests())
+                if self._on_tick is not None:
+                    self._on_tick(engine)
+                if engine.has_unfinished_requests():
+                    deltas = engine.step()
+                    self.steps += 1
+                    if deltas:
+                        self._on_deltas(deltas)
+        except BaseException as exc:
+            log.exception("engine loop failed")
+            self._stopped.set()
+            if self._on_fatal is not None:
+                self._on_fatal(exc)
+        # Fail whatever is still queued so no caller waits forever.
+        while True:
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[1].set_exception(RuntimeError("the engine has stopped"))

@@ -1,0 +1,92 @@
+"""Building a pdmesh gRPC server: health, reflection, message-size limits, error mapping."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from pdmesh.serving.errors import ErrorInterceptor
+
+# Deliberate limits: the largest legitimate message is a long prompt's token ids (a few MB).
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.so_reuseport", 0),
+]
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.enable_retries", 0),
+]
+
+
+@dataclass
+class ServiceSpec:
+    name: str  # the full service name, e.g. "pdmesh.v1.DecodeWorker"
+    add_to_server: Callable[[Any, grpc.aio.Server], None]
+    servicer: Any
+
+
+class Health:
+    """The standard grpc.health.v1 service; '' is the whole server."""
+
+    def __init__(self, service_names: Sequence[str]) -> None:
+        self.servicer = health_aio.HealthServicer()
+        self._names = ["", *service_names]
+
+    async def set(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in self._names:
+            await self.servicer.set(name, status)
+
+
+def build_server(
+    bind: str, services: Sequence[ServiceSpec], interceptors: Sequence[Any] = ()
+) -> tuple[grpc.aio.Server, Health, int]:
+    """A server on `bind` (host:port; port 0 picks one) with health and reflection on.
+    Returns (server, health, bound port); call `await server.start()`."""
+    server = grpc.aio.server(
+        interceptors=[*interceptors, ErrorInterceptor()], options=SERVER_OPTIONS
+    )
+    names = [s.name for s in services]
+    for spec in services:
+        spec.add_to_server(spec.servicer, server)
+    health = Health(names)
+    health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
+    reflection.enable_server_reflection(
+        [
+            *names,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ],
+        server,
+    )
+    port = server.add_insecure_port(bind)
+    if port == 0:
+        raise OSError(f"cannot bind {bind}")
+    return server, health, port
+
+
+def channel(target: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)

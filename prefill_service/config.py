@@ -1,0 +1,22 @@
+"""Prefill worker settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdmesh.engine.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """bind: gRPC host:port. kv_transport: how KV blocks are pushed (must match the decode
+    workers'). kv_send_timeout_s: how long pushing one prompt's KV may take."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    bind: str = "127.0.0.1:50071"
+    kv_transport: str = "tcp"
+    kv_send_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.kv_send_timeout_s <= 0:
+            raise ValueError(f"kv_send_timeout_s must be > 0, got {self.kv_send_timeout_s!r}.")

@@ -1,0 +1,1 @@
+"""Python stubs generated from the .proto files beside them (`make protos`); do not edit."""

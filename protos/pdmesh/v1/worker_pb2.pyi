@@ -1,0 +1,182 @@
+from pdmesh.v1 import generation_pb2 as _generation_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("request_id", "subscriber_id", "prompt_token_ids", "sampling", "prefill_address", "disagg_min_tokens", "deadline_unix_ms", "arrival_unix_ns", "num_output_tokens_sent")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SUBSCRIBER_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DISAGG_MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_TOKENS_SENT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    subscriber_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _generation_pb2.SamplingParams
+    prefill_address: str
+    disagg_min_tokens: int
+    deadline_unix_ms: int
+    arrival_unix_ns: int
+    num_output_tokens_sent: int
+    def __init__(self, request_id: _Optional[str] = ..., subscriber_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., disagg_min_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., arrival_unix_ns: _Optional[int] = ..., num_output_tokens_sent: _Optional[int] = ...) -> None: ...
+
+class SubmitReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SubscribeRequest(_message.Message):
+    __slots__ = ("subscriber_id",)
+    SUBSCRIBER_ID_FIELD_NUMBER: _ClassVar[int]
+    subscriber_id: str
+    def __init__(self, subscriber_id: _Optional[str] = ...) -> None: ...
+
+class StepUpdate(_message.Message):
+    __slots__ = ("deltas",)
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
+    deltas: _containers.RepeatedCompositeFieldContainer[RequestDelta]
+    def __init__(self, deltas: _Optional[_Iterable[_Union[RequestDelta, _Mapping]]] = ...) -> None: ...
+
+class RequestDelta(_message.Message):
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timings", "error_code", "error_message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finish_reason: _generation_pb2.FinishReason
+    usage: _generation_pb2.Usage
+    timings: _generation_pb2.Timings
+    error_code: int
+    error_message: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_generation_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_generation_pb2.Timings, _Mapping]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class AbortReply(_message.Message):
+    __slots__ = ("aborted",)
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    aborted: int
+    def __init__(self, aborted: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStats(_message.Message):
+    __slots__ = ("role", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "prefix_queried_tokens", "prefix_hit_tokens", "num_preemptions", "kv_bytes_received", "kv_bytes_sent", "kv_seconds", "kv_transfers", "kv_frames_dropped", "local_prefills", "remote_prefills", "prefill_fallbacks", "expert_token_counts", "block_size", "tensor_parallel_size")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    KV_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    KV_FRAMES_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILLS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_PREFILLS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    num_preemptions: int
+    kv_bytes_received: int
+    kv_bytes_sent: int
+    kv_seconds: float
+    kv_transfers: int
+    kv_frames_dropped: int
+    local_prefills: int
+    remote_prefills: int
+    prefill_fallbacks: int
+    expert_token_counts: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    tensor_parallel_size: int
+    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., kv_transfers: _Optional[int] = ..., kv_frames_dropped: _Optional[int] = ..., local_prefills: _Optional[int] = ..., remote_prefills: _Optional[int] = ..., prefill_fallbacks: _Optional[int] = ..., expert_token_counts: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+
+class KVTarget(_message.Message):
+    __slots__ = ("transport", "transfer_id", "token", "first_block", "block_ids", "block_size", "endpoints", "timeout_ms")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    transport: str
+    transfer_id: str
+    token: bytes
+    first_block: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    endpoints: _containers.RepeatedCompositeFieldContainer[KVEndpoint]
+    timeout_ms: int
+    def __init__(self, transport: _Optional[str] = ..., transfer_id: _Optional[str] = ..., token: _Optional[bytes] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class KVEndpoint(_message.Message):
+    __slots__ = ("address", "head_start", "num_heads")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    head_start: int
+    num_heads: int
+    def __init__(self, address: _Optional[str] = ..., head_start: _Optional[int] = ..., num_heads: _Optional[int] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_target")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    KV_TARGET_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _generation_pb2.SamplingParams
+    kv_target: KVTarget
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., kv_target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
+
+class PrefillReply(_message.Message):
+    __slots__ = ("first_token_id", "cached_prompt_tokens", "prefill_ns", "kv_bytes", "kv_send_ns")
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_NS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_SEND_NS_FIELD_NUMBER: _ClassVar[int]
+    first_token_id: int
+    cached_prompt_tokens: int
+    prefill_ns: int
+    kv_bytes: int
+    kv_send_ns: int
+    def __init__(self, first_token_id: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., prefill_ns: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_send_ns: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,34 @@
+"""Dynamo-style KV-aware dispatch.
+
+Prefill: cost(P) = prefix-miss blocks on P x overlap_weight + blocks P is busy with; the lowest
+cost wins, so a prompt goes where its prefix is cached unless that worker is swamped. Decode:
+the worker with the least KV in use (its last stats plus what was sent since).
+"""
+
+from __future__ import annotations
+
+from pdmesh.router.policies.base import Decision, DispatchPolicy, PromptInfo
+from pdmesh.router.policies.registry import register_policy
+from pdmesh.router.registry import Worker
+
+
+@register_policy("kv")
+class KVCostPolicy(DispatchPolicy):
+    def choose(self, prompt: PromptInfo, decode: list[Worker], prefill: list[Worker]) -> Decision:
+        d = min(decode, key=lambda w: (w.kv_usage, w.load.num_running, w.address))
+        if not prefill or self.local_prefill(prompt, d):
+            return Decision(d, None, f"decode {d.address}: least KV usage; prefill locally")
+
+        def cost(w: Worker) -> tuple[float, str]:
+            miss = prompt.num_blocks - w.index.match(prompt.block_hashes)
+            return miss * self.overlap_weight + w.inflight_blocks + w.load.kv_blocks_used, w.address
+
+        p = min(prefill, key=cost)
+        miss = prompt.num_blocks - p.index.match(prompt.block_hashes)
+        return Decision(
+            d,
+            p,
+            f"decode {d.address}: least KV usage; prefill {p.address}: cost {cost(p)[0]:.0f} "
+            f"({miss} of {prompt.num_blocks} blocks uncached)",
+            miss,
+        )

@@ -1,0 +1,27 @@
+"""Dispatch policies by name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pdmesh.router.policies.base import DispatchPolicy
+
+_POLICIES: dict[str, type[DispatchPolicy]] = {}
+
+
+def register_policy(name: str) -> Callable[[type[DispatchPolicy]], type[DispatchPolicy]]:
+    def deco(cls: type[DispatchPolicy]) -> type[DispatchPolicy]:
+        _POLICIES[name] = cls
+        return cls
+
+    return deco
+
+
+def create_policy(name: str, overlap_weight: float, disagg_min_tokens: int) -> DispatchPolicy:
+    from pdmesh.router.policies import kv_cost, round_robin  # noqa: F401 (registers them)
+
+    if name not in _POLICIES:
+        raise ValueError(
+            f"unknown dispatch policy {name!r}; available: {', '.join(sorted(_POLICIES))}"
+        )
+    return _POLICIES[name](overlap_weight, disagg_min_tokens)

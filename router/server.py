@@ -1,0 +1,70 @@
+"""`pdmesh router`: the router process (gRPC API, and the HTTP gateway when configured)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from pdmesh.engine.llm_engine import load_tokenizer
+from pdmesh.engine.model_info import ModelInfo
+from pdmesh.engine.model_source import resolve_model_folder
+from pdmesh.logger import get_logger
+from pdmesh.router.config import RouterConfig
+from pdmesh.router.core import Router
+from pdmesh.router.policies import create_policy
+from pdmesh.router.registry import WorkerRegistry
+from pdmesh.router.servicer import GenerationServicer
+from pdmesh.serving.grpc_server import ServiceSpec, build_server
+from pdmesh.serving.runner import serve_until_stopped
+from pdmesh.v1 import generation_pb2_grpc
+
+log = get_logger(__name__)
+SERVICE = "pdmesh.v1.Generation"
+
+
+async def build_router(config: RouterConfig) -> Router:
+    folder = await asyncio.to_thread(resolve_model_folder, config.model)
+    info = await asyncio.to_thread(ModelInfo.load, folder)
+    tokenizer = await asyncio.to_thread(load_tokenizer, folder)
+    registry = WorkerRegistry(
+        config.prefill, config.decode, config.health_interval_s, config.stats_interval_s
+    )
+    policy = create_policy(config.policy, config.overlap_weight, config.disagg_min_tokens)
+    return Router(config, info, tokenizer, registry, policy)
+
+
+async def serve(config: RouterConfig, on_ready: Callable[[int], None] | None = None) -> None:
+    router = await build_router(config)
+    router.start()
+    server, health, port = build_server(
+        config.bind,
+        [
+            ServiceSpec(
+                SERVICE,
+                generation_pb2_grpc.add_GenerationServicer_to_server,
+                GenerationServicer(router),
+            )
+        ],
+    )
+    await server.start()
+    gateway = None
+    if config.http_bind:
+        from pdmesh.router.http_gateway import start_gateway
+
+        gateway = await start_gateway(router, config.http_bind)
+    log.info(
+        "router on port %d (%s); workers: prefill %s, decode %s",
+        port,
+        router.model_name,
+        list(config.prefill),
+        list(config.decode),
+    )
+    if on_ready is not None:
+        on_ready(port)
+
+    async def stop() -> None:
+        if gateway is not None:
+            await gateway.cleanup()
+        await router.close()
+
+    await serve_until_stopped(server, health, stop)
