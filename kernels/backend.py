@@ -41,7 +41,10 @@ def pick(name: str, like: torch.Tensor, reference: Callable[..., Any]) -> Callab
         if fn is not None:
             return fn
         if backend == "triton":
-            raise RuntimeError(f"no Triton implementation of kernel {name!r} is registered")
+            raise RuntimeError(
+                f"PDMESH_KERNEL_BACKEND=triton, but no Triton implementation of kernel {name!r} "
+                "is registered (is the triton package installed?)"
+            )
     return reference
 
 

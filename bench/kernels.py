@@ -1,0 +1,177 @@
+"""Kernel micro-benchmark: every Triton kernel against its torch reference, on a CUDA device.
+
+    python -m pdmesh.bench.kernels --out DIR [--only NAME] [--smoke]
+
+For each case (see `kernel_cases.py`): the relative error of the Triton result against the
+reference, the median time of both (`triton.testing.do_bench`), the achieved bandwidth (least
+bytes moved / time) and TFLOP/s, and the fraction of the roofline reached: the ideal time
+max(bytes / copy bandwidth, FLOPs / matmul peak) over the measured time. The two ceilings are
+measured in the same run: a 1 GiB device-to-device copy (read + write bytes) and an 8192^3 bf16
+matmul. Prints a table and writes DIR/kernels.json.
+
+`--smoke` runs tiny shapes once each, without do_bench; on a machine without CUDA it runs the
+kernels under the Triton interpreter (to check the script itself, not to time anything).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from pdmesh.bench.kernel_cases import SMOKE, Case, Shapes, all_cases, rel_err
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    copy_bytes_per_s: float  # read + write bytes of a device-to-device copy
+    matmul_flops_per_s: float  # dense bf16 matmul
+
+
+@dataclass(frozen=True)
+class Result:
+    kernel: str
+    shape: str
+    rel_err: float
+    ok: bool
+    triton_us: float
+    torch_us: float
+    speedup: float
+    gbytes_per_s: float
+    tflops: float
+    bw_ratio: float  # achieved bandwidth / copy ceiling
+    flops_ratio: float  # achieved FLOP/s / matmul ceiling
+    roofline: float  # ideal time at both ceilings / measured time
+
+
+def _timer(device: torch.device, smoke: bool) -> Callable[[Callable[[], object]], float]:
+    """Seconds per call: do_bench's median on CUDA; one wall-clock call in smoke mode."""
+    if smoke or device.type != "cuda":
+
+        def once(fn: Callable[[], object]) -> float:
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            return time.perf_counter() - start
+
+        return once
+    from triton.testing import do_bench
+
+    return lambda fn: do_bench(fn, return_mode="median") / 1e3
+
+
+def measure_ceilings(
+    device: torch.device, timer: Callable[[Callable[[], object]], float], smoke: bool
+) -> Ceilings:
+    n = 1 << (16 if smoke else 29)  # bf16 elements: 1 GiB per buffer at full size
+    src = torch.randn(n, device=device).to(torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy_s = timer(lambda: dst.copy_(src))
+    m = 256 if smoke else 8192
+    a = torch.randn(m, m, device=device).to(torch.bfloat16)
+    b = torch.randn(m, m, device=device).to(torch.bfloat16)
+    matmul_s = timer(lambda: a @ b)
+    return Ceilings(2 * src.numel() * 2 / copy_s, 2.0 * m**3 / matmul_s)
+
+
+def run_case(
+    case: Case, timer: Callable[[Callable[[], object]], float], ceilings: Ceilings, tol: float
+) -> Result:
+    err = case.check() if case.check else rel_err(case.triton_fn(), case.torch_fn())
+    t_triton = timer(case.triton_fn)
+    t_torch = timer(case.torch_fn)
+    ideal = max(
+        case.bytes_moved / ceilings.copy_bytes_per_s, case.flops / ceilings.matmul_flops_per_s
+    )
+    return Result(
+        kernel=case.kernel,
+        shape=case.shape,
+        rel_err=err,
+        ok=err < tol,
+        triton_us=t_triton * 1e6,
+        torch_us=t_torch * 1e6,
+        speedup=t_torch / t_triton,
+        gbytes_per_s=case.bytes_moved / t_triton / 1e9,
+        tflops=case.flops / t_triton / 1e12,
+        bw_ratio=case.bytes_moved / t_triton / ceilings.copy_bytes_per_s,
+        flops_ratio=case.flops / t_triton / ceilings.matmul_flops_per_s,
+        roofline=ideal / t_triton,
+    )
+
+
+def format_table(results: Sequence[Result], ceilings: Ceilings) -> str:
+    lines = [
+        f"ceilings: copy {ceilings.copy_bytes_per_s / 1e9:.0f} GB/s (read+write), "
+        f"bf16 matmul {ceilings.matmul_flops_per_s / 1e12:.0f} TFLOP/s",
+        f"{'kernel':<24}{'shape':<34}{'triton us':>10}{'torch us':>10}{'x':>7}"
+        f"{'GB/s':>8}{'TFLOP/s':>9}{'bw%':>6}{'mm%':>6}{'roof%':>7}{'rel err':>10}",
+    ]
+    for r in results:
+        lines.append(
+            f"{r.kernel:<24}{r.shape:<34}{r.triton_us:>10.1f}{r.torch_us:>10.1f}"
+            f"{r.speedup:>7.2f}{r.gbytes_per_s:>8.0f}{r.tflops:>9.1f}{100 * r.bw_ratio:>6.0f}"
+            f"{100 * r.flops_ratio:>6.0f}{100 * r.roofline:>7.0f}{r.rel_err:>10.1e}"
+            + ("" if r.ok else "  WRONG")
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pdmesh.bench.kernels", description=__doc__)
+    parser.add_argument("--out", type=Path, required=True, help="folder for kernels.json")
+    parser.add_argument("--only", default="", help="run the kernels whose name contains this")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, no timing loop")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        parser.error("needs a CUDA device (or --smoke, which runs under the Triton interpreter)")
+    if not cuda:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated
+    import triton
+
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    shapes = SMOKE if args.smoke else Shapes()
+    timer = _timer(device, args.smoke)
+    torch.manual_seed(0)
+
+    ceilings = measure_ceilings(device, timer, args.smoke)
+    results: list[Result] = []
+    for case in all_cases(shapes, dtype, device):
+        if args.only in case.kernel:
+            results.append(run_case(case, timer, ceilings, tol))
+            print(format_table(results[-1:], ceilings).splitlines()[-1], flush=True)
+    print()
+    print(format_table(results, ceilings))
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "command": " ".join(["python -m pdmesh.bench.kernels", *argv]),
+        "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
+        "dtype": str(dtype),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "smoke": args.smoke,
+        "ceilings": asdict(ceilings),
+        "results": [asdict(r) for r in results],
+    }
+    path = args.out / "kernels.json"
+    path.write_text(json.dumps(report, indent=2))
+    print(f"wrote {path}")
+    return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,83 @@
+"""Writing a step's new keys and values into their paged-cache slots."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pdmesh.kernels.backend import register_triton
+from pdmesh.kernels.triton.device import last_dim_contiguous
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # One program per token: all its heads at once, [BLOCK_H, BLOCK_D].
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t)
+    if slot < 0:
+        return
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
+    k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    # int64 offsets: a layer's cache can exceed 2^31 elements.
+    dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + h * stride_ch + d
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@register_triton("store_kv_cache")
+def store_kv_cache(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64; -1 skips the token
+) -> None:
+    num_tokens = key.shape[0]
+    if num_tokens == 0:
+        return
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must share one layout with a dense last dimension")
+    key, value = last_dim_contiguous(key), last_dim_contiguous(value)
+    _, page, num_kv_heads, head_dim = k_cache.shape
+    _store_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        PAGE=page,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4,
+    )

@@ -1,0 +1,53 @@
+"""Kernel selection: Triton is imported only when a kernel could run on it, once per process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+# Run in a fresh interpreter: this test process has imported the Triton kernels already.
+PROBE = """
+import sys
+import torch
+import pdmesh.kernels
+from pdmesh.kernels import backend, rms_norm
+from pdmesh.kernels.norm import rms_norm_ref
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+x = torch.randn(4, 64, device=device if "{where}" == "device" else "cpu")
+out = rms_norm(x, torch.ones(64, device=x.device), 1e-6)
+torch.testing.assert_close(out, rms_norm_ref(x, torch.ones(64, device=x.device), 1e-6))
+chosen = backend.pick("rms_norm", x, rms_norm_ref)
+print("loaded" if "pdmesh.kernels.triton" in sys.modules else "not-loaded",
+      "triton" if chosen is not rms_norm_ref else "reference")
+"""
+
+
+def _probe(backend: str, where: str, block_triton: bool = False) -> str:
+    env = dict(os.environ, PDMESH_KERNEL_BACKEND=backend)
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    code = PROBE.format(where=where)
+    if block_triton:  # as if triton were not installed
+        code = "import sys; sys.modules['triton'] = None\n" + code
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 or block_triton, done.stderr
+    return (done.stdout.strip() or done.stderr.strip().splitlines()[-1]).strip()
+
+
+def test_cpu_tensors_on_auto_never_import_triton() -> None:
+    assert _probe("auto", "cpu") == "not-loaded reference"
+
+
+def test_forcing_triton_imports_the_kernels_on_first_use() -> None:
+    assert _probe("triton", "device") == "loaded triton"
+
+
+def test_forcing_triton_without_triton_installed_says_so() -> None:
+    message = _probe("triton", "device", block_triton=True)
+    assert "RuntimeError" in message and "triton" in message.lower()

@@ -1,0 +1,32 @@
+"""The whole engine on the Triton kernels generates what it generates on the torch references."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from support import random_prompts
+
+from pdmesh import LLM, SamplingParams
+
+
+def _greedy(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
+    # float32 so that rounding cannot flip a near-tie between the two runs; chunked prefill
+    # (32-token budget) so that chunks attend to pages their earlier chunks wrote.
+    llm = LLM(str(folder), dtype="float32", kv_cache_tokens=512, max_num_batched_tokens=32)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_greedy_tokens_match_the_torch_backend(
+    arch: str, tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tiny_model(arch)
+    prompts = random_prompts([9, 40, 23])
+    monkeypatch.setenv("PDMESH_KERNEL_BACKEND", "torch")
+    expected = _greedy(folder, prompts)
+    monkeypatch.setenv("PDMESH_KERNEL_BACKEND", "triton")
+    assert _greedy(folder, prompts) == expected
