@@ -159,10 +159,12 @@ class DecodeWorker:
         spec = TransferSpec.new(
             plan.block_ids, self.geometry.head_start, self.geometry.num_kv_heads
         )
-        arrived = self.receiver.expect(spec, timeout=self.config.kv_timeout_s)
         timeout = self.config.prefill_timeout_s
         if sub.deadline is not None:
             timeout = max(0.001, min(timeout, sub.deadline - time.time()))
+        # The prefill worker replies only once every frame was acknowledged, so the transfer's own
+        # clock must cover the queueing and compute on the prefill worker too.
+        arrived = self.receiver.expect(spec, timeout=timeout + self.config.kv_timeout_s)
         try:
             result = await self._prefill.prefill(
                 sub.prefill_address or "",

@@ -16,8 +16,8 @@ from pdmesh.engine.model_info import ModelInfo
 from pdmesh.engine.model_runner import ModelRunner
 from pdmesh.engine.model_source import resolve_model_folder
 from pdmesh.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepDelta
-from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.sampler import Sampler
+from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.scheduler import Scheduler
 from pdmesh.engine.sequence import Sequence, SequenceStatus
 from pdmesh.logger import get_logger

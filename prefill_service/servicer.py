@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import grpc
+
+from pdmesh.kv_transfer import TransferError
 from pdmesh.prefill_service.worker import Destination, PrefillTask, PrefillWorker
 from pdmesh.serving.convert import sampling_from_pb
+from pdmesh.serving.errors import ServiceError
 from pdmesh.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -32,7 +36,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     async def Prefill(self, request, context):
         task = task_from_pb(request, self.worker.config.kv_send_timeout_s)
-        out = await self.worker.prefill(task)
+        try:
+            out = await self.worker.prefill(task)
+        except TransferError as e:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {e}") from None
         return worker_pb2.PrefillReply(
             first_token_id=out.first_token,
             cached_prompt_tokens=out.cached_prompt_tokens,

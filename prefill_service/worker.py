@@ -16,7 +16,7 @@ from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.outputs import StepDelta
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.scheduler import ScheduledBatch
-from pdmesh.kv_transfer import PageGeometry, SendHandle, create_sender
+from pdmesh.kv_transfer import PageGeometry, SendHandle, TransferError, create_sender
 from pdmesh.logger import get_logger
 from pdmesh.prefill_service.config import PrefillConfig
 from pdmesh.serving.engine_loop import EngineLoop
@@ -156,9 +156,10 @@ class PrefillWorker:
                 lambda: [self.sender.finish(h, task.timeout_s) for h in handles]
             )
         except BaseException:
+            # Off the engine first, so no layer hook sends on a handle being aborted.
+            await self.loop.acall(lambda e: self._cancel(e, task.request_id))
             for h in handles:
                 self.sender.abort(h)
-            await self.loop.acall(lambda e: self._cancel(e, task.request_id))
             raise
         self.prefills += 1
         return PrefillOutcome(
@@ -198,8 +199,15 @@ class PrefillWorker:
             ids = seq.block_table[start:upto]
             k = self.cache[layer, 0, ids]  # [n, BS, Hkv, D]
             v = self.cache[layer, 1, ids]
-            for handle in push.handles:
-                self.sender.send_layer(handle, layer, start - push.first_block, k, v)
+            try:
+                for handle in push.handles:
+                    self.sender.send_layer(handle, layer, start - push.first_block, k, v)
+            except (TransferError, ValueError) as e:
+                # The transfer is broken (peer gone, handle aborted): stop pushing; finish()
+                # reports the failure to the decode worker. Never let it stop the forward.
+                log.warning("KV push for %s stopped: %s", seq.request_id, e)
+                push.sent = [push.end_block] * len(push.sent)
+                continue
             push.sent[layer] = upto
 
     def _on_engine_deltas(self, deltas: list[StepDelta]) -> None:

@@ -12,7 +12,13 @@ ROOT = Path(__file__).resolve().parent
 
 def generate(out: Path) -> None:
     protos = sorted(str(p.relative_to(ROOT)) for p in ROOT.rglob("*.proto"))
-    args = ["protoc", f"-I{ROOT}", f"--python_out={out}", f"--grpc_python_out={out}", f"--pyi_out={out}"]
+    args = [
+        "protoc",
+        f"-I{ROOT}",
+        f"--python_out={out}",
+        f"--grpc_python_out={out}",
+        f"--pyi_out={out}",
+    ]
     if protoc.main([*args, *protos]) != 0:
         raise SystemExit("protoc failed")
 

@@ -1,0 +1,94 @@
+"""Running a real mesh for tests: `pdmesh up` as a subprocess, as a user runs it."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdmesh.v1 import worker_pb2, worker_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Mesh:
+    proc: subprocess.Popen[str]
+    target: str  # the router's gRPC address
+    http: str | None  # the gateway's base URL
+    prefill: list[str] = field(default_factory=list)
+    decode: list[str] = field(default_factory=list)
+    pids: dict[str, int] = field(default_factory=dict)
+    output: list[str] = field(default_factory=list)
+
+    def stats(self, address: str) -> worker_pb2.WorkerStats:
+        with grpc.insecure_channel(address) as ch:
+            stub_cls = (
+                worker_pb2_grpc.PrefillWorkerStub
+                if address in self.prefill
+                else worker_pb2_grpc.DecodeWorkerStub
+            )
+            return stub_cls(ch).GetStats(worker_pb2.StatsRequest(), timeout=10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_mesh(*args: str, http: bool = False, timeout_s: float = 300) -> Mesh:
+    """`pdmesh up ARGS` on free ports; returns once it says it is up."""
+    port = free_port()
+    http_port = free_port() if http else 0
+    cmd = [
+        sys.executable, "-m", "pdmesh.cli", "up", "--port", str(port),
+        "--http-port", str(http_port), "--ask", "", *args,
+    ]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PDMESH_LOG_LEVEL": "WARNING"}
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    mesh = Mesh(proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}" if http else None)
+    deadline = time.monotonic() + timeout_s
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            mesh.stop()
+            raise RuntimeError("pdmesh up exited:\n" + "".join(mesh.output[-40:]))
+        mesh.output.append(line)
+        if m := re.match(r"\s+(prefill|decode)-\d+: (\S+) \(pid (\d+)\)", line):
+            getattr(mesh, m.group(1)).append(m.group(2))
+            mesh.pids[m.group(2)] = int(m.group(3))
+        if line.startswith("Ctrl-C stops everything"):
+            _drain(proc, mesh)
+            return mesh
+    mesh.stop()
+    raise TimeoutError("pdmesh up did not come up:\n" + "".join(mesh.output[-40:]))
+
+
+def _drain(proc: subprocess.Popen[str], mesh: Mesh) -> None:
+    """Keep reading the mesh's output so its pipe never fills up and blocks it."""
+    import threading
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            mesh.output.append(line)
+
+    threading.Thread(target=pump, daemon=True).start()

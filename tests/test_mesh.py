@@ -1,0 +1,176 @@
+"""The mesh as users meet it: `pdmesh up` processes on loopback, driven over gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+from mesh_support import Mesh, start_mesh
+
+from pdmesh import LLM, SamplingParams
+from pdmesh.v1 import generation_pb2 as gen_pb
+from pdmesh.v1 import generation_pb2_grpc
+
+DISAGG_MIN = 64
+# Default model: 30 layers x (K + V) x 16 tokens x 3 KV heads x 64 dims x 4 bytes per block.
+BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4
+
+
+@pytest.fixture(scope="module")
+def mesh(default_model_folder) -> Mesh:
+    m = start_mesh(
+        "--prefill", "1", "--decode", "1", "--kv-cache-tokens", "32768",
+        "--max-num-batched-tokens", "512", "--disagg-min-tokens", str(DISAGG_MIN),
+    )
+    yield m
+    m.stop()
+    assert m.proc.returncode == 0, "".join(m.output[-30:])
+
+
+def _request(prompt: list[int], max_tokens: int, **sampling: object) -> gen_pb.GenerateRequest:
+    return gen_pb.GenerateRequest(
+        token_ids=gen_pb.TokenIds(ids=prompt),
+        sampling=gen_pb.SamplingParams(max_tokens=max_tokens, temperature=0, **sampling),
+    )
+
+
+async def _generate(target: str, requests: list[gen_pb.GenerateRequest]) -> list[list[gen_pb.GenerateResponse]]:
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+
+        async def one(req: gen_pb.GenerateRequest) -> list[gen_pb.GenerateResponse]:
+            return [r async for r in stub.Generate(req)]
+
+        return await asyncio.gather(*(one(r) for r in requests))
+
+
+def test_concurrent_requests_match_offline_and_kv_bytes_are_exact(mesh: Mesh, default_llm: LLM) -> None:
+    rng = random.Random(11)
+    vocab = default_llm.engine.info.vocab_size
+    lengths = [rng.choice([5, 20, 40, 63, 64, 90, 150, 300]) for _ in range(32)]
+    prompts = [[rng.randrange(100, vocab) for _ in range(n)] for n in lengths]
+    before = mesh.stats(mesh.decode[0])
+    streams = asyncio.run(_generate(mesh.target, [_request(p, 16) for p in prompts]))
+    expected = default_llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=16, temperature=0)
+    )
+    for stream, exp, prompt in zip(streams, expected, prompts, strict=True):
+        tokens = [t for r in stream for t in r.token_ids]
+        assert tokens == exp.outputs[0].token_ids
+        assert "".join(r.text for r in stream) == exp.outputs[0].text
+        last = stream[-1]
+        assert last.finish_reason in (gen_pb.FINISH_REASON_STOP, gen_pb.FINISH_REASON_LENGTH)
+        assert last.usage.prompt_tokens == len(prompt)
+        assert last.timings.disaggregated == (len(prompt) >= DISAGG_MIN)
+    after = mesh.stats(mesh.decode[0])
+    remote = [n for n in lengths if n >= DISAGG_MIN]
+    expected_bytes = sum(-(-n // 16) for n in remote) * BLOCK_BYTES
+    assert after.kv_bytes_received - before.kv_bytes_received == expected_bytes
+    assert after.remote_prefills - before.remote_prefills == len(remote)
+    assert after.local_prefills - before.local_prefills == len(lengths) - len(remote)
+    assert after.kv_blocks_used == 0
+    assert mesh.stats(mesh.prefill[0]).kv_blocks_used == 0
+
+
+def test_reflection_and_health(mesh: Mesh) -> None:
+    expected = {
+        mesh.target: "pdmesh.v1.Generation",
+        mesh.prefill[0]: "pdmesh.v1.PrefillWorker",
+        mesh.decode[0]: "pdmesh.v1.DecodeWorker",
+    }
+    for address, service in expected.items():
+        with grpc.insecure_channel(address) as ch:
+            services = set(ProtoReflectionDescriptorDatabase(ch).get_services())
+            assert {service, "grpc.health.v1.Health"} <= services
+            health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_model_info_and_tokenize(mesh: Mesh, default_llm: LLM) -> None:
+    with grpc.insecure_channel(mesh.target) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        info = stub.GetModelInfo(gen_pb.ModelInfoRequest(), timeout=5)
+        assert info.name == "SmolLM2-135M-Instruct" and info.vocab_size == 49152
+        assert (info.num_prefill_workers, info.num_decode_workers) == (1, 1)
+        tok = stub.Tokenize(gen_pb.TokenizeRequest(text="Hello world"), timeout=5)
+        assert list(tok.token_ids) == default_llm.get_tokenizer().encode("Hello world")
+
+
+def _blocks_used(mesh: Mesh) -> tuple[int, int]:
+    return mesh.stats(mesh.decode[0]).kv_blocks_used, mesh.stats(mesh.prefill[0]).kv_blocks_used
+
+
+def _wait_free(mesh: Mesh, within_s: float) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < within_s:
+        if _blocks_used(mesh) == (0, 0):
+            return time.monotonic() - start
+        time.sleep(0.05)
+    raise AssertionError(f"blocks still used after {within_s} s: {_blocks_used(mesh)}")
+
+
+def test_cancel_mid_stream_frees_decode_blocks(mesh: Mesh) -> None:
+    prompt = list(range(1000, 1300))
+    with grpc.insecure_channel(mesh.target) as ch:
+        call = generation_pb2_grpc.GenerationStub(ch).Generate(
+            _request(prompt, 4000, ignore_eos=True)
+        )
+        for i, _ in enumerate(call):
+            if i == 3:
+                break
+        assert _blocks_used(mesh)[0] > 0
+        call.cancel()
+        _wait_free(mesh, 1.0)
+
+
+def test_cancel_during_remote_prefill_frees_prefill_blocks(mesh: Mesh) -> None:
+    prompt = [random.Random(5).randrange(100, 40000) for _ in range(4000)]
+    with grpc.insecure_channel(mesh.target) as ch:
+        future = generation_pb2_grpc.GenerationStub(ch).Generate(_request(prompt, 8))
+        deadline = time.monotonic() + 30
+        while mesh.stats(mesh.prefill[0]).kv_blocks_used == 0:  # the prefill is under way
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        future.cancel()
+        _wait_free(mesh, 1.0)
+
+
+def test_deadline_frees_blocks(mesh: Mesh) -> None:
+    with grpc.insecure_channel(mesh.target) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in stub.Generate(_request(list(range(2000, 2200)), 4000, ignore_eos=True), timeout=2.0):
+                pass
+        assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    _wait_free(mesh, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("request_kwargs", "field"),
+    [
+        ({"text": ""}, "prompt must not be empty"),
+        ({"token_ids": gen_pb.TokenIds(ids=[1] * 9000)}, "max_model_len"),
+        ({"token_ids": gen_pb.TokenIds(ids=[1, 10**6])}, "token ids must be in"),
+        ({"text": "hi", "sampling": gen_pb.SamplingParams(temperature=-1)}, "temperature"),
+        ({"text": "hi", "sampling": gen_pb.SamplingParams(top_p=2)}, "top_p"),
+        ({"text": "hi", "sampling": gen_pb.SamplingParams(max_tokens=0)}, "max_tokens"),
+        ({"text": "hi", "model": "gpt-4"}, "model"),
+        ({}, "input must be one of"),
+    ],
+)
+def test_bad_requests_are_invalid_argument(mesh: Mesh, request_kwargs: dict, field: str) -> None:
+    with grpc.insecure_channel(mesh.target) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(gen_pb.GenerateRequest(**request_kwargs), timeout=30))
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert field in err.value.details()
+        ok = list(stub.Generate(_request([1, 2, 3], 4), timeout=60))
+        assert sum(len(r.token_ids) for r in ok) == 4
