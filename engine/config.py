@@ -44,6 +44,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    enable_expert_parallel: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:

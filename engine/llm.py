@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,6 +43,18 @@ class LLM:
         config = EngineConfig.from_kwargs(model=model, **engine_options)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
+        # Tensor-parallel ranks stop with this object (or at exit), never outlive it.
+        self._finalizer = weakref.finalize(self, self.engine.close)
+
+    def close(self) -> None:
+        """Stop the engine's other ranks, if any. The LLM is unusable afterwards."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

@@ -16,10 +16,12 @@ from pdmesh.engine.model_info import ModelInfo
 from pdmesh.engine.model_runner import ModelRunner
 from pdmesh.engine.model_source import resolve_model_folder
 from pdmesh.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepDelta
+from pdmesh.engine.parallel import SINGLE
 from pdmesh.engine.sampler import Sampler
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.scheduler import Scheduler
 from pdmesh.engine.sequence import Sequence, SequenceStatus
+from pdmesh.engine.tp_driver import TPDriver, rank_device
 from pdmesh.logger import get_logger
 
 log = get_logger(__name__)
@@ -50,6 +52,14 @@ class EngineStats:
     num_preemptions: int
 
 
+def resolve_max_model_len(config: EngineConfig, info: ModelInfo) -> int:
+    """The longest sequence served (before the KV cache's capacity may lower it)."""
+    max_len = config.max_model_len or info.max_position
+    if max_len > info.max_position:
+        log.warning("max_model_len %d exceeds the model's %d positions", max_len, info.max_position)
+    return max_len
+
+
 def load_tokenizer(folder: Any) -> Any:
     from transformers import AutoTokenizer
 
@@ -57,33 +67,45 @@ def load_tokenizer(folder: Any) -> Any:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
-        if config.tensor_parallel_size != 1:
-            raise ValueError(
-                "tensor_parallel_size > 1 needs one process per rank; "
-                "this engine runs a single rank (use LLM(tensor_parallel_size=N))"
-            )
+    """One engine: a single process, or rank 0 of a tensor-parallel worker whose other ranks it
+    starts itself (`rank_extension`: "module:Class" run on those ranks, see tp_follower)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        rank_extension: str | None = None,
+        extension_options: dict[str, Any] | None = None,
+    ) -> None:
         self.config = config
         if (threads := envs.num_threads()) is not None:
             torch.set_num_threads(threads)
         self.info = ModelInfo.load(resolve_model_folder(config.model))
+        self.info.check_parallel(config.tensor_parallel_size, config.enable_expert_parallel)
         self.tokenizer = load_tokenizer(self.info.folder)
         device = config.torch_device()
-        max_len = config.max_model_len or self.info.max_position
-        if max_len > self.info.max_position:
-            log.warning(
-                "max_model_len %d exceeds the model's %d positions", max_len, self.info.max_position
+        max_len = resolve_max_model_len(config, self.info)
+        self.tp_driver: TPDriver | None = None
+        group = SINGLE
+        if config.tensor_parallel_size > 1:
+            self.tp_driver = TPDriver(config, device, rank_extension, extension_options)
+            group = self.tp_driver.group
+        try:
+            self.runner = ModelRunner(
+                self.info,
+                rank_device(device, 0),
+                config.torch_dtype(device),
+                config.block_size,
+                max_len,
+                config.kv_cache_tokens,
+                config.kv_cache_memory_fraction,
+                config.seed,
+                tp=group,
             )
-        self.runner = ModelRunner(
-            self.info,
-            device,
-            config.torch_dtype(device),
-            config.block_size,
-            max_len,
-            config.kv_cache_tokens,
-            config.kv_cache_memory_fraction,
-            config.seed,
-        )
+        except BaseException:
+            self.close()
+            raise
+        if self.tp_driver is not None:
+            self.tp_driver.attach(self.runner)
         capacity = self.runner.num_blocks * config.block_size
         if capacity < max_len:
             if config.max_model_len is not None:
@@ -301,6 +323,20 @@ class LLMEngine:
         seq = self._seqs.get(request_id)
         if seq is not None and seq.is_finished:
             del self._seqs[request_id], self._detok[request_id], self._texts[request_id]
+
+    def expert_counts(self) -> list[int] | None:
+        """Tokens routed to each expert since start, over every rank (None: a dense model)."""
+        counts = self.runner.expert_counts()
+        if counts is None or self.tp_driver is None or not self.config.enable_expert_parallel:
+            return counts  # without EP every rank routes every token: rank 0 saw them all
+        for reply in self.tp_driver.control("expert_counts", {}):
+            counts = [a + b for a, b in zip(counts, reply["counts"], strict=True)]
+        return counts
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine (nothing to do for one rank)."""
+        if self.tp_driver is not None:
+            self.tp_driver.shutdown()
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

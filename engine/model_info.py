@@ -55,6 +55,31 @@ class ModelInfo:
             eos_token_ids=tuple(sorted(eos)),
         )
 
+    def check_parallel(self, size: int, expert_parallel: bool) -> None:
+        """ValueError (naming the counts and the valid sizes) when `size` ranks cannot split
+        this model; checked before any rank is started."""
+        if size == 1:
+            return
+        from pdmesh.engine.distributed import check_tp_size
+
+        check_tp_size(size, self.num_heads, self.num_kv_heads)
+        c = self.hf_config
+        num_experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", 0)
+        sizes = {"intermediate_size": getattr(c, "intermediate_size", 0)}
+        if num_experts and expert_parallel:
+            if num_experts % size:
+                raise ValueError(
+                    f"expert parallelism over {size} ranks needs this model's {num_experts} "
+                    "experts to divide evenly."
+                )
+        elif num_experts:
+            sizes["moe_intermediate_size"] = (
+                getattr(c, "moe_intermediate_size", None) or c.intermediate_size
+            )
+        for name, value in sizes.items():
+            if value and value % size:
+                raise ValueError(f"tensor_parallel_size {size} does not divide {name} {value}.")
+
     @property
     def name(self) -> str:
         return getattr(self.hf_config, "_name_or_path", "") or self.folder.name

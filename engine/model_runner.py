@@ -47,8 +47,13 @@ def _pad(rows: list[list[int]], device: torch.device) -> torch.Tensor:
     return out.to(device)
 
 
-# hook(layer index, batch being run): called right after that layer stored the step's K/V.
-LayerHook = Callable[[int, ScheduledBatch], None]
+# hook(layer index, step plan): called right after that layer stored the step's K/V, on every
+# rank, when the step carries a plan (see `set_step_planner`).
+LayerHook = Callable[[int, torch.Tensor], None]
+# planner(batch) -> plan or None: made on rank 0 before the forward, sent to every rank.
+StepPlanner = Callable[[ScheduledBatch], "torch.Tensor | None"]
+# before_forward(inputs, plan): rank 0 hands the step to the other ranks (tensor parallelism).
+BeforeForward = Callable[["StepInputs", "torch.Tensor | None"], None]
 
 
 class ModelRunner:
@@ -83,11 +88,18 @@ class ModelRunner:
         num_blocks = plan_num_blocks(
             self.kv_spec, device, kv_cache_tokens, kv_cache_memory_fraction
         )
+        if tp.size > 1:  # every rank must hold the same blocks
+            from pdmesh.engine.distributed import all_reduce_min
+
+            num_blocks = all_reduce_min(num_blocks, tp)
         self.kv_cache = KVCache(self.kv_spec, num_blocks, device)
         self.kv_cache.bind(attn_layers)
         self.sampler = Sampler(seed)
+        self.tp = tp
         self._layer_hooks: list[LayerHook] = []
-        self._batch: ScheduledBatch | None = None
+        self._planner: StepPlanner | None = None
+        self.before_forward: BeforeForward | None = None
+        self._plan: torch.Tensor | None = None
         for i, layer in enumerate(attn_layers):
             layer.register_forward_hook(self._after_attention(i))
 
@@ -157,27 +169,40 @@ class ModelRunner:
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
     def add_layer_hook(self, hook: LayerHook) -> None:
-        """Run `hook(layer, batch)` after each attention layer of each step: a prefill worker
-        pushes a layer's KV blocks while the next layers compute."""
+        """Run `hook(layer, plan)` after each attention layer of a step that has a plan: a
+        prefill worker pushes a layer's KV blocks while the next layers compute."""
         self._layer_hooks.append(hook)
+
+    def set_step_planner(self, planner: StepPlanner) -> None:
+        self._planner = planner
 
     def _after_attention(self, layer: int) -> Callable[..., None]:
         def hook(*_: object) -> None:
-            if self._batch is not None:
+            if self._plan is not None:
                 for fn in self._layer_hooks:
-                    fn(layer, self._batch)
+                    fn(layer, self._plan)
 
         return hook
+
+    @torch.inference_mode()
+    def forward_with_plan(
+        self, inputs: StepInputs, plan: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The forward of one step with its plan in force (followers run steps this way)."""
+        self._plan = plan
+        try:
+            return self.forward_logits(inputs)
+        finally:
+            self._plan = None
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int | None]:
         """Forward `batch`; the sampled token of each sequence whose KV is now complete."""
         inputs = self.prepare(batch)
-        self._batch = batch if self._layer_hooks else None
-        try:
-            logits = self.forward_logits(inputs)
-        finally:
-            self._batch = None
+        plan = self._planner(batch) if self._planner is not None else None
+        if self.before_forward is not None:
+            self.before_forward(inputs, plan)
+        logits = self.forward_with_plan(inputs, plan)
         sampled: list[int | None] = [None] * len(batch.seqs)
         if logits is None:
             return sampled

@@ -6,7 +6,7 @@ plain single-process case and costs nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,6 +18,17 @@ class ParallelGroup:
     rank: int = 0
     size: int = 1
     group: Any = None  # a torch.distributed ProcessGroup when size > 1
+    # MoE layers split experts over the group (and tokens for the all-to-all) instead of
+    # splitting every expert's intermediate dimension.
+    expert_parallel: bool = False
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # Collectives that ran through all_to_all (the EP path), for tests and stats.
+    counters: dict[str, int] = field(default_factory=lambda: {"all_to_all": 0}, compare=False)
+
+    @property
+    def comm_device(self) -> torch.device:
+        """Where collective buffers live: the GPU for NCCL, the CPU for gloo."""
+        return self.device
 
     def shard(self, total: int, what: str) -> int:
         """Size of this rank's equal share of `total` (raises if it does not divide)."""
@@ -36,6 +47,15 @@ class ParallelGroup:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
+
+    def all_to_all(
+        self, x: torch.Tensor, send_counts: list[int], recv_counts: list[int]
+    ) -> torch.Tensor:
+        """Rows of `x` split by `send_counts` go to ranks 0..N-1; returns the rows received."""
+        out = x.new_empty((sum(recv_counts), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=self.group)
+        self.counters["all_to_all"] += 1
+        return out
 
 
 SINGLE = ParallelGroup()

@@ -200,10 +200,32 @@ class SenderStats:
     transfers_failed: int
 
 
+def handle_heads(geometry: PageGeometry, heads: tuple[int, int] | None) -> tuple[int, int]:
+    """The (start, count) of the sender's heads that a receiver holding `heads` needs."""
+    if heads is None:
+        return geometry.head_start, geometry.num_kv_heads
+    start, end = head_overlap(geometry.head_start, geometry.num_kv_heads, *heads)
+    count = end - start
+    if count < 1:
+        raise ValueError(
+            f"the receiver's KV heads [{heads[0]}, {heads[0] + heads[1]}) do not overlap this "
+            f"sender's [{geometry.head_start}, {geometry.head_end})"
+        )
+    return start, count
+
+
 class SendHandle:
     """One outgoing transfer: returned by `KVSender.start`, passed back to its other methods."""
 
-    def __init__(self, endpoint: str, transfer_id: str, token: bytes, num_blocks: int) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        transfer_id: str,
+        token: bytes,
+        num_blocks: int,
+        head_start: int = 0,
+        num_heads: int = 0,
+    ) -> None:
         check_transfer_id(transfer_id)
         check_token(token)
         _check_count("SendHandle", "num_blocks", num_blocks, 1)
@@ -212,6 +234,9 @@ class SendHandle:
         self.raw_id = bytes.fromhex(transfer_id)
         self.token = token
         self.num_blocks = num_blocks
+        # The global KV heads this transfer carries (the sender's heads the receiver holds).
+        self.head_start = head_start
+        self.num_heads = num_heads
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.transfer_id} -> {self.endpoint})"
@@ -280,8 +305,19 @@ class KVSender(ABC):
         self.geometry = geometry
 
     @abstractmethod
-    def start(self, endpoint: str, spec_id: str, token: bytes, num_blocks: int) -> SendHandle:
-        """Begin a transfer of `num_blocks` block indices to the receiver at `endpoint`."""
+    def start(
+        self,
+        endpoint: str,
+        spec_id: str,
+        token: bytes,
+        num_blocks: int,
+        heads: tuple[int, int] | None = None,
+    ) -> SendHandle:
+        """Begin a transfer of `num_blocks` block indices to the receiver at `endpoint`.
+
+        heads: (start, count) of the global KV heads the receiver holds; only this sender's heads
+        inside that range are sent (default: all of them). ValueError if none are.
+        """
 
     @abstractmethod
     def send_layer(

@@ -75,14 +75,20 @@ def stage_layer(
             f"{handle.num_blocks} blocks"
         )
 
+    # Only the heads the receiver holds travel: [lo, hi) of this rank's local heads.
+    lo = handle.head_start - geometry.head_start
+    hi = lo + handle.num_heads
+    if lo != 0 or hi != geometry.num_kv_heads:
+        k, v = k[:, :, lo:hi], v[:, :, lo:hi]
+    if lo < 0 or k.shape[2] != handle.num_heads:  # never let a copy broadcast one head into two
+        raise ValueError(f"{handle!r} carries heads outside the sender's [{lo}, {hi})")
+    shape = (geometry.block_size, handle.num_heads, geometry.head_dim)
     step = blocks_per_frame(geometry, max_frame_bytes)
     on_cuda = k.is_cuda
     frames = []
     for start in range(0, n, step):
         stop = min(start + step, n)
-        payload = torch.empty(
-            (2, stop - start, *expected), dtype=geometry.dtype, pin_memory=on_cuda
-        )
+        payload = torch.empty((2, stop - start, *shape), dtype=geometry.dtype, pin_memory=on_cuda)
         payload[0].copy_(k[start:stop], non_blocking=on_cuda)
         payload[1].copy_(v[start:stop], non_blocking=on_cuda)
         ready = None
@@ -95,8 +101,8 @@ def stage_layer(
             layer=layer,
             first_block=first_block + start,
             num_blocks=stop - start,
-            head_start=geometry.head_start,
-            num_heads=geometry.num_kv_heads,
+            head_start=handle.head_start,
+            num_heads=handle.num_heads,
             block_size=geometry.block_size,
             head_dim=geometry.head_dim,
             dtype_code=DTYPE_CODES[geometry.dtype],

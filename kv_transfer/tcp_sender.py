@@ -29,6 +29,7 @@ from pdmesh.kv_transfer.base import (
     SendHandle,
     TransferError,
     TransferStats,
+    handle_heads,
 )
 from pdmesh.kv_transfer.frame import MAX_FRAME_PAYLOAD, Ack, MalformedFrame, Verdict
 from pdmesh.kv_transfer.staging import StagedFrame, blocks_per_frame, stage_layer
@@ -42,9 +43,15 @@ IDLE_LINK_SECONDS = 300.0  # a socket to an endpoint unused this long is closed
 
 class _TcpHandle(SendHandle):
     def __init__(
-        self, owner: TcpSender, endpoint: str, transfer_id: str, token: bytes, num_blocks: int
+        self,
+        owner: TcpSender,
+        endpoint: str,
+        transfer_id: str,
+        token: bytes,
+        num_blocks: int,
+        heads: tuple[int, int],
     ) -> None:
-        super().__init__(endpoint, transfer_id, token, num_blocks)
+        super().__init__(endpoint, transfer_id, token, num_blocks, *heads)
         self.owner = owner
         self.future: Future[TransferStats] = Future()
         self.ended = False  # caller side: finish() or abort() was called
@@ -96,9 +103,17 @@ class TcpSender(KVSender):
         self._thread.start()
 
     # -- caller side --------------------------------------------------------------------------
-    def start(self, endpoint: str, spec_id: str, token: bytes, num_blocks: int) -> SendHandle:
+    def start(
+        self,
+        endpoint: str,
+        spec_id: str,
+        token: bytes,
+        num_blocks: int,
+        heads: tuple[int, int] | None = None,
+    ) -> SendHandle:
         check_endpoint(endpoint, binding=False)
-        handle = _TcpHandle(self, endpoint, spec_id, token, num_blocks)
+        span = handle_heads(self.geometry, heads)
+        handle = _TcpHandle(self, endpoint, spec_id, token, num_blocks, span)
         key = (endpoint, handle.raw_id)
         with self._lock:
             if self._stop.is_set():

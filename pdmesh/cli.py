@@ -26,6 +26,11 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="MoE experts split over the tensor-parallel ranks (all-to-all) instead of sharded",
+    )
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -42,6 +47,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": not args.no_prefix_caching,
+        "enable_expert_parallel": args.enable_expert_parallel,
         "seed": args.seed,
     }
 
@@ -64,7 +70,7 @@ def _env_defaults(parser: argparse.ArgumentParser) -> None:
         if not action.option_strings or action.dest == "help":
             continue
         value = envs.flag_env(action.dest)
-        if value is None:
+        if not value:  # unset, or set empty (as compose files do for "use the default")
             continue
         if isinstance(action, argparse._StoreTrueAction):
             action.default = value.lower() in ("1", "true", "yes", "on")
@@ -73,7 +79,7 @@ def _env_defaults(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pdmesh import commands
+    from pdmesh import commands, healthcheck
 
     parser = argparse.ArgumentParser(
         prog="pdmesh", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -83,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_up(sub)
     commands.add_services(sub)
     commands.add_bench(sub)
+    healthcheck.add_healthcheck(sub)
     _env_defaults(parser)
     return parser
 

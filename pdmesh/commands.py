@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 from typing import Any
 
 from pdmesh.cli import engine_args, engine_options, sampling_args
@@ -73,6 +72,18 @@ def add_up(sub: Any) -> None:
     u.add_argument("--prefill", type=int, default=1, help="prefill workers")
     u.add_argument("--decode", type=int, default=1, help="decode workers")
     u.add_argument(
+        "--prefill-tp",
+        type=int,
+        default=None,
+        help="tensor-parallel size of each prefill worker (default: --tensor-parallel-size)",
+    )
+    u.add_argument(
+        "--decode-tp",
+        type=int,
+        default=None,
+        help="tensor-parallel size of each decode worker (default: --tensor-parallel-size)",
+    )
+    u.add_argument(
         "--colocated",
         action="store_true",
         help="no prefill pool: decode workers do both phases (the baseline)",
@@ -123,6 +134,7 @@ def add_services(sub: Any) -> None:
     d.add_argument("--kv-advertise", default=None, help="host prefill workers push KV to")
     d.add_argument("--prefill-failure-policy", default="recompute", help="recompute | fail")
     d.add_argument("--kv-timeout", type=float, default=30.0)
+    d.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics; 0: off")
     engine_args(d)
     d.set_defaults(func=cmd_decode)
 
@@ -131,8 +143,13 @@ def add_services(sub: Any) -> None:
     p.add_argument("--port", type=int, default=50071)
     p.add_argument("--kv-transport", default="tcp")
     p.add_argument("--kv-send-timeout", type=float, default=30.0)
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics; 0: off")
     engine_args(p)
     p.set_defaults(func=cmd_prefill)
+
+
+def _metrics_bind(args: argparse.Namespace) -> str | None:
+    return f"{args.host}:{args.metrics_port}" if args.metrics_port else None
 
 
 def _addresses(value: str) -> tuple[str, ...]:
@@ -172,6 +189,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
         kv_advertise=args.kv_advertise,
         prefill_failure_policy=args.prefill_failure_policy,
         kv_timeout_s=args.kv_timeout,
+        metrics_bind=_metrics_bind(args),
     )
     asyncio.run(serve(config))
     return 0
@@ -187,6 +205,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
         bind=f"{args.host}:{args.port}",
         kv_transport=args.kv_transport,
         kv_send_timeout_s=args.kv_send_timeout,
+        metrics_bind=_metrics_bind(args),
     )
     asyncio.run(serve(config))
     return 0
@@ -200,17 +219,57 @@ def add_bench(sub: Any) -> None:
         "--offline", action="store_true", help="the engine in this process vs transformers"
     )
     mode.add_argument("--target", help="a serving benchmark against a router at HOST:PORT")
+    mode.add_argument(
+        "--relay", action="store_true", help="the router's relay capacity, fed by token sources"
+    )
     b.add_argument("--num-requests", type=int, default=32)
     b.add_argument("--json-out", default=None, help="write the figures as JSON here")
     b.add_argument("--skip-peer", action="store_true", help="do not run transformers")
+
+    s = b.add_argument_group("serving (--target)")
+    s.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="req/s; inf: all at once"
+    )
+    s.add_argument(
+        "--arrivals", default="poisson", choices=("poisson", "constant"), help="inter-arrival times"
+    )
+    s.add_argument("--concurrency", type=int, default=None, help="at most this many in flight")
+    s.add_argument("--input-len", type=int, default=256, help="mean prompt tokens")
+    s.add_argument(
+        "--output-len", type=int, default=None, help="mean output tokens (128; relay 512)"
+    )
+    s.add_argument(
+        "--range-ratio", type=float, default=0.0, help="lengths uniform in len * [1-r, 1+r]"
+    )
+    s.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT at most this")
+    s.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT at most this")
+    s.add_argument("--plot", default=None, help="write latency CDFs to this PNG (matplotlib)")
+    s.add_argument(
+        "--peer-offline",
+        action="store_true",
+        help="also run the same requests on the offline engine in this process",
+    )
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    r = b.add_argument_group("relay (--relay)")
+    r.add_argument("--clients", type=int, default=256, help="concurrent streaming clients")
+    r.add_argument("--sources", type=int, default=2, help="token-source processes")
+    r.add_argument("--duration", type=float, default=20.0, help="measured seconds")
+    r.add_argument("--warmup", type=float, default=3.0, help="seconds before measuring")
+    r.add_argument("--step-ms", type=float, default=1.0, help="token-source step interval")
     engine_args(b)
     b.set_defaults(func=cmd_bench)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.target:
-        print("pdmesh bench --target: the serving benchmark is not installed", file=sys.stderr)
-        return 2
+        from pdmesh.bench.serving import run_serving_bench
+
+        return run_serving_bench(args)
+    if args.relay:
+        from pdmesh.bench.relay import run_relay_bench
+
+        return run_relay_bench(args)
     from pdmesh.bench.offline import run_offline_bench
 
     return run_offline_bench(args)

@@ -34,3 +34,49 @@ def num_threads() -> int | None:
 def flag_env(dest: str) -> str | None:
     """The PDMESH_<DEST> variable that stands for a command-line flag, if set."""
     return os.environ.get(f"PDMESH_{dest.upper()}")
+
+
+def tp_spec() -> str:
+    """PDMESH_TP_SPEC: the JSON a tensor-parallel follower rank is started with (set by rank 0)."""
+    value = os.environ.get("PDMESH_TP_SPEC")
+    if not value:
+        raise RuntimeError("PDMESH_TP_SPEC is not set: followers are started by their rank 0")
+    return value
+
+
+# -- OpenTelemetry: the standard OTEL_* variables, read here so pdmesh decides whether to trace --
+def otel_traces_exporters() -> tuple[str, ...]:
+    """The span exporters the standard variables ask for; () means tracing is off.
+
+    OTEL_SDK_DISABLED=true turns tracing off; OTEL_TRACES_EXPORTER names exporters ('otlp',
+    'console', 'none'); without it, an OTLP endpoint (OTEL_EXPORTER_OTLP_ENDPOINT or
+    OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) means 'otlp'. Nothing set: off.
+    """
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return ()
+    names = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if names:
+        chosen = tuple(n.strip() for n in names.split(",") if n.strip() and n.strip() != "none")
+    elif os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT"
+    ):
+        chosen = ("otlp",)
+    else:
+        chosen = ()
+    for name in chosen:
+        if name not in ("otlp", "console"):
+            raise ValueError(f"OTEL_TRACES_EXPORTER must be otlp, console or none, got {name!r}")
+    return chosen
+
+
+def otel_otlp_traces_protocol() -> str:
+    """OTEL_EXPORTER_OTLP_TRACES_PROTOCOL or OTEL_EXPORTER_OTLP_PROTOCOL: 'grpc' (default, the
+    Python SDK's) or 'http/protobuf'."""
+    value = (
+        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or "grpc"
+    ).strip()
+    if value not in ("grpc", "http/protobuf"):
+        raise ValueError(f"the OTLP protocol must be grpc or http/protobuf, got {value!r}")
+    return value

@@ -29,6 +29,7 @@ class Child:
     name: str
     address: str
     proc: subprocess.Popen[bytes]
+    metrics: str | None = None  # its Prometheus endpoint
 
 
 def free_port(host: str) -> int:
@@ -62,14 +63,33 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
             flags += [f"--{name.replace('_', '-')}", str(value)]
     if args.no_prefix_caching:
         flags.append("--no-prefix-caching")
+    if args.enable_expert_parallel:
+        flags.append("--enable-expert-parallel")
     return flags
 
 
-def spawn(name: str, argv: list[str], address: str) -> Child:
+def _with_tp(engine: list[str], size: int | None) -> list[str]:
+    """The engine flags with one pool's tensor-parallel size (the last flag wins in argparse)."""
+    return [*engine, "--tensor-parallel-size", str(size)] if size else engine
+
+
+def spawn(name: str, argv: list[str], address: str, metrics: str | None = None) -> Child:
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdmesh.cli", *argv], preexec_fn=_die_with_parent
     )
-    return Child(name, address, proc)
+    return Child(name, address, proc, metrics)
+
+
+def spawn_worker(role: str, index: int, host: str, engine: list[str]) -> Child:
+    """A prefill or decode worker on free ports, with its /metrics endpoint."""
+    port, metrics_port = free_port(host), free_port(host)
+    argv = [role, "--host", host, "--port", str(port), "--metrics-port", str(metrics_port)]
+    return spawn(
+        f"{role}-{index}",
+        [*argv, *engine],
+        f"{host}:{port}",
+        f"http://{host}:{metrics_port}/metrics",
+    )
 
 
 def start_mesh(args: argparse.Namespace) -> list[Child]:
@@ -79,19 +99,11 @@ def start_mesh(args: argparse.Namespace) -> list[Child]:
     prefill: list[str] = []
     decode: list[str] = []
     for i in range(0 if args.colocated else args.prefill):
-        port = free_port(host)
-        addr = f"{host}:{port}"
-        children.append(
-            spawn(f"prefill-{i}", ["prefill", "--host", host, "--port", str(port), *engine], addr)
-        )
-        prefill.append(addr)
+        children.append(spawn_worker("prefill", i, host, _with_tp(engine, args.prefill_tp)))
+        prefill.append(children[-1].address)
     for i in range(args.decode):
-        port = free_port(host)
-        addr = f"{host}:{port}"
-        children.append(
-            spawn(f"decode-{i}", ["decode", "--host", host, "--port", str(port), *engine], addr)
-        )
-        decode.append(addr)
+        children.append(spawn_worker("decode", i, host, _with_tp(engine, args.decode_tp)))
+        decode.append(children[-1].address)
     router = [
         "router",
         "--host",
@@ -176,9 +188,10 @@ def run_up(args: argparse.Namespace) -> int:
         wait_ready(target, n_prefill, args.decode, children, args.ready_timeout)
         print(f"pdmesh is up: gRPC {target} (pdmesh.v1.Generation)", flush=True)
         if args.http_port:
-            print(f"  OpenAI-compatible HTTP: http://{args.host}:{args.http_port}/v1", flush=True)
+            base = f"http://{args.host}:{args.http_port}"
+            print(f"  OpenAI-compatible HTTP: {base}/v1, metrics {base}/metrics", flush=True)
         for c in children[:-1]:
-            print(f"  {c.name}: {c.address} (pid {c.proc.pid})", flush=True)
+            print(f"  {c.name}: {c.address} (pid {c.proc.pid}), metrics {c.metrics}", flush=True)
         if args.ask:
             print(f"Q: {args.ask}\nA: {ask(target, args.ask)}", flush=True)
         print("Ctrl-C stops everything.", flush=True)

@@ -1,7 +1,10 @@
 """A sparse MoE block: a replicated router and SwiGLU experts stacked in two tensors.
 
 Without expert parallelism every rank holds every expert, with the expert MLPs' intermediate
-dimension split across the tensor-parallel group (partial sums all-reduced).
+dimension split across the tensor-parallel group (partial sums all-reduced). With expert
+parallelism each rank holds E / N whole experts: the tokens (the same on every rank) are split
+across ranks, each (token, expert) pair is sent with all-to-all to the rank holding its expert,
+computed there, sent back with all-to-all, combined, and the token slices all-gathered.
 """
 
 from __future__ import annotations
@@ -33,9 +36,20 @@ class FusedMoE(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.tp = tp
-        self.inter_local = tp.shard(intermediate_size, "MoE intermediate size")
-        self.first_expert = 0
-        self.num_local_experts = num_experts
+        if tp.expert_parallel and tp.size > 1:
+            if num_experts % tp.size:
+                valid = [n for n in range(1, num_experts + 1) if num_experts % n == 0]
+                raise ValueError(
+                    f"expert parallelism over {tp.size} ranks needs the {num_experts} experts to "
+                    f"divide evenly; valid sizes: {', '.join(map(str, valid))}."
+                )
+            self.inter_local = intermediate_size
+            self.num_local_experts = num_experts // tp.size
+            self.first_expert = tp.rank * self.num_local_experts
+        else:
+            self.inter_local = tp.shard(intermediate_size, "MoE intermediate size")
+            self.num_local_experts = num_experts
+            self.first_expert = 0
         self.gate = ReplicatedLinear(hidden_size, num_experts)
         e, i, h = self.num_local_experts, self.inter_local, hidden_size
         self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)  # [E, 2I, H]
@@ -51,7 +65,9 @@ class FusedMoE(nn.Module):
         """shard_id: (expert, part) for per-expert matrices, (None, part) for tensors stacked
         over experts as transformers 5 stores them ("gate_up" [E, 2I, H], "down" [E, H, I])."""
         expert, part = shard_id
-        i, rank = self.inter_local, self.tp.rank
+        # Under expert parallelism whole experts are held, so the intermediate dim is not split.
+        i = self.inter_local
+        rank = 0 if self.num_local_experts < self.num_experts else self.tp.rank
         if expert is None:
             local = loaded.narrow(0, self.first_expert, self.num_local_experts)
             if part == "gate_up":
@@ -72,7 +88,49 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> [T, H]
+        if self.tp.expert_parallel and self.tp.size > 1:
+            return self._forward_expert_parallel(x)
         weights, ids = moe_route(self.gate(x), self.top_k, self.renormalize)
         self.expert_counts += count_expert_tokens(ids, self.num_experts)
         out = moe_experts(x, self.w13_weight, self.w2_weight, weights, ids, self.first_expert)
         return self.tp.all_reduce(out)
+
+    def _forward_expert_parallel(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.tp
+        num_tokens, hidden = x.shape
+        per_rank = -(-num_tokens // g.size)
+        lo = min(g.rank * per_rank, num_tokens)
+        mine = x[lo : min(lo + per_rank, num_tokens)]  # [t, H]: this rank's slice of the tokens
+        t, k = mine.shape[0], self.top_k
+        weights, ids = moe_route(self.gate(mine), k, self.renormalize)  # [t, k]
+        self.expert_counts += count_expert_tokens(ids, self.num_experts)
+        # Pairs (token, slot) sorted by the rank that holds their expert.
+        pair_ids = ids.flatten()
+        dest = torch.div(pair_ids, self.num_local_experts, rounding_mode="floor")
+        order = torch.argsort(dest, stable=True)
+        send_counts = torch.bincount(dest, minlength=g.size)
+        recv_counts = g.all_to_all(send_counts, [1] * g.size, [1] * g.size)
+        send, recv = send_counts.tolist(), recv_counts.tolist()
+        tokens = torch.arange(t, device=x.device).repeat_interleave(k)[order]
+        meta = torch.stack((pair_ids[order].float(), weights.flatten()[order].float()), dim=1)
+        recv_x = g.all_to_all(mine[tokens], send, recv)  # [R, H]
+        recv_meta = g.all_to_all(meta, send, recv)  # [R, 2]: expert id, routing weight
+        # Each received row is one pair: weight * expert(x) for an expert held here.
+        done = moe_experts(
+            recv_x,
+            self.w13_weight,
+            self.w2_weight,
+            recv_meta[:, 1:2],
+            recv_meta[:, 0:1].long(),
+            self.first_expert,
+        )
+        back = g.all_to_all(done, recv, send)  # [t * k, H] in `order`
+        contrib = torch.empty_like(back)
+        contrib[order] = back
+        # Sum each token's experts in ascending expert order, as Hugging Face does.
+        slots = ids.argsort(dim=1)
+        contrib = contrib.view(t, k, hidden).gather(1, slots.unsqueeze(-1).expand(t, k, hidden))
+        out_mine = x.new_zeros(per_rank, hidden)
+        for j in range(k):
+            out_mine[:t] += contrib[:, j]
+        return g.all_gather(out_mine, dim=0)[:num_tokens]

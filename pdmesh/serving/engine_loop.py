@@ -52,6 +52,15 @@ class EngineLoop:
         self._commands.put(None)
         self._thread.join(timeout)
 
+    def fail(self, reason: str) -> None:
+        """Declare the engine dead from any thread (a tensor-parallel rank died): the service
+        goes down even if the engine thread is stuck in a collective with the dead rank."""
+        log.error("engine failed: %s", reason)
+        self._stopped.set()
+        self._commands.put(None)
+        if self._on_fatal is not None:
+            self._on_fatal(RuntimeError(reason))
+
     def call(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
         """Run `fn(engine)` on the engine thread before its next step."""
         future: Future[T] = Future()

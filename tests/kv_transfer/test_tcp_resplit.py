@@ -91,3 +91,41 @@ def test_overlapping_head_ranges_write_only_the_intersection(
     # receiver local head 0 = global head 2 = sender local head 1
     assert torch.equal(rx.cache[:, :, DST_BLOCKS, :, 0], source[:, :, SRC_BLOCKS, :, 1])
     assert bool((rx.cache[:, :, :, :, 1] == sentinel).all())
+
+
+def test_sender_ships_only_the_heads_each_receiver_holds() -> None:
+    """A 4-head sender feeding receivers of heads [0, 2) and [2, 4) sends each half once."""
+    from pdmesh.kv_transfer import create_receiver, create_sender
+
+    geo = dict(num_layers=1, block_size=4, head_dim=8, dtype=torch.float32)
+    src = PageGeometry(num_kv_heads=4, head_start=0, **geo)
+    halves = [PageGeometry(num_kv_heads=2, head_start=h, **geo) for h in (0, 2)]
+    cache = torch.randn(src.cache_shape(3))
+    dest_caches = [torch.zeros(g.cache_shape(3)) for g in halves]
+    receivers = [
+        create_receiver("tcp", c, g, "tcp://127.0.0.1:0")
+        for c, g in zip(dest_caches, halves, strict=True)
+    ]
+    sender = create_sender("tcp", src)
+    try:
+        spec = TransferSpec.new([1, 2], 0, 2)
+        futures, handles = [], []
+        for g, rx in zip(halves, receivers, strict=True):
+            s = TransferSpec(spec.transfer_id, spec.token, (1, 2), g.head_start, 2)
+            futures.append(rx.expect(s, timeout=10))
+            handles.append(sender.start(rx.endpoint, s.transfer_id, s.token, 2, (g.head_start, 2)))
+        for h in handles:
+            sender.send_layer(h, 0, 0, cache[0, 0, :2], cache[0, 1, :2])
+        for h in handles:
+            sender.finish(h, timeout=10)
+        per_half = 2 * 2 * 4 * 2 * 8 * 4  # K+V x blocks x tokens x heads x dims x 4 bytes
+        for g, dest, f in zip(halves, dest_caches, futures, strict=True):
+            assert f.result(timeout=10).bytes == per_half
+            lo = g.head_start
+            # Source blocks 0..1 land in destination blocks 1..2, heads lo..lo+2.
+            assert torch.equal(dest[0, :, 1:3], cache[0, :, 0:2, :, lo : lo + 2])
+        assert sender.stats.bytes_sent == 2 * per_half
+    finally:
+        sender.close()
+        for rx in receivers:
+            rx.close()

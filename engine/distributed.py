@@ -1,0 +1,128 @@
+"""Process groups for a tensor-parallel worker, and moving bytes between its ranks.
+
+Rank 0 drives; the other ranks follow. Everything crosses as raw tensors (ints, bytes of JSON),
+never pickle: `broadcast_bytes` / `gather_bytes` frame a byte string as a length then a uint8
+tensor.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pdmesh.engine.parallel import ParallelGroup
+
+# Followers wait idle in a broadcast for as long as rank 0 has nothing to do; a dead peer is
+# noticed by process monitoring, not by collective timeouts.
+IDLE_TIMEOUT = datetime.timedelta(days=7)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_group(
+    rank: int, size: int, init_method: str, device: torch.device, expert_parallel: bool
+) -> ParallelGroup:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend_for(device),
+        init_method=init_method,
+        rank=rank,
+        world_size=size,
+        timeout=IDLE_TIMEOUT,
+    )
+    return ParallelGroup(
+        rank, size, dist.group.WORLD, expert_parallel=expert_parallel, device=device
+    )
+
+
+def valid_tp_sizes(num_heads: int, num_kv_heads: int) -> list[int]:
+    """Sizes that split the query heads evenly and the KV heads evenly or by replication."""
+    return [
+        n
+        for n in range(1, num_heads + 1)
+        if num_heads % n == 0 and (num_kv_heads % n == 0 or n % num_kv_heads == 0)
+    ]
+
+
+def check_tp_size(size: int, num_heads: int, num_kv_heads: int) -> None:
+    valid = valid_tp_sizes(num_heads, num_kv_heads)
+    if size not in valid:
+        raise ValueError(
+            f"tensor_parallel_size {size} does not fit this model's {num_heads} attention heads "
+            f"and {num_kv_heads} KV heads; valid sizes: {', '.join(map(str, valid))}."
+        )
+
+
+def broadcast_ints(values: list[int] | None, n: int, group: ParallelGroup) -> list[int]:
+    """Rank 0's `n` ints to every rank."""
+    t = torch.zeros(n, dtype=torch.int64, device=group.comm_device)
+    if group.rank == 0:
+        assert values is not None and len(values) <= n
+        t[: len(values)] = torch.tensor(values, dtype=torch.int64)
+    dist.broadcast(t, 0, group=group.group)
+    return t.tolist()
+
+
+def broadcast_tensor(
+    t: torch.Tensor | None, numel: int, dtype: torch.dtype, group: ParallelGroup
+) -> torch.Tensor:
+    """Rank 0's flat tensor to every rank (the others allocate `numel` of `dtype`)."""
+    if group.rank == 0:
+        assert t is not None
+        buf = t.to(group.comm_device).contiguous()
+    else:
+        buf = torch.empty(numel, dtype=dtype, device=group.comm_device)
+    if numel:
+        dist.broadcast(buf, 0, group=group.group)
+    return buf
+
+
+def broadcast_bytes(data: bytes | None, group: ParallelGroup) -> bytes:
+    (n,) = broadcast_ints([len(data)] if data is not None else None, 1, group)
+    src = torch.frombuffer(bytearray(data), dtype=torch.uint8) if group.rank == 0 and n else None
+    if group.rank == 0 and not n:
+        src = torch.empty(0, dtype=torch.uint8)
+    return bytes(broadcast_tensor(src, n, torch.uint8, group).cpu().numpy())
+
+
+def gather_bytes(data: bytes, group: ParallelGroup) -> list[bytes]:
+    """Every rank's bytes, on every rank (rank order)."""
+    dev = group.comm_device
+    n = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+    lens = [torch.zeros_like(n) for _ in range(group.size)]
+    dist.all_gather(lens, n, group=group.group)
+    sizes = [int(x.item()) for x in lens]
+    width = max(sizes) or 1
+    mine = torch.zeros(width, dtype=torch.uint8, device=dev)
+    if data:
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+    parts = [torch.empty_like(mine) for _ in range(group.size)]
+    dist.all_gather(parts, mine, group=group.group)
+    return [bytes(p[:s].cpu().numpy()) for p, s in zip(parts, sizes, strict=True)]
+
+
+def all_reduce_min(value: int, group: ParallelGroup) -> int:
+    t = torch.tensor([value], dtype=torch.int64, device=group.comm_device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group.group)
+    return int(t.item())
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+Jsonable = dict[str, Any]

@@ -1,0 +1,105 @@
+"""Pushing a prompt's KV blocks layer by layer, on every rank of a prefill worker.
+
+Rank 0 plans each step: for every prompt in the batch with a transfer, the prompt blocks whose
+K/V this step completes. The plan (flat int64: job, first transfer block, n, then n block ids,
+repeated) travels with the step to every rank; after each layer, each rank sends its own KV
+heads of those blocks to the decode ranks that hold them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pdmesh.engine.kv_layout import kv_heads
+from pdmesh.engine.model_runner import ModelRunner
+from pdmesh.kv_transfer import PageGeometry, SendHandle, TransferError, TransferStats, create_sender
+from pdmesh.logger import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    address: str
+    head_start: int
+    num_heads: int
+
+
+@dataclass
+class Job:
+    handles: list[SendHandle]
+    broken: bool = False
+    stats: list[TransferStats] = field(default_factory=list)
+
+
+class KVPusher:
+    def __init__(self, runner: ModelRunner, transport: str) -> None:
+        spec = runner.kv_spec
+        self.heads = kv_heads(runner)
+        self.geometry = PageGeometry(
+            num_layers=spec.num_layers,
+            block_size=spec.block_size,
+            num_kv_heads=self.heads.count,
+            head_start=self.heads.start,
+            head_dim=spec.head_dim,
+            dtype=spec.dtype,
+        )
+        self.cache = runner.kv_cache.data  # [L, 2, NB, BS, Hkv_local, D]
+        self.sender = create_sender(transport, self.geometry)
+        self.jobs: dict[int, Job] = {}
+        runner.add_layer_hook(self.push_layer)
+
+    def start(
+        self,
+        job_id: int,
+        transfer_id: str,
+        token: bytes,
+        num_blocks: int,
+        endpoints: list[Endpoint],
+    ) -> None:
+        handles: list[SendHandle] = []
+        if self.heads.sends:
+            lo, hi = self.heads.start, self.heads.start + self.heads.count
+            for e in endpoints:
+                if e.head_start < hi and lo < e.head_start + e.num_heads:
+                    heads = (e.head_start, e.num_heads)
+                    handles.append(
+                        self.sender.start(e.address, transfer_id, token, num_blocks, heads)
+                    )
+        self.jobs[job_id] = Job(handles)
+
+    def push_layer(self, layer: int, plan: torch.Tensor) -> None:
+        items = plan.tolist() if plan.numel() else []
+        i = 0
+        while i < len(items):
+            job_id, offset, n = items[i], items[i + 1], items[i + 2]
+            ids = items[i + 3 : i + 3 + n]
+            i += 3 + n
+            job = self.jobs.get(job_id)
+            if job is None or job.broken or not job.handles:
+                continue
+            k = self.cache[layer, 0, ids]  # [n, BS, Hkv_local, D]
+            v = self.cache[layer, 1, ids]
+            try:
+                for handle in job.handles:
+                    self.sender.send_layer(handle, layer, offset, k, v)
+            except (TransferError, ValueError) as e:
+                # A broken transfer must never stop the forward; finish() reports it.
+                log.warning("KV push of job %d stopped: %s", job_id, e)
+                job.broken = True
+
+    def finish(self, job_id: int, timeout_s: float) -> list[TransferStats]:
+        job = self.jobs.pop(job_id)
+        return [self.sender.finish(h, timeout_s) for h in job.handles]
+
+    def abort(self, job_id: int) -> None:
+        job = self.jobs.pop(job_id, None)
+        for h in job.handles if job is not None else ():
+            self.sender.abort(h)
+
+    def close(self) -> None:
+        for job_id in list(self.jobs):
+            self.abort(job_id)
+        self.sender.close()
