@@ -22,6 +22,7 @@ from pdmesh.router.config import RouterConfig
 from pdmesh.router.decode_link import DecodeLink, LinkLost
 from pdmesh.router.policies import DispatchPolicy, PromptInfo
 from pdmesh.router.registry import WorkerRegistry
+from pdmesh.router.stream_pacing import StreamPacer
 from pdmesh.serving.convert import FINISH_FROM_PB, sampling_to_pb
 from pdmesh.serving.errors import ServiceError
 from pdmesh.v1 import worker_pb2
@@ -72,6 +73,7 @@ class Router:
         self.router_id = f"router-{uuid.uuid4().hex[:8]}"
         self.links = {w.address: DecodeLink(w, self.router_id) for w in registry.by_role("decode")}
         self._background: set[asyncio.Task[Any]] = set()
+        self.pacer = StreamPacer()
 
     def start(self) -> None:
         self.registry.start()
@@ -136,6 +138,7 @@ class Router:
             p.inflight_blocks += decision.prefill_miss_blocks
         prefill_pending = p is not None
         finished = False
+        self.pacer.open += 1
         try:
             request = worker_pb2.DecodeRequest(
                 request_id=inp.request_id,
@@ -154,8 +157,15 @@ class Router:
             d.index.insert(prompt.block_hashes)
             if p is not None:
                 p.index.insert(prompt.block_hashes)
+            loop = asyncio.get_running_loop()
+            sent_at: float | None = None  # when the last message went out
             while True:
-                chunk = _merge(inp.request_id, await _take_all(queue))
+                if sent_at is not None:
+                    # Under load, let tokens gather rather than send one message per step.
+                    wait = sent_at + self.pacer.interval() - loop.time()
+                    if wait > 0:
+                        await asyncio.sleep(wait)
+                chunk = _merge(inp.request_id, await queue.take_all())
                 if prefill_pending and chunk.token_ids and p is not None:
                     p.inflight_blocks -= decision.prefill_miss_blocks
                     prefill_pending = False
@@ -164,7 +174,9 @@ class Router:
                 yield chunk
                 if finished:
                     return
+                sent_at = loop.time()
         finally:
+            self.pacer.open -= 1
             link.unregister(inp.request_id)
             d.inflight_blocks -= prompt.num_blocks
             if prefill_pending and p is not None:
@@ -184,29 +196,25 @@ class Router:
             log.debug("abort of %s failed: %s", request_id, e.code())
 
 
-async def _take_all(queue: asyncio.Queue[Any]) -> list[Any]:
-    """The next item, plus everything else already queued (merged into one message)."""
-    items = [await queue.get()]
-    while not queue.empty():
-        items.append(queue.get_nowait())
-    return items
-
-
 def _merge(request_id: str, items: list[Any]) -> Chunk:
-    chunk = Chunk(request_id, [], "", None)
+    """One chunk from a request's pending deltas (this runs once per token: kept lean)."""
+    token_ids: list[int] = []
+    texts: list[str] = []
+    chunk = Chunk(request_id, token_ids, "", None)
     for item in items:
-        if isinstance(item, LinkLost):
+        if item.__class__ is LinkLost:
             raise ServiceError(
                 grpc.StatusCode.UNAVAILABLE,
                 f"decode worker {item.address} was lost mid-request ({item.detail}).",
             )
-        if item.error_code:
-            status = _STATUS_BY_NUMBER.get(item.error_code, grpc.StatusCode.UNKNOWN)
-            raise ServiceError(status, item.error_message or status.name)
-        chunk.token_ids.extend(item.token_ids)
-        chunk.text += item.text
-        if item.finish_reason:
+        token_ids += item.token_ids
+        texts.append(item.text)
+        if item.finish_reason or item.error_code:
+            if item.error_code:
+                status = _STATUS_BY_NUMBER.get(item.error_code, grpc.StatusCode.UNKNOWN)
+                raise ServiceError(status, item.error_message or status.name)
             chunk.finish_reason = FINISH_FROM_PB[item.finish_reason]
             chunk.usage = item.usage
             chunk.timings = item.timings
+    chunk.text = "".join(texts)
     return chunk

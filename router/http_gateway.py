@@ -1,0 +1,296 @@
+"""OpenAI-compatible HTTP gateway on the router (aiohttp): completions, chat completions (SSE
+streaming), models, health and Prometheus metrics.
+
+Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: bad input is 400
+naming the field; ServiceError codes map to 429 (with Retry-After), 503, 504, else 500. A client
+that disconnects cancels its handler (handler_cancellation), which closes the router's generator,
+which aborts the request on its decode worker and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing, suppress
+from typing import Any
+
+import grpc
+from aiohttp import web
+
+from pdmesh.logger import get_logger
+from pdmesh.router import metrics
+from pdmesh.router.core import Chunk, GenerationInput, Router
+from pdmesh.router.openai_protocol import OpenAIRequest, RequestError, parse_chat, parse_completion
+from pdmesh.router.openai_responses import (
+    ChunkWriter,
+    ResponseHead,
+    UsageCounts,
+    error_body,
+    full_body,
+    model_card,
+    models_body,
+)
+from pdmesh.serving.errors import ServiceError
+
+log = get_logger(__name__)
+
+MAX_BODY_BYTES = 8 * 1024 * 1024  # a prompt of ~2M tokens: far past any model's context
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+CLIENT_CLOSED = "499"  # nginx's code for "the client went away first"
+HTTP_BY_GRPC = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",  # proxies must pass each event on at once
+}
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def error_response(status: int, message: str, param: str | None = None) -> web.Response:
+    headers = {"Retry-After": "1"} if status == 429 else None
+    return web.json_response(error_body(status, message, param), status=status, headers=headers)
+
+
+def status_of(exc: Exception) -> tuple[int, str, str | None]:
+    """(HTTP status, message, param) for an exception raised while serving a request."""
+    if isinstance(exc, RequestError):
+        return 400, str(exc), exc.param
+    if isinstance(exc, ValueError):
+        return 400, str(exc), None
+    if isinstance(exc, ServiceError):
+        return HTTP_BY_GRPC.get(exc.code, 500), str(exc), None
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        return 413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB.", None
+    log.exception("internal error in the HTTP gateway", exc_info=exc)
+    return 500, f"internal error: {type(exc).__name__}: {exc}", None
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """aiohttp's own errors (404, 405, 413) in OpenAI's error body."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        metrics.count_request("other", str(e.status))
+        return error_response(e.status, f"{e.reason}: {request.method} {request.path}")
+
+
+async def read_json(request: web.Request) -> Any:
+    raw = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge (413)
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"the request body is not valid JSON: {e}.") from None
+
+
+class Gateway:
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.created = int(time.time())
+
+    # -- generation ---------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, COMPLETIONS)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, CHAT)
+
+    async def _serve(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        record = metrics.RequestRecorder(endpoint)
+        try:
+            body = await read_json(request)
+            req = parse_chat(body) if endpoint == CHAT else parse_completion(body)
+            inp = self._input(req)
+            record.prompt(len(inp.prompt))
+            head = ResponseHead(
+                inp.request_id, int(time.time()), self.router.model_name, endpoint == CHAT
+            )
+            async with aclosing(self.router.generate(inp)) as chunks:
+                # The first chunk comes before any header, so errors that happen before the
+                # first token (no worker, a refused submit) are still proper HTTP statuses.
+                first = await anext(chunks)
+                if req.stream:
+                    return await self._stream(
+                        request, req, head, len(inp.prompt), first, chunks, record
+                    )
+                return await self._whole(head, len(inp.prompt), first, chunks, record)
+        except asyncio.CancelledError:
+            record.done(CLIENT_CLOSED)
+            raise
+        except Exception as exc:
+            status, message, param = status_of(exc)
+            record.done(str(status))
+            return error_response(status, message, param)
+
+    def _input(self, req: OpenAIRequest) -> GenerationInput:
+        r = self.router
+        try:
+            r.check_model(req.model)
+        except ValueError as e:
+            raise RequestError(str(e), "model") from None
+        field = "messages" if req.chat else "prompt"
+        try:
+            if req.prompt.messages is not None:
+                prompt = r.tokenize_chat(req.prompt.messages)
+            elif req.prompt.text is not None:
+                prompt = r.tokenize(req.prompt.text)
+            else:
+                prompt = list(req.prompt.token_ids or ())
+            r.check_prompt(prompt)
+        except ValueError as e:
+            raise RequestError(str(e), field) from None
+        prefix = "chatcmpl-" if req.chat else "cmpl-"
+        params = req.params(len(prompt), r.max_model_len)
+        return GenerationInput(f"{prefix}{uuid.uuid4().hex}", prompt, params)
+
+    async def _whole(
+        self,
+        head: ResponseHead,
+        prompt_len: int,
+        first: Chunk,
+        chunks: AsyncIterator[Chunk],
+        record: metrics.RequestRecorder,
+    ) -> web.Response:
+        texts: list[str] = []
+        chunk = first
+        while True:
+            record.tokens(len(chunk.token_ids))
+            texts.append(chunk.text)
+            if chunk.finish_reason is not None:
+                break
+            chunk = await anext(chunks)
+        usage = usage_of(chunk, prompt_len, record.completion_tokens)
+        record.done("200")
+        return web.json_response(full_body(head, "".join(texts), chunk.finish_reason, usage))
+
+    async def _stream(
+        self,
+        request: web.Request,
+        req: OpenAIRequest,
+        head: ResponseHead,
+        prompt_len: int,
+        first: Chunk,
+        chunks: AsyncIterator[Chunk],
+        record: metrics.RequestRecorder,
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        writer = ChunkWriter(head, req.include_usage)
+        status = "200"
+        try:
+            if req.chat:
+                await response.write(writer.role())
+            chunk = first
+            while True:
+                record.tokens(len(chunk.token_ids))
+                if chunk.text:
+                    await response.write(writer.text(chunk.text, None))
+                if chunk.finish_reason is not None:
+                    # OpenAI ends with a chunk of its own carrying only the finish reason.
+                    await response.write(writer.text("", chunk.finish_reason))
+                    break
+                chunk = await anext(chunks)
+            if req.include_usage:
+                usage = usage_of(chunk, prompt_len, record.completion_tokens)
+                await response.write(writer.usage(usage))
+        except ConnectionResetError:
+            # The client left; leaving this function closes the generator, which aborts.
+            record.done(CLIENT_CLOSED)
+            return response
+        except Exception as exc:  # the headers are sent: the error goes out as an event
+            code, message, _ = status_of(exc)
+            status = str(code)
+            await _write_quietly(response, ChunkWriter.error(code, message))
+        await _write_quietly(response, ChunkWriter.DONE)
+        record.done(status)
+        return response
+
+    # -- the rest -----------------------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        r = self.router
+        metrics.count_request("/v1/models", "200")
+        return web.json_response(models_body(r.model_name, self.created, r.max_model_len))
+
+    async def model(self, request: web.Request) -> web.Response:
+        r = self.router
+        name = request.match_info["model"]
+        if name != r.model_name:
+            metrics.count_request("/v1/models", "404")
+            return error_response(
+                404, f"model {name!r} does not exist; this mesh serves {r.model_name!r}.", "model"
+            )
+        metrics.count_request("/v1/models", "200")
+        return web.json_response(model_card(r.model_name, self.created, r.max_model_len))
+
+    async def health(self, request: web.Request) -> web.Response:
+        r = self.router
+        decode = len(r.registry.healthy("decode"))
+        body = {
+            "status": "ok" if decode else "unavailable",
+            "model": r.model_name,
+            "decode_workers": decode,
+            "prefill_workers": len(r.registry.healthy("prefill")),
+        }
+        return web.json_response(body, status=200 if decode else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body, content_type = metrics.exposition()
+        response = web.Response(body=body)
+        response.headers["Content-Type"] = content_type
+        return response
+
+
+def usage_of(last: Chunk, prompt_len: int, completion_tokens: int) -> UsageCounts:
+    """The worker's usage from the last chunk, or our own counts if it sent none."""
+    u = last.usage
+    if u is None:
+        return UsageCounts(prompt_len, completion_tokens)
+    return UsageCounts(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
+
+
+async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:
+    with suppress(ConnectionResetError):
+        await response.write(data)
+
+
+def build_app(router: Router) -> web.Application:
+    gateway = Gateway(router)
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[openai_errors])
+    app.router.add_post(COMPLETIONS, gateway.completions)
+    app.router.add_post(CHAT, gateway.chat_completions)
+    app.router.add_get("/v1/models", gateway.models)
+    app.router.add_get("/v1/models/{model}", gateway.model)
+    app.router.add_get("/health", gateway.health)
+    app.router.add_get("/metrics", gateway.metrics)
+    return app
+
+
+def split_bind(bind: str) -> tuple[str, int]:
+    host, sep, port = bind.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"the HTTP bind address must be HOST:PORT, got {bind!r}.")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+async def start_gateway(router: Router, bind: str) -> web.AppRunner:
+    """Serve the gateway on `bind` (host:port); stop it with `await runner.cleanup()`."""
+    host, port = split_bind(bind)
+    # handler_cancellation: a client that disconnects cancels its handler, so its request is
+    # aborted on the workers instead of running to the end for nobody.
+    runner = web.AppRunner(build_app(router), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    log.info("OpenAI-compatible HTTP gateway on http://%s:%d/v1", host, port)
+    return runner

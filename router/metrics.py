@@ -1,0 +1,78 @@
+"""The router's Prometheus metrics (default registry, names under `pdmesh_router_`).
+
+Declared once here so every edge (HTTP gateway now, gRPC later) records the same series; add a
+metric by declaring it below and recording it through `RequestRecorder` or a function next to it.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Histogram, generate_latest
+
+# Latencies of an LLM request span milliseconds (a cached short prompt) to minutes (long outputs).
+LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+REQUESTS = Counter(
+    "pdmesh_router_requests",
+    "Requests answered, by endpoint and status (HTTP status code, or gRPC status name).",
+    ["endpoint", "status"],
+)
+PROMPT_TOKENS = Counter(
+    "pdmesh_router_prompt_tokens", "Prompt tokens of admitted requests.", ["endpoint"]
+)
+GENERATED_TOKENS = Counter(
+    "pdmesh_router_generated_tokens", "Tokens generated and sent to clients.", ["endpoint"]
+)
+REQUEST_LATENCY = Histogram(
+    "pdmesh_router_request_latency_seconds",
+    "Arrival at the router to the last token (or the error).",
+    ["endpoint"],
+    buckets=LATENCY_BUCKETS_S,
+)
+TTFT = Histogram(
+    "pdmesh_router_time_to_first_token_seconds",
+    "Arrival at the router to the first generated token.",
+    ["endpoint"],
+    buckets=TTFT_BUCKETS_S,
+)
+
+
+class RequestRecorder:
+    """One request's measurements; call `prompt`, `tokens` per chunk, then `done` once."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.start = time.perf_counter()
+        self.first_token_s: float | None = None
+        self.completion_tokens = 0
+        self._done = False
+
+    def prompt(self, num_tokens: int) -> None:
+        PROMPT_TOKENS.labels(self.endpoint).inc(num_tokens)
+
+    def tokens(self, num_tokens: int) -> None:
+        if num_tokens and self.first_token_s is None:
+            self.first_token_s = time.perf_counter() - self.start
+            TTFT.labels(self.endpoint).observe(self.first_token_s)
+        self.completion_tokens += num_tokens
+
+    def done(self, status: str) -> None:
+        if self._done:
+            return
+        self._done = True
+        REQUESTS.labels(self.endpoint, status).inc()
+        if self.completion_tokens:
+            GENERATED_TOKENS.labels(self.endpoint).inc(self.completion_tokens)
+        REQUEST_LATENCY.labels(self.endpoint).observe(time.perf_counter() - self.start)
+
+
+def count_request(endpoint: str, status: str) -> None:
+    """A request that never reached generation (a bad body, an unknown route)."""
+    REQUESTS.labels(endpoint, status).inc()
+
+
+def exposition() -> tuple[bytes, str]:
+    """The default registry in the Prometheus text format, and its content type."""
+    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST

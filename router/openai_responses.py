@@ -1,0 +1,141 @@
+"""Response bodies in OpenAI's exact shapes (completions, chat, their stream chunks, errors)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+ERROR_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+
+
+@dataclass(frozen=True)
+class ResponseHead:
+    """What every body and chunk of one response repeats."""
+
+    id: str
+    created: int
+    model: str
+    chat: bool
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": ERROR_TYPE_BY_STATUS.get(status, "api_error"),
+            "param": param,
+            "code": None,
+        }
+    }
+
+
+@dataclass(frozen=True)
+class UsageCounts:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+def usage_body(usage: UsageCounts) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def full_body(
+    head: ResponseHead, text: str, finish_reason: str | None, usage: UsageCounts
+) -> dict[str, Any]:
+    """A non-streamed text_completion or chat.completion."""
+    if head.chat:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {
+        "id": head.id,
+        "object": "chat.completion" if head.chat else "text_completion",
+        "created": head.created,
+        "model": head.model,
+        "choices": [choice],
+        "usage": usage_body(usage),
+    }
+
+
+class ChunkWriter:
+    """Serialises one stream's SSE events: `data: {json}\\n\\n`, then `data: [DONE]\\n\\n`.
+
+    With include_usage every chunk carries `"usage": null` and a last chunk with empty choices
+    carries the totals, as OpenAI sends them."""
+
+    DONE = b"data: [DONE]\n\n"
+
+    def __init__(self, head: ResponseHead, include_usage: bool) -> None:
+        self.head = head
+        self.include_usage = include_usage
+        self._object = "chat.completion.chunk" if head.chat else "text_completion"
+
+    def _event(self, choices: list[dict[str, Any]], usage: UsageCounts | None = None) -> bytes:
+        body: dict[str, Any] = {
+            "id": self.head.id,
+            "object": self._object,
+            "created": self.head.created,
+            "model": self.head.model,
+            "choices": choices,
+        }
+        if self.include_usage:
+            body["usage"] = usage_body(usage) if usage is not None else None
+        return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
+
+    def role(self) -> bytes:
+        """The chat stream's first chunk: the assistant role with empty content."""
+        delta = {"role": "assistant", "content": ""}
+        return self._event([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
+
+    def text(self, text: str, finish_reason: str | None) -> bytes:
+        if self.head.chat:
+            delta = {"content": text} if text else {}
+            choice: dict[str, Any] = {"index": 0, "delta": delta}
+        else:
+            choice = {"index": 0, "text": text}
+        choice["logprobs"] = None
+        choice["finish_reason"] = finish_reason
+        return self._event([choice])
+
+    def usage(self, usage: UsageCounts) -> bytes:
+        return self._event([], usage)
+
+    @staticmethod
+    def error(status: int, message: str) -> bytes:
+        """An error after the stream began: the headers (200) are gone, so it is an event."""
+        return b"data: " + json.dumps(error_body(status, message)).encode() + b"\n\n"
+
+
+def models_body(model: str, created: int, max_model_len: int) -> dict[str, Any]:
+    return {"object": "list", "data": [model_card(model, created, max_model_len)]}
+
+
+def model_card(model: str, created: int, max_model_len: int) -> dict[str, Any]:
+    return {
+        "id": model,
+        "object": "model",
+        "created": created,
+        "owned_by": "pdmesh",
+        "max_model_len": max_model_len,
+    }

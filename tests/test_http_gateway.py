@@ -1,0 +1,190 @@
+"""The OpenAI-compatible HTTP gateway on a real mesh (`pdmesh up`), through the official `openai`
+client and raw HTTP."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import grpc
+import pytest
+from mesh_support import Mesh, start_mesh
+
+from pdmesh.v1 import generation_pb2 as gen_pb
+from pdmesh.v1 import generation_pb2_grpc
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Iterator[Mesh]:
+    m = start_mesh("--prefill", "1", "--decode", "1", "--kv-cache-tokens", "16384", http=True)
+    try:
+        yield m
+    finally:
+        m.stop()
+
+
+def _request(
+    mesh: Mesh, method: str, path: str, body: bytes | dict[str, Any] | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    req = urllib.request.Request(f"{mesh.http}{path}", data=data, method=method)
+    req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def _grpc_tokens(mesh: Mesh, text: str, max_tokens: int) -> tuple[list[int], str]:
+    with grpc.insecure_channel(mesh.target) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        req = gen_pb.GenerateRequest(
+            text=text, sampling=gen_pb.SamplingParams(max_tokens=max_tokens, temperature=0)
+        )
+        ids: list[int] = []
+        out = ""
+        for r in stub.Generate(req, timeout=120):
+            ids.extend(r.token_ids)
+            out += r.text
+        return ids, out
+
+
+def test_openai_client_streams_a_chat_answer(mesh: Mesh) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{mesh.http}/v1", api_key="unused")
+    stream = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0,
+        max_tokens=32,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].object == "chat.completion.chunk"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text
+    finals = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finals == ["stop"]
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens > 0
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completions_match_grpc_tokens(mesh: Mesh) -> None:
+    from openai import OpenAI
+
+    prompt = "The three primary colors are"
+    ids, text = _grpc_tokens(mesh, prompt, 12)
+    status, _, raw = _request(
+        mesh, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0}
+    )
+    assert status == 200, raw
+    body = json.loads(raw)
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert body["choices"][0]["text"] == text
+    assert body["choices"][0]["finish_reason"] in ("stop", "length")
+    assert body["usage"]["completion_tokens"] == len(ids)
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + len(ids)
+
+    # The same prompt as token ids, streamed through the openai client.
+    with grpc.insecure_channel(mesh.target) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        prompt_ids = list(stub.Tokenize(gen_pb.TokenizeRequest(text=prompt)).token_ids)
+    client = OpenAI(base_url=f"{mesh.http}/v1", api_key="unused")
+    streamed = client.completions.create(
+        model=body["model"], prompt=prompt_ids, max_tokens=12, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == text
+
+
+def test_models_health_and_metrics(mesh: Mesh) -> None:
+    status, _, raw = _request(mesh, "GET", "/v1/models")
+    models = json.loads(raw)
+    assert status == 200 and models["object"] == "list" and len(models["data"]) == 1
+    assert models["data"][0]["object"] == "model"
+    status, _, raw = _request(mesh, "GET", "/health")
+    assert status == 200 and json.loads(raw)["decode_workers"] == 1
+    status, headers, raw = _request(mesh, "GET", "/metrics")
+    text = raw.decode()
+    assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    for name in (
+        "pdmesh_router_requests_total",
+        "pdmesh_router_generated_tokens_total",
+        "pdmesh_router_request_latency_seconds_bucket",
+        "pdmesh_router_time_to_first_token_seconds_bucket",
+    ):
+        assert name in text
+    status, _, raw = _request(mesh, "GET", "/v1/nothing")
+    assert status == 404 and json.loads(raw)["error"]["message"]
+    status, _, raw = _request(mesh, "POST", "/v1/completions", b" " * (9 * 2**20))
+    assert status == 413 and "MiB" in json.loads(raw)["error"]["message"]
+
+
+_LONG = "hello " * 9000
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": ""}, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature"),
+        ("/v1/completions", {"prompt": "hi", "top_p": 2}, "top_p"),
+        ("/v1/completions", {"prompt": _LONG}, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "model": "gpt-17"}, "model"),
+        ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 1}, "logprobs"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": [1, 2, 10**9]}, "prompt"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages[0].content"),
+        ("/v1/completions", b"{not json", None),
+    ],
+)
+def test_bad_requests_are_400_naming_the_field(
+    mesh: Mesh, path: str, body: Any, param: str | None
+) -> None:
+    status, _, raw = _request(mesh, "POST", path, body)
+    assert status == 400, raw
+    error = json.loads(raw)["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] is None
+    assert error["param"] == param
+    if param is not None:
+        assert param.split("[")[0] in error["message"]
+    else:
+        assert "JSON" in error["message"]
+
+
+def test_client_disconnect_aborts_the_request(mesh: Mesh) -> None:
+    url = urlsplit(mesh.http)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    body = {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    assert response.readline().startswith(b"data: {")
+    assert mesh.stats(mesh.decode[0]).num_running == 1
+    conn.sock.close()  # leave mid-stream
+    conn.close()
+    deadline = time.monotonic() + 10
+    while mesh.stats(mesh.decode[0]).num_running and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert mesh.stats(mesh.decode[0]).num_running == 0
+
+    # The mesh still serves after all of the above.
+    status, _, raw = _request(
+        mesh, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 4, "ignore_eos": True}
+    )
+    assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 4

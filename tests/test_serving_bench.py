@@ -1,0 +1,81 @@
+"""The benchmark tooling on real processes: token sources feeding a real router, the relay
+driver's counts, and `pdmesh bench --target` end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pdmesh.bench.relay import RelayConfig, drive, start_processes
+from pdmesh.launcher import Child, stop_all, wait_ready
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def relay_mesh() -> Iterator[tuple[str, list[Child]]]:
+    """Two token sources and a router in front of them."""
+    children, target = start_processes(RelayConfig(sources=2))
+    try:
+        wait_ready(target, 0, 2, children, 120)
+        yield target, children
+    finally:
+        stop_all(children)
+
+
+def test_relay_streams_exact_lengths(relay_mesh: tuple[str, list[Child]]) -> None:
+    target, children = relay_mesh
+    cfg = RelayConfig(clients=16, sources=2, output_len=64, duration_s=2.0, warmup_s=0.5)
+    pids = {c.name: c.proc.pid for c in children} | {"clients": os.getpid()}
+    result = asyncio.run(drive(cfg, target, pids))
+    # Every finished stream had exactly 64 tokens, finish_reason LENGTH and matching usage.
+    assert result.errors == 0 and result.bad_finishes == 0
+    assert result.requests_per_s > 0
+    # Whole requests dominate the window: tokens/s is about requests/s x 64.
+    assert result.tokens_per_s > 0.5 * result.requests_per_s * 64
+    assert result.messages_per_s > 0 and result.tokens_per_message >= 1
+    assert set(result.cpu_cores_used) == {
+        "source-0",
+        "source-1",
+        "router",
+        "clients",
+        "total",
+        "other_processes",
+    }
+
+
+def test_serving_bench_cli_writes_its_figures(
+    relay_mesh: tuple[str, list[Child]], tmp_path: Path
+) -> None:
+    target, _ = relay_mesh
+    out = tmp_path / "serving.json"
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "pdmesh.cli", "bench", "--target", target,
+            "--num-requests", "12", "--input-len", "32", "--output-len", "20",
+            "--range-ratio", "0.5", "--request-rate", "40", "--concurrency", "6",
+            "--slo-ttft-ms", "2000", "--slo-tpot-ms", "500",
+            "--json-out", str(out), "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["completed"] == 12 and result["failed"] == 0
+    assert "wrong_output_lengths" not in result
+    assert 12 * 10 <= result["total_output_tokens"] <= 12 * 30
+    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        assert set(result[name]) == {"mean", "p50", "p90", "p99"}
+        assert result[name]["p50"] <= result[name]["p99"]
+    assert result["request_throughput"] > 0 and result["output_throughput"] > 0
+    assert result["goodput"] == pytest.approx(result["request_throughput"], rel=0.01)
+    assert result["good_requests"] == 12
