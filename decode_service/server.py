@@ -10,6 +10,8 @@ from pdmesh.decode_service.servicer import DecodeServicer
 from pdmesh.decode_service.worker import DecodeWorker
 from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.logger import get_logger
+from pdmesh.observability import tracing
+from pdmesh.observability.metrics_server import MetricsServer
 from pdmesh.serving.grpc_server import ServiceSpec, build_server
 from pdmesh.serving.runner import serve_until_stopped
 from pdmesh.v1 import worker_pb2_grpc
@@ -19,9 +21,13 @@ SERVICE = "pdmesh.v1.DecodeWorker"
 
 
 async def serve(config: DecodeConfig, on_ready: Callable[[int], None] | None = None) -> None:
+    tracing.setup("pdmesh-decode")
     engine = await asyncio.to_thread(LLMEngine, config.engine)
     worker = DecodeWorker(config, engine)
     worker.start(asyncio.get_running_loop())
+    metrics = (
+        MetricsServer(config.metrics_bind, worker.metrics.registry) if config.metrics_bind else None
+    )
     server, health, port = build_server(
         config.bind,
         [
@@ -34,4 +40,11 @@ async def serve(config: DecodeConfig, on_ready: Callable[[int], None] | None = N
     log.info("decode worker on port %d, KV data plane at %s", port, worker.kv_address)
     if on_ready is not None:
         on_ready(port)
-    await serve_until_stopped(server, health, worker.close, worker.stopped)
+
+    async def stop() -> None:
+        await worker.close()
+        if metrics is not None:
+            metrics.stop()
+        tracing.shutdown()
+
+    await serve_until_stopped(server, health, stop, worker.stopped)

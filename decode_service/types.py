@@ -67,3 +67,4 @@ class RequestClock:
     admitted_ns: int
     disaggregated: bool = False
     first_token_ns: int = 0
+    last_token_ns: int = 0  # when its latest tokens came (inter-token latency)

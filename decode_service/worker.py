@@ -15,12 +15,16 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdmesh.decode_service.config import DecodeConfig
+from pdmesh.decode_service.metrics import DecodeMetrics
 from pdmesh.decode_service.prefill_client import KVDestination, PrefillClient
+from pdmesh.decode_service.tracing import DecodeTraces
 from pdmesh.decode_service.types import Delta, RemotePlan, RequestClock, Submission, Timings, Usage
 from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.outputs import StepDelta
 from pdmesh.kv_transfer import PageGeometry, TransferSpec, create_receiver
 from pdmesh.logger import get_logger
+from pdmesh.observability import tracing
+from pdmesh.observability.worker_collector import TransferTotals, WorkerSnapshot
 from pdmesh.serving.engine_loop import EngineLoop
 from pdmesh.serving.errors import ServiceError
 
@@ -70,6 +74,8 @@ class DecodeWorker:
         self._owner: dict[str, str] = {}  # request id -> subscriber id
         self._remote: dict[str, asyncio.Task[None]] = {}
         self._prefill = PrefillClient()
+        self.metrics = DecodeMetrics(self.metrics_snapshot)
+        self.traces = DecodeTraces()
 
     def _advertised(self, endpoint: str) -> str:
         if self.config.kv_advertise is None:
@@ -115,6 +121,8 @@ class DecodeWorker:
     def _dispatch(self, deltas: list[Delta]) -> None:
         by_subscriber: dict[str, list[Delta]] = {}
         for d in deltas:
+            if d.finish_reason is not None:
+                self.traces.finished(d)
             sub = self._owner.get(d.request_id)
             if sub is None:
                 continue
@@ -138,13 +146,16 @@ class DecodeWorker:
         if sub.request_id in self._owner:
             raise ValueError(f"request_id {sub.request_id!r} is already in use.")
         self._owner[sub.request_id] = sub.subscriber_id
+        span = self.traces.begin(sub)
         try:
             plan = await self.loop.acall(lambda e: self._admit(e, sub))
-        except BaseException:
+        except BaseException as exc:
             self._owner.pop(sub.request_id, None)
+            self.traces.refused(sub.request_id, exc)
             raise
         if plan is not None:
-            task = asyncio.create_task(self._remote_prefill(sub, plan))
+            with tracing.use(span):  # the prefill call and the transfer join the request's trace
+                task = asyncio.create_task(self._remote_prefill(sub, plan))
             self._remote[sub.request_id] = task
 
     async def abort(self, request_ids: list[str]) -> int:
@@ -165,6 +176,7 @@ class DecodeWorker:
         # The prefill worker replies only once every frame was acknowledged, so the transfer's own
         # clock must cover the queueing and compute on the prefill worker too.
         arrived = self.receiver.expect(spec, timeout=timeout + self.config.kv_timeout_s)
+        rx_span = self.traces.transfer_started(spec, self.geometry)
         try:
             result = await self._prefill.prefill(
                 sub.prefill_address or "",
@@ -181,18 +193,23 @@ class DecodeWorker:
                 ],
                 self.config.kv_transport,
                 timeout,
+                tracing.inject(rx_span) if rx_span is not None else {},
             )
-            await asyncio.wait_for(asyncio.wrap_future(arrived), self.config.kv_timeout_s)
-        except asyncio.CancelledError:
+            moved = await asyncio.wait_for(asyncio.wrap_future(arrived), self.config.kv_timeout_s)
+        except asyncio.CancelledError as exc:
             self.receiver.cancel(spec.transfer_id)
+            self.traces.transfer_ended(rx_span, None, exc)
             raise
         except Exception as exc:
             self.receiver.cancel(spec.transfer_id)
+            self.traces.transfer_ended(rx_span, None, exc)
             log.warning("remote prefill of %s failed: %s", rid, exc)
             await self.loop.acall(lambda e, err=exc: self._prefill_failed(e, rid, err))
             return
         finally:
             self._remote.pop(rid, None)
+        self.traces.transfer_ended(rx_span, moved)
+        self.metrics.transfer.observe(moved.seconds)
         await self.loop.acall(lambda e: self._prefill_done(e, rid, result.first_token))
 
     # -- engine thread ----------------------------------------------------------------------------
@@ -260,12 +277,18 @@ class DecodeWorker:
 
     def _on_engine_deltas(self, deltas: list[StepDelta]) -> None:
         side = self._side
+        metrics = self.metrics
         out: list[Delta] = []
         now = time.time_ns()
         for d in deltas:
             clock = side.clocks.get(d.request_id)
-            if clock is not None and not clock.first_token_ns and d.token_ids:
-                clock.first_token_ns = now
+            if clock is not None and d.token_ids:
+                if clock.first_token_ns:
+                    metrics.next_tokens(now - clock.last_token_ns, len(d.token_ids))
+                else:
+                    clock.first_token_ns = now
+                    metrics.first_token(now - clock.arrival_ns, len(d.token_ids))
+                clock.last_token_ns = now
             if d.finish_reason is None:
                 out.append(Delta(d.request_id, d.token_ids, d.text, None))
                 continue
@@ -275,6 +298,9 @@ class DecodeWorker:
             code, message = side.errors.pop(d.request_id, (0, ""))
             clock = side.clocks.pop(d.request_id, None) or RequestClock(now, now)
             first = clock.first_token_ns or now
+            metrics.finish(
+                d.finish_reason, clock.admitted_ns - clock.arrival_ns, now - clock.arrival_ns
+            )
             out.append(
                 Delta(
                     d.request_id,
@@ -302,6 +328,37 @@ class DecodeWorker:
             self._aio.call_soon_threadsafe(self._dispatch, out)
 
     # -- stats --------------------------------------------------------------------------------
+    def metrics_snapshot(self) -> WorkerSnapshot:
+        """State for a Prometheus scrape, read from the scraping thread: plain counters, and the
+        receiver's (thread-safe) stats; no wait for the engine thread."""
+        e = self.engine.stats()
+        rx = self.receiver.stats
+        c = self.counters
+        return WorkerSnapshot(
+            num_running=e.num_running,
+            num_waiting=e.num_waiting,
+            kv_blocks_total=e.num_blocks_total,
+            kv_blocks_used=e.num_blocks_used,
+            kv_blocks_free=e.num_blocks_free,
+            prefix_queried_tokens=e.prefix_queried_tokens,
+            prefix_hit_tokens=e.prefix_hit_tokens,
+            num_preemptions=e.num_preemptions,
+            transfer=TransferTotals(
+                "receive",
+                rx.bytes_received,
+                rx.seconds_receiving,
+                rx.transfers_completed,
+                rx.transfers_failed,
+                rx.frames_dropped,
+            ),
+            expert_token_counts=self.engine.runner.expert_counts() or (),
+            prefills={
+                "local": c.local_prefills,
+                "remote": c.remote_prefills,
+                "fallback": c.prefill_fallbacks,
+            },
+        )
+
     async def stats(self) -> dict[str, object]:
         engine_stats = await self.loop.acall(lambda e: e.stats())
         experts = await self.loop.acall(lambda e: e.runner.expert_counts())

@@ -10,12 +10,14 @@ from pdmesh.engine.config import EngineConfig
 @dataclass(frozen=True)
 class PrefillConfig:
     """bind: gRPC host:port. kv_transport: how KV blocks are pushed (must match the decode
-    workers'). kv_send_timeout_s: how long pushing one prompt's KV may take."""
+    workers'). kv_send_timeout_s: how long pushing one prompt's KV may take. metrics_bind:
+    host:port of the Prometheus `/metrics` endpoint (None: no endpoint)."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     bind: str = "127.0.0.1:50071"
     kv_transport: str = "tcp"
     kv_send_timeout_s: float = 30.0
+    metrics_bind: str | None = None
 
     def __post_init__(self) -> None:
         if self.kv_send_timeout_s <= 0:

@@ -7,6 +7,8 @@ from collections.abc import Callable
 
 from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.logger import get_logger
+from pdmesh.observability import tracing
+from pdmesh.observability.metrics_server import MetricsServer
 from pdmesh.prefill_service.config import PrefillConfig
 from pdmesh.prefill_service.servicer import PrefillServicer
 from pdmesh.prefill_service.worker import PrefillWorker
@@ -19,9 +21,13 @@ SERVICE = "pdmesh.v1.PrefillWorker"
 
 
 async def serve(config: PrefillConfig, on_ready: Callable[[int], None] | None = None) -> None:
+    tracing.setup("pdmesh-prefill")
     engine = await asyncio.to_thread(LLMEngine, config.engine)
     worker = PrefillWorker(config, engine)
     worker.start(asyncio.get_running_loop())
+    metrics = (
+        MetricsServer(config.metrics_bind, worker.metrics.registry) if config.metrics_bind else None
+    )
     server, health, port = build_server(
         config.bind,
         [
@@ -36,4 +42,11 @@ async def serve(config: PrefillConfig, on_ready: Callable[[int], None] | None = 
     log.info("prefill worker on port %d", port)
     if on_ready is not None:
         on_ready(port)
-    await serve_until_stopped(server, health, worker.close, worker.stopped)
+
+    async def stop() -> None:
+        await worker.close()
+        if metrics is not None:
+            metrics.stop()
+        tracing.shutdown()
+
+    await serve_until_stopped(server, health, stop, worker.stopped)

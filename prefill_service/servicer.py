@@ -27,6 +27,7 @@ def task_from_pb(req: worker_pb2.PrefillRequest, default_timeout_s: float) -> Pr
         block_size=target.block_size,
         destinations=[Destination(e.address, e.head_start, e.num_heads) for e in target.endpoints],
         timeout_s=target.timeout_ms / 1000 if target.timeout_ms else default_timeout_s,
+        trace_context=dict(target.trace_context),
     )
 
 

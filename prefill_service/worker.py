@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.outputs import StepDelta
@@ -18,7 +19,10 @@ from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.scheduler import ScheduledBatch
 from pdmesh.kv_transfer import PageGeometry, SendHandle, TransferError, create_sender
 from pdmesh.logger import get_logger
+from pdmesh.observability.worker_collector import TransferTotals, WorkerSnapshot
 from pdmesh.prefill_service.config import PrefillConfig
+from pdmesh.prefill_service.metrics import PrefillMetrics
+from pdmesh.prefill_service.tracing import record_prefill
 from pdmesh.serving.engine_loop import EngineLoop
 
 log = get_logger(__name__)
@@ -44,6 +48,7 @@ class PrefillTask:
     block_size: int
     destinations: list[Destination]
     timeout_s: float
+    trace_context: Mapping[str, str] = field(default_factory=dict)  # the receiver's span
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,7 @@ class _Push:
     end_block: int
     sent: list[int]  # per layer: the next prompt block to push
     done: asyncio.Future[tuple[int, int]]  # (first token, cached prompt tokens)
+    forward_ns: int = 0  # unix ns of its first forward step (queueing ends)
 
 
 class PrefillWorker:
@@ -84,6 +90,7 @@ class PrefillWorker:
         runner.add_layer_hook(self._push_layer)
         self.fatal: BaseException | None = None
         self.prefills = 0
+        self.metrics = PrefillMetrics(self.metrics_snapshot)
         self._jobs: dict[str, _Push] = {}  # engine thread only
         self._aio: asyncio.AbstractEventLoop | None = None
 
@@ -125,6 +132,7 @@ class PrefillWorker:
     async def prefill(self, task: PrefillTask) -> PrefillOutcome:
         self.check(task)
         started = time.perf_counter_ns()
+        received_ns = time.time_ns()
         handles = [
             self.sender.start(d.address, task.transfer_id, task.token, task.num_blocks)
             for d in task.destinations
@@ -152,22 +160,29 @@ class PrefillWorker:
             )
             first_token, cached = await push.done
             prefill_ns = time.perf_counter_ns() - started
+            first_token_ns = time.time_ns()
             stats = await asyncio.to_thread(
                 lambda: [self.sender.finish(h, task.timeout_s) for h in handles]
             )
-        except BaseException:
+        except BaseException as exc:
             # Off the engine first, so no layer hook sends on a handle being aborted.
             await self.loop.acall(lambda e: self._cancel(e, task.request_id))
             for h in handles:
                 self.sender.abort(h)
+            record_prefill(task, self.geometry.num_layers, received_ns, push.forward_ns, 0, [], exc)
             raise
         self.prefills += 1
+        transfer_s = max(s.seconds for s in stats)
+        self.metrics.prefilled(prefill_ns, push.forward_ns - received_ns, transfer_s)
+        record_prefill(
+            task, self.geometry.num_layers, received_ns, push.forward_ns, first_token_ns, stats
+        )
         return PrefillOutcome(
             first_token=first_token,
             cached_prompt_tokens=cached,
             prefill_ns=prefill_ns,
             kv_bytes=sum(s.bytes for s in stats),
-            kv_send_ns=int(max(s.seconds for s in stats) * 1e9),
+            kv_send_ns=int(transfer_s * 1e9),
         )
 
     # -- engine thread ----------------------------------------------------------------------------
@@ -188,6 +203,8 @@ class PrefillWorker:
             push = self._jobs.get(seq.request_id)
             if push is None:
                 continue
+            if not push.forward_ns:
+                push.forward_ns = time.time_ns()
             end = seq.num_computed_tokens + n
             # Blocks whose K/V is complete for this layer; the prompt's last one may be partial.
             upto = (
@@ -220,6 +237,27 @@ class PrefillWorker:
             if push is not None and d.token_ids and self._aio is not None:
                 result = (d.token_ids[0], out.num_cached_tokens)
                 self._aio.call_soon_threadsafe(_resolve, push.done, result)
+
+    def metrics_snapshot(self) -> WorkerSnapshot:
+        """State for a Prometheus scrape, read from the scraping thread without waiting for the
+        engine thread (plain counters and the sender's thread-safe stats)."""
+        e = self.engine.stats()
+        tx = self.sender.stats
+        return WorkerSnapshot(
+            num_running=e.num_running,
+            num_waiting=e.num_waiting,
+            kv_blocks_total=e.num_blocks_total,
+            kv_blocks_used=e.num_blocks_used,
+            kv_blocks_free=e.num_blocks_free,
+            prefix_queried_tokens=e.prefix_queried_tokens,
+            prefix_hit_tokens=e.prefix_hit_tokens,
+            num_preemptions=e.num_preemptions,
+            transfer=TransferTotals(
+                "send", tx.bytes_sent, tx.seconds_sending, tx.transfers, tx.transfers_failed
+            ),
+            expert_token_counts=self.engine.runner.expert_counts() or (),
+            prefills={"remote": self.prefills},
+        )
 
     async def stats(self) -> dict[str, object]:
         engine_stats = await self.loop.acall(lambda e: e.stats())

@@ -22,6 +22,7 @@ from pdmesh.router.config import RouterConfig
 from pdmesh.router.decode_link import DecodeLink, LinkLost
 from pdmesh.router.policies import DispatchPolicy, PromptInfo
 from pdmesh.router.registry import WorkerRegistry
+from pdmesh.router.request_telemetry import RequestTelemetry
 from pdmesh.router.stream_pacing import StreamPacer
 from pdmesh.serving.convert import FINISH_FROM_PB, sampling_to_pb
 from pdmesh.serving.errors import ServiceError
@@ -120,16 +121,21 @@ class Router:
     async def generate(self, inp: GenerationInput) -> AsyncIterator[Chunk]:
         """The request's chunks; the last has a finish reason. Raises ServiceError / ValueError."""
         self.check_prompt(inp.prompt)
+        telemetry = RequestTelemetry(
+            inp.request_id, len(inp.prompt), inp.params, self.config.policy
+        )
         decode = [
             w for w in self.registry.healthy("decode") if self.links[w.address].connected.is_set()
         ]
         if not decode:
+            telemetry.no_worker()
             raise ServiceError(
                 grpc.StatusCode.UNAVAILABLE, "no decode worker is available; retry later."
             )
         bs = self.block_size
         prompt = PromptInfo(len(inp.prompt), hash_prefix_blocks(inp.prompt, bs), bs)
         decision = self.policy.choose(prompt, decode, self.registry.healthy("prefill"))
+        telemetry.dispatched(decision)
         d, p = decision.decode, decision.prefill
         link = self.links[d.address]
         queue = link.register(inp.request_id)
@@ -151,7 +157,8 @@ class Router:
                 arrival_unix_ns=time.time_ns(),
             )
             try:
-                await d.stub.Submit(request, timeout=SUBMIT_TIMEOUT_S)  # type: ignore[attr-defined]
+                with telemetry.active():
+                    await d.stub.Submit(request, timeout=SUBMIT_TIMEOUT_S)  # type: ignore[attr-defined]
             except grpc.aio.AioRpcError as e:
                 raise ServiceError(e.code(), e.details() or "decode worker refused") from None
             d.index.insert(prompt.block_hashes)
@@ -176,6 +183,7 @@ class Router:
                     return
                 sent_at = loop.time()
         finally:
+            telemetry.end(finished)
             self.pacer.open -= 1
             link.unregister(inp.request_id)
             d.inflight_blocks -= prompt.num_blocks

@@ -9,6 +9,7 @@ from pdmesh.engine.llm_engine import load_tokenizer
 from pdmesh.engine.model_info import ModelInfo
 from pdmesh.engine.model_source import resolve_model_folder
 from pdmesh.logger import get_logger
+from pdmesh.observability import tracing
 from pdmesh.router.config import RouterConfig
 from pdmesh.router.core import Router
 from pdmesh.router.policies import create_policy
@@ -34,6 +35,7 @@ async def build_router(config: RouterConfig) -> Router:
 
 
 async def serve(config: RouterConfig, on_ready: Callable[[int], None] | None = None) -> None:
+    tracing.setup("pdmesh-router")  # before any channel is made: they carry the trace context
     router = await build_router(config)
     router.start()
     server, health, port = build_server(
@@ -66,5 +68,6 @@ async def serve(config: RouterConfig, on_ready: Callable[[int], None] | None = N
         if gateway is not None:
             await gateway.cleanup()
         await router.close()
+        tracing.shutdown()
 
     await serve_until_stopped(server, health, stop)

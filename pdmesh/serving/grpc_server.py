@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from pdmesh.observability import tracing
 from pdmesh.serving.errors import ErrorInterceptor
 
 # Deliberate limits: the largest legitimate message is a long prompt's token ids (a few MB).
@@ -66,8 +67,10 @@ def build_server(
 ) -> tuple[grpc.aio.Server, Health, int]:
     """A server on `bind` (host:port; port 0 picks one) with health and reflection on.
     Returns (server, health, bound port); call `await server.start()`."""
+    # Tracing (when on) is outermost, so its span sees the status the error interceptor sets.
     server = grpc.aio.server(
-        interceptors=[*interceptors, ErrorInterceptor()], options=SERVER_OPTIONS
+        interceptors=[*tracing.server_interceptors(), *interceptors, ErrorInterceptor()],
+        options=SERVER_OPTIONS,
     )
     names = [s.name for s in services]
     for spec in services:
@@ -89,4 +92,7 @@ def build_server(
 
 
 def channel(target: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+    """A channel to another pdmesh service; it carries the trace context when tracing is on."""
+    return grpc.aio.insecure_channel(
+        target, options=CHANNEL_OPTIONS, interceptors=tracing.client_interceptors() or None
+    )

@@ -1,0 +1,133 @@
+"""A worker's engine and KV-transfer state, read when Prometheus scrapes (nothing per step).
+
+The service hands over a `snapshot` function that reads its counters directly, without a round
+trip through the engine thread: a scrape never waits behind a long forward, and a value may be
+one step old. Every family is described even when it has no samples yet (a dense model has no
+experts), so dashboards and checks see the same names on every worker of a role.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+
+@dataclass(frozen=True)
+class TransferTotals:
+    """KV-transfer counters since start, from the worker's sender or receiver."""
+
+    direction: str  # "send" (prefill) or "receive" (decode)
+    bytes: int
+    seconds: float  # summed over transfers, first frame to last
+    transfers: int
+    failed: int
+    frames_dropped: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerSnapshot:
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    num_preemptions: int
+    transfer: TransferTotals
+    expert_token_counts: Sequence[int] = ()
+    prefills: Mapping[str, int] = field(default_factory=dict)  # by mode: local, remote, fallback
+
+
+class WorkerCollector:
+    def __init__(self, role: str, snapshot: Callable[[], WorkerSnapshot]) -> None:
+        self.role = role
+        self._snapshot = snapshot
+
+    def describe(self) -> Iterator[Metric]:
+        return self._families(None)
+
+    def collect(self) -> Iterator[Metric]:
+        return self._families(self._snapshot())
+
+    def _families(self, s: WorkerSnapshot | None) -> Iterator[Metric]:
+        role = [self.role]
+
+        def gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=["role"])
+            if value is not None:
+                family.add_metric(role, value)
+            return family
+
+        def counter(name: str, doc: str, value: float | None) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=["role"])
+            if value is not None:
+                family.add_metric(role, value)
+            return family
+
+        yield gauge(
+            "pdmesh_requests_running", "Requests in the running batch.", s and s.num_running
+        )
+        yield gauge(
+            "pdmesh_requests_waiting", "Requests queued for admission.", s and s.num_waiting
+        )
+        yield gauge("pdmesh_kv_blocks_total", "KV-cache blocks.", s and s.kv_blocks_total)
+        yield gauge("pdmesh_kv_blocks_used", "KV-cache blocks in use.", s and s.kv_blocks_used)
+        yield gauge("pdmesh_kv_blocks_free", "KV-cache blocks free.", s and s.kv_blocks_free)
+        yield counter(
+            "pdmesh_prefix_cache_queried_tokens",
+            "Prompt tokens looked up in the prefix cache.",
+            s and s.prefix_queried_tokens,
+        )
+        yield counter(
+            "pdmesh_prefix_cache_hit_tokens",
+            "Prompt tokens found in the prefix cache.",
+            s and s.prefix_hit_tokens,
+        )
+        yield gauge(
+            "pdmesh_prefix_cache_hit_rate",
+            "Hit tokens / queried tokens since start (rate() the counters for a window).",
+            None if s is None else s.prefix_hit_tokens / max(1, s.prefix_queried_tokens),
+        )
+        yield counter(
+            "pdmesh_preemptions", "Requests preempted (recomputed later).", s and s.num_preemptions
+        )
+        yield from _transfer_families(s.transfer if s else None)
+        experts = CounterMetricFamily(
+            "pdmesh_expert_tokens", "Tokens routed to each MoE expert.", labels=["role", "expert"]
+        )
+        prefills = CounterMetricFamily(
+            "pdmesh_prefills", "Prompts prefilled, by where.", labels=["role", "mode"]
+        )
+        if s is not None:
+            for expert, n in enumerate(s.expert_token_counts):
+                experts.add_metric([self.role, str(expert)], n)
+            for mode, n in s.prefills.items():
+                prefills.add_metric([self.role, mode], n)
+        yield experts
+        yield prefills
+
+
+def _transfer_families(t: TransferTotals | None) -> Iterator[Metric]:
+    specs: list[tuple[str, str, float | None]] = [
+        ("pdmesh_kv_transfer_bytes", "KV-transfer payload bytes.", t and t.bytes),
+        (
+            "pdmesh_kv_transfer_seconds",
+            "Seconds KV transfers took, first frame to last (bytes / seconds: bandwidth).",
+            t and t.seconds,
+        ),
+        ("pdmesh_kv_transfers", "KV transfers completed.", t and t.transfers),
+        ("pdmesh_kv_transfer_failures", "KV transfers that failed.", t and t.failed),
+        (
+            "pdmesh_kv_transfer_frames_dropped",
+            "KV frames refused by the receiver (unknown transfer, bad token or size).",
+            t and t.frames_dropped,
+        ),
+    ]
+    for name, doc, value in specs:
+        family = CounterMetricFamily(name, doc, labels=["direction"])
+        if t is not None and value is not None:
+            family.add_metric([t.direction], value)
+        yield family

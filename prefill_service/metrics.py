@@ -1,0 +1,41 @@
+"""The prefill worker's Prometheus metrics: how long Prefill calls wait and run, how long their
+KV pushes take, and the engine and KV-sender state read at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pdmesh.observability.histogram import TRANSFER_BUCKETS_S, TTFT_BUCKETS_S, FastHistogram
+from pdmesh.observability.metrics_server import new_registry
+from pdmesh.observability.worker_collector import WorkerCollector, WorkerSnapshot
+
+NS = 1e-9
+
+
+class PrefillMetrics:
+    def __init__(self, snapshot: Callable[[], WorkerSnapshot]) -> None:
+        self.prefill = FastHistogram(
+            "pdmesh_prefill_time_seconds",
+            "A Prefill call, received to first token (queueing and forward).",
+            TTFT_BUCKETS_S,
+        )
+        self.queue = FastHistogram(
+            "pdmesh_prefill_queue_time_seconds",
+            "A Prefill call, received to its first forward step.",
+            TTFT_BUCKETS_S,
+        )
+        self.transfer = FastHistogram(
+            "pdmesh_kv_transfer_duration_seconds",
+            "One KV transfer, first frame to last.",
+            TRANSFER_BUCKETS_S,
+            {"direction": "send"},
+        )
+        self.registry = new_registry()
+        for collector in (self.prefill, self.queue, self.transfer):
+            self.registry.register(collector)
+        self.registry.register(WorkerCollector("prefill", snapshot))
+
+    def prefilled(self, prefill_ns: int, queue_ns: int, transfer_s: float) -> None:
+        self.prefill.observe(prefill_ns * NS)
+        self.queue.observe(max(0, queue_ns) * NS)
+        self.transfer.observe(transfer_s)
