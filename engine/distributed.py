@@ -8,12 +8,14 @@ tensor.
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from pdmesh import envs
 from pdmesh.engine.parallel import ParallelGroup
 
 # Followers wait idle in a broadcast for as long as rank 0 has nothing to do; a dead peer is
@@ -36,6 +38,9 @@ def init_group(
 ) -> ParallelGroup:
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    elif envs.num_threads() is None:
+        # Ranks on one CPU share its cores: more threads than cores only adds contention.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     dist.init_process_group(
         backend_for(device),
         init_method=init_method,

@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -22,6 +22,8 @@ from pdmesh.v1 import generation_pb2_grpc
 
 PR_SET_PDEATHSIG = 1
 STOP_GRACE_S = 10.0
+RESTART_BASE_S = 2.0
+RESTART_MAX_S = 30.0
 
 
 @dataclass
@@ -30,6 +32,9 @@ class Child:
     address: str
     proc: subprocess.Popen[bytes]
     metrics: str | None = None  # its Prometheus endpoint
+    argv: list[str] = field(default_factory=list)  # how to start it again
+    restarts: int = 0
+    restart_at: float | None = None  # monotonic time of a scheduled restart
 
 
 def free_port(host: str) -> int:
@@ -74,10 +79,44 @@ def _with_tp(engine: list[str], size: int | None) -> list[str]:
 
 
 def spawn(name: str, argv: list[str], address: str, metrics: str | None = None) -> Child:
-    proc = subprocess.Popen(
+    return Child(name, address, _start(argv), metrics, argv)
+
+
+def _start(argv: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
         [sys.executable, "-m", "pdmesh.cli", *argv], preexec_fn=_die_with_parent
     )
-    return Child(name, address, proc, metrics)
+
+
+def supervise(children: list[Child]) -> bool:
+    """One look at the children: restart dead workers (same address, backing off); False when
+    the router is gone (nothing is served any more)."""
+    now = time.monotonic()
+    for c in children:
+        if c.restart_at is not None and now >= c.restart_at:
+            print(
+                f"pdmesh: restarting {c.name} (restart {c.restarts})", file=sys.stderr, flush=True
+            )
+            c.proc = _start(c.argv)
+            c.restart_at = None
+            continue
+        if c.restart_at is not None or c.proc.poll() is None:
+            continue
+        if c.name == "router":
+            print(
+                f"pdmesh: the router exited (code {c.proc.returncode}); stopping", file=sys.stderr
+            )
+            return False
+        c.restarts += 1
+        delay = min(RESTART_MAX_S, RESTART_BASE_S * 2 ** (c.restarts - 1))
+        print(
+            f"pdmesh: {c.name} exited (code {c.proc.returncode}); the router routes around it; "
+            f"restarting in {delay:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        c.restart_at = now + delay
+    return True
 
 
 def spawn_worker(role: str, index: int, host: str, engine: list[str]) -> Child:
@@ -196,12 +235,7 @@ def run_up(args: argparse.Namespace) -> int:
             print(f"Q: {args.ask}\nA: {ask(target, args.ask)}", flush=True)
         print("Ctrl-C stops everything.", flush=True)
         while not stopping:
-            dead = [c for c in children if c.proc.poll() is not None]
-            if dead:
-                print(
-                    f"pdmesh: {dead[0].name} exited (code {dead[0].proc.returncode}); stopping",
-                    file=sys.stderr,
-                )
+            if not supervise(children):
                 return 1
             time.sleep(0.2)
         return 0
