@@ -1,6 +1,6 @@
 """The router's Prometheus metrics (default registry, names under `pdmesh_router_`).
 
-Declared once here so every edge (HTTP gateway now, gRPC later) records the same series; add a
+Declared once here so every edge (the HTTP gateway, the gRPC API) records the same series; add a
 metric by declaring it below and recording it through `RequestRecorder` or a function next to it.
 """
 

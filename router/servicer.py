@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
 import grpc
 
+from pdmesh.router import metrics
 from pdmesh.router.core import Chunk, GenerationInput, Router
 from pdmesh.serving.convert import FINISH_TO_PB, sampling_from_pb
+from pdmesh.serving.errors import status_of
 from pdmesh.v1 import generation_pb2 as gen_pb
 from pdmesh.v1 import generation_pb2_grpc
 
 MAX_REQUEST_ID_LEN = 256
+GRPC_ENDPOINT = "grpc"  # the `endpoint` label of the router's metrics for gRPC requests
 
 
 def messages_from_pb(chat: gen_pb.ChatMessages) -> list[dict[str, str]]:
@@ -62,9 +66,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.router = router
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
-        inp = input_from_pb(self.router, request, context.time_remaining())
-        async for chunk in self.router.generate(inp):
-            yield chunk_to_pb(chunk)
+        record = metrics.RequestRecorder(GRPC_ENDPOINT)
+        try:
+            inp = input_from_pb(self.router, request, context.time_remaining())
+            record.prompt(len(inp.prompt))
+            async for chunk in self.router.generate(inp):
+                record.tokens(len(chunk.token_ids))
+                yield chunk_to_pb(chunk)
+        except asyncio.CancelledError:
+            record.done(grpc.StatusCode.CANCELLED.name)
+            raise
+        except Exception as exc:
+            record.done(status_of(exc)[0].name)
+            raise
+        record.done(grpc.StatusCode.OK.name)
 
     async def GetModelInfo(self, request, context):
         r = self.router

@@ -344,6 +344,10 @@ def test_prometheus_counts_one_ttft_observation_per_request(
     assert prometheus.wait_value(ttft, sent) == sent
     dispatched = "sum(pdmesh_router_dispatch_decisions_total)"
     assert prometheus.wait_value(dispatched, sent) == sent
+    router_ttft = 'sum(pdmesh_router_time_to_first_token_seconds_count{endpoint="grpc"})'
+    assert prometheus.wait_value(router_ttft, sent) == sent
+    answered = 'sum(pdmesh_router_requests_total{endpoint="grpc",status="OK"})'
+    assert prometheus.wait_value(answered, sent) == sent
     tokens = 'sum(pdmesh_requests_finished_total{finish_reason=~"stop|length"})'
     assert prometheus.wait_value(tokens, sent) == sent
     assert prometheus.value('pdmesh_kv_blocks_total{role="decode"}') == 16384 / 16
