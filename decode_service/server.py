@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Callable
 
 from pdmesh.decode_service.config import DecodeConfig
+from pdmesh.decode_service.kv_receivers import RANK_EXTENSION, extension_options
 from pdmesh.decode_service.servicer import DecodeServicer
 from pdmesh.decode_service.worker import DecodeWorker
 from pdmesh.engine.llm_engine import LLMEngine
@@ -22,7 +23,9 @@ SERVICE = "pdmesh.v1.DecodeWorker"
 
 async def serve(config: DecodeConfig, on_ready: Callable[[int], None] | None = None) -> None:
     tracing.setup("pdmesh-decode")
-    engine = await asyncio.to_thread(LLMEngine, config.engine)
+    engine = await asyncio.to_thread(
+        LLMEngine, config.engine, RANK_EXTENSION, extension_options(config)
+    )
     worker = DecodeWorker(config, engine)
     worker.start(asyncio.get_running_loop())
     metrics = (

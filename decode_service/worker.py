@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdmesh.decode_service.config import DecodeConfig
+from pdmesh.decode_service.kv_receivers import KVReceivers
 from pdmesh.decode_service.metrics import DecodeMetrics
-from pdmesh.decode_service.prefill_client import KVDestination, PrefillClient
+from pdmesh.decode_service.prefill_client import PrefillClient
 from pdmesh.decode_service.tracing import DecodeTraces
 from pdmesh.decode_service.types import Delta, RemotePlan, RequestClock, Submission, Timings, Usage
 from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.outputs import StepDelta
-from pdmesh.kv_transfer import PageGeometry, TransferSpec, create_receiver
+from pdmesh.kv_transfer import TransferSpec
 from pdmesh.logger import get_logger
 from pdmesh.observability import tracing
 from pdmesh.observability.worker_collector import TransferTotals, WorkerSnapshot
@@ -51,21 +52,14 @@ class DecodeWorker:
     def __init__(self, config: DecodeConfig, engine: LLMEngine) -> None:
         self.config = config
         self.engine = engine
-        runner = engine.runner
-        attn = runner.model.attention_layers()[0]
-        self.geometry = PageGeometry(
-            num_layers=runner.kv_spec.num_layers,
-            block_size=runner.kv_spec.block_size,
-            num_kv_heads=attn.num_kv_heads,
-            head_start=0,
-            head_dim=runner.kv_spec.head_dim,
-            dtype=runner.kv_spec.dtype,
-        )
-        self.receiver = create_receiver(
-            config.kv_transport, runner.kv_cache.data, self.geometry, config.kv_bind
-        )
-        self.kv_address = self._advertised(self.receiver.endpoint)
+        # One receiver per tensor-parallel rank; rank 0's is `self.receiver`.
+        self.kv = KVReceivers(engine, config)
+        self.geometry = self.kv.geometry
+        self.receiver = self.kv.receiver
+        self.kv_address = self.kv.address
         self.loop = EngineLoop(engine, self._on_engine_deltas, self._on_tick, self._on_fatal)
+        if engine.tp_driver is not None:
+            engine.tp_driver.on_rank_death = self.loop.fail
         self.counters = Counters()
         self.fatal: BaseException | None = None
         self._side = _EngineSide()
@@ -77,12 +71,6 @@ class DecodeWorker:
         self.metrics = DecodeMetrics(self.metrics_snapshot)
         self.traces = DecodeTraces()
 
-    def _advertised(self, endpoint: str) -> str:
-        if self.config.kv_advertise is None:
-            return endpoint
-        port = endpoint.rsplit(":", 1)[1]
-        return f"tcp://{self.config.kv_advertise}:{port}"
-
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self, aio_loop: asyncio.AbstractEventLoop) -> None:
         self._aio = aio_loop
@@ -93,8 +81,9 @@ class DecodeWorker:
         for task in list(self._remote.values()):
             task.cancel()
         self.loop.stop()
-        self.receiver.close()
+        self.kv.close()
         await self._prefill.close()
+        self.engine.close()
 
     def _on_fatal(self, exc: BaseException) -> None:
         self.fatal = exc
@@ -167,17 +156,17 @@ class DecodeWorker:
 
     async def _remote_prefill(self, sub: Submission, plan: RemotePlan) -> None:
         rid = sub.request_id
-        spec = TransferSpec.new(
-            plan.block_ids, self.geometry.head_start, self.geometry.num_kv_heads
-        )
         timeout = self.config.prefill_timeout_s
         if sub.deadline is not None:
             timeout = max(0.001, min(timeout, sub.deadline - time.time()))
-        # The prefill worker replies only once every frame was acknowledged, so the transfer's own
+        # The prefill worker replies only once its frames were acknowledged, so the transfer's own
         # clock must cover the queueing and compute on the prefill worker too.
-        arrived = self.receiver.expect(spec, timeout=timeout + self.config.kv_timeout_s)
+        rx_timeout = timeout + self.config.kv_timeout_s
+        spec, arrived = self.kv.expect(plan.block_ids, rx_timeout)
         rx_span = self.traces.transfer_started(spec, self.geometry)
         try:
+            if self.kv.followers:
+                await self.loop.acall(lambda e: self.kv.expect_followers(spec, rx_timeout))
             result = await self._prefill.prefill(
                 sub.prefill_address or "",
                 rid,
@@ -186,22 +175,23 @@ class DecodeWorker:
                 spec,
                 plan.first_block,
                 self.geometry.block_size,
-                [
-                    KVDestination(
-                        self.kv_address, self.geometry.head_start, self.geometry.num_kv_heads
-                    )
-                ],
+                self.kv.destinations,
                 self.config.kv_transport,
                 timeout,
                 tracing.inject(rx_span) if rx_span is not None else {},
             )
             moved = await asyncio.wait_for(asyncio.wrap_future(arrived), self.config.kv_timeout_s)
+            if self.kv.followers:
+                kv_timeout = self.config.kv_timeout_s
+                await self.loop.acall(lambda e: self.kv.await_followers(spec, kv_timeout))
         except asyncio.CancelledError as exc:
             self.receiver.cancel(spec.transfer_id)
+            self._cancel_followers(spec)
             self.traces.transfer_ended(rx_span, None, exc)
             raise
         except Exception as exc:
             self.receiver.cancel(spec.transfer_id)
+            self._cancel_followers(spec)
             self.traces.transfer_ended(rx_span, None, exc)
             log.warning("remote prefill of %s failed: %s", rid, exc)
             await self.loop.acall(lambda e, err=exc: self._prefill_failed(e, rid, err))
@@ -211,6 +201,10 @@ class DecodeWorker:
         self.traces.transfer_ended(rx_span, moved)
         self.metrics.transfer.observe(moved.seconds)
         await self.loop.acall(lambda e: self._prefill_done(e, rid, result.first_token))
+
+    def _cancel_followers(self, spec: TransferSpec) -> None:
+        if self.kv.followers:
+            self.loop.call(lambda e: self.kv.cancel_followers(spec))  # fire and forget
 
     # -- engine thread ----------------------------------------------------------------------------
     def _admit(self, engine: LLMEngine, sub: Submission) -> RemotePlan | None:
@@ -361,11 +355,12 @@ class DecodeWorker:
 
     async def stats(self) -> dict[str, object]:
         engine_stats = await self.loop.acall(lambda e: e.stats())
-        experts = await self.loop.acall(lambda e: e.runner.expert_counts())
+        experts = await self.loop.acall(lambda e: e.expert_counts())
+        received = await self.loop.acall(lambda e: self.kv.bytes_received())  # every rank's
         rx = self.receiver.stats
         return {
             "engine": engine_stats,
-            "kv_bytes_received": rx.bytes_received,
+            "kv_bytes_received": received,
             "kv_seconds": rx.seconds_receiving,
             "kv_transfers": rx.transfers_completed,
             "kv_frames_dropped": rx.frames_dropped,

@@ -46,6 +46,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_expert_parallel: bool = False
     seed: int = 0
+    # "auto": the checkpoint's weights; "dummy": random weights of the model's shapes (speed).
+    load_format: str = "auto"
+    # No tokenizer: prompts must be token ids and outputs carry no text.
+    skip_tokenizer_init: bool = False
+    # Never capture CUDA graphs (GPU decode steps run eagerly).
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -67,6 +73,8 @@ class EngineConfig:
         fraction = self.kv_cache_memory_fraction
         if fraction is not None and not (isinstance(fraction, int | float) and 0 < fraction <= 1):
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {fraction!r}.")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}.")
         if self.block_size > 1024:
             raise ValueError(f"block_size must be at most 1024 tokens, got {self.block_size}.")
 

@@ -43,6 +43,8 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> TextDelta:
         """Feed one output token; return the text that is now final."""
+        if self._tokenizer is None:  # an engine without a tokenizer: token ids only
+            return TextDelta("", False)
         self._tokens.append(token_id)
         prefix_text = self._decode(self._tokens[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._tokens[self._prefix_offset :])

@@ -81,7 +81,7 @@ class LLMEngine:
             torch.set_num_threads(threads)
         self.info = ModelInfo.load(resolve_model_folder(config.model))
         self.info.check_parallel(config.tensor_parallel_size, config.enable_expert_parallel)
-        self.tokenizer = load_tokenizer(self.info.folder)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(self.info.folder)
         device = config.torch_device()
         max_len = resolve_max_model_len(config, self.info)
         self.tp_driver: TPDriver | None = None
@@ -90,17 +90,7 @@ class LLMEngine:
             self.tp_driver = TPDriver(config, device, rank_extension, extension_options)
             group = self.tp_driver.group
         try:
-            self.runner = ModelRunner(
-                self.info,
-                rank_device(device, 0),
-                config.torch_dtype(device),
-                config.block_size,
-                max_len,
-                config.kv_cache_tokens,
-                config.kv_cache_memory_fraction,
-                config.seed,
-                tp=group,
-            )
+            self.runner = ModelRunner(self.info, config, rank_device(device, 0), max_len, tp=group)
         except BaseException:
             self.close()
             raise
@@ -141,6 +131,8 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("prompt must be token ids: this engine runs without a tokenizer.")
         return list(self.tokenizer.encode(prompt))
 
     def add_request(
@@ -166,6 +158,8 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this engine runs without one.")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(token_ids)

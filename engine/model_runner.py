@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
+from pdmesh.engine.config import EngineConfig
+from pdmesh.engine.cuda_graphs import DecodeGraphs
 from pdmesh.engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
 from pdmesh.engine.layers.attention import AttentionMetadata
 from pdmesh.engine.model_info import ModelInfo
 from pdmesh.engine.parallel import SINGLE, ParallelGroup
 from pdmesh.engine.sampler import Sampler, SamplingBatch
 from pdmesh.engine.scheduler import ScheduledBatch
-from pdmesh.engine.weights import load_weights
+from pdmesh.engine.weights import init_dummy_weights, load_named, load_weights
 
 
 @dataclass
@@ -39,12 +41,17 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
+def _to(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list on `device`; on CUDA through pinned memory, copied without a host sync."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def _pad(rows: list[list[int]], device: torch.device) -> torch.Tensor:
-    width = max((len(r) for r in rows), default=0)
-    out = torch.zeros(len(rows), max(width, 1), dtype=torch.int32)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
-    return out.to(device)
+    width = max(max((len(r) for r in rows), default=0), 1)
+    flat = [x for r in rows for x in (*r, *([0] * (width - len(r))))]
+    return _to(flat, torch.int32, device).view(len(rows), width)
 
 
 # hook(layer index, step plan): called right after that layer stored the step's K/V, on every
@@ -60,22 +67,23 @@ class ModelRunner:
     def __init__(
         self,
         info: ModelInfo,
+        config: EngineConfig,
         device: torch.device,
-        dtype: torch.dtype,
-        block_size: int,
         max_model_len: int,
-        kv_cache_tokens: int | None,
-        kv_cache_memory_fraction: float | None,
-        seed: int = 0,
         tp: ParallelGroup = SINGLE,
     ) -> None:
         self.info = info
         self.device = device
-        self.dtype = dtype
-        self.block_size = block_size
+        self.dtype = dtype = config.torch_dtype(device)
+        self.block_size = block_size = config.block_size
+        kv_cache_tokens = config.kv_cache_tokens
+        kv_cache_memory_fraction = config.kv_cache_memory_fraction
         with torch.device(device), _default_dtype(dtype):
             model = info.model_cls(info.hf_config, max_model_len, tp)
-        load_weights(model, info.folder)
+        if config.load_format == "dummy":
+            init_dummy_weights(model, config.seed)
+        else:
+            load_weights(model, info.folder)
         self.model = model.eval()
         attn_layers = model.attention_layers()
         self.kv_spec = KVCacheSpec(
@@ -94,7 +102,13 @@ class ModelRunner:
             num_blocks = all_reduce_min(num_blocks, tp)
         self.kv_cache = KVCache(self.kv_spec, num_blocks, device)
         self.kv_cache.bind(attn_layers)
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(config.seed)
+        # Decode steps replay CUDA graphs (one rank only: captures are not made across ranks).
+        self.graphs: DecodeGraphs | None = None
+        if device.type == "cuda" and not config.enforce_eager and tp.size == 1:
+            self.graphs = DecodeGraphs(
+                model, device, block_size, min(config.max_num_seqs, 512), max_model_len
+            )
         self.tp = tp
         self._layer_hooks: list[LayerHook] = []
         self._planner: StepPlanner | None = None
@@ -102,6 +116,10 @@ class ModelRunner:
         self._plan: torch.Tensor | None = None
         for i, layer in enumerate(attn_layers):
             layer.register_forward_hook(self._after_attention(i))
+
+    def load_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the weights with named checkpoint tensors already in memory."""
+        load_named(self.model, tensors, "the tensors given")
 
     @property
     def num_blocks(self) -> int:
@@ -139,13 +157,13 @@ class ModelRunner:
                 sample_seq_index.append(i)
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            slot_mapping=_to(slots, torch.int64, dev),
             num_decode_tokens=len(decode_lens),
             decode_block_tables=_pad(decode_tables, dev),
-            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
+            decode_context_lens=_to(decode_lens, torch.int32, dev),
             max_decode_context_len=max(decode_lens, default=0),
-            prefill_cu_seqlens=torch.tensor(cu_seqlens, dtype=torch.int32, device=dev),
-            prefill_context_lens=torch.tensor(prefill_lens, dtype=torch.int32, device=dev),
+            prefill_cu_seqlens=_to(cu_seqlens, torch.int32, dev),
+            prefill_context_lens=_to(prefill_lens, torch.int32, dev),
             prefill_block_tables=_pad(prefill_tables, dev),
             max_prefill_query_len=max(
                 (b - a for a, b in itertools.pairwise(cu_seqlens)), default=0
@@ -153,16 +171,25 @@ class ModelRunner:
             max_prefill_context_len=max(prefill_lens, default=0),
         )
         return StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            input_ids=_to(input_ids, torch.int64, dev),
+            positions=_to(positions, torch.int64, dev),
             meta=meta,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+            logits_indices=_to(logits_indices, torch.int64, dev),
             sample_seq_index=sample_seq_index,
         )
 
     @torch.inference_mode()
     def forward_logits(self, inputs: StepInputs) -> torch.Tensor | None:
         """The model over the flat batch; logits [S, V] of the rows to sample (None if none)."""
+        meta = inputs.meta
+        if (
+            self.graphs is not None
+            and self._plan is None
+            and self.graphs.covers(
+                inputs.input_ids.numel(), meta.num_decode_tokens, len(inputs.sample_seq_index)
+            )
+        ):
+            return self.graphs.run(inputs.input_ids, inputs.positions, meta)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if not inputs.sample_seq_index:
             return None

@@ -48,17 +48,7 @@ def build_runner(
 ) -> ModelRunner:
     from pdmesh.engine.llm_engine import resolve_max_model_len
 
-    return ModelRunner(
-        info,
-        device,
-        config.torch_dtype(device),
-        config.block_size,
-        resolve_max_model_len(config, info),
-        config.kv_cache_tokens,
-        config.kv_cache_memory_fraction,
-        config.seed,
-        tp=group,
-    )
+    return ModelRunner(info, config, device, resolve_max_model_len(config, info), tp=group)
 
 
 def serve_rank(spec: dict[str, Any]) -> None:

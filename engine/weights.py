@@ -7,7 +7,7 @@ its rank needs, and only those bytes are read from disk.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Protocol
@@ -59,12 +59,35 @@ def iter_checkpoint(folder: Path) -> Iterator[tuple[str, CheckpointTensor]]:
                 yield name, CheckpointTensor(name, handle)
 
 
+class InMemoryTensor:
+    """A tensor already in memory, with the `CheckpointTensor` interface (benchmarks load a
+    peer's weights this way, so both run the very same numbers)."""
+
+    def __init__(self, name: str, tensor: torch.Tensor) -> None:
+        self.name = name
+        self._tensor = tensor
+        self.shape = tuple(tensor.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self._tensor.narrow(dim, start, length)
+
+    def load(self) -> torch.Tensor:
+        return self._tensor
+
+
 class WeightMapped(Protocol):
     def map_checkpoint_name(self, name: str) -> tuple[str, object] | None: ...
 
 
 def load_weights(model: nn.Module, folder: Path) -> None:
-    """Load every parameter of `model` from the checkpoint in `folder`.
+    """Load every parameter of `model` from the checkpoint in `folder`."""
+    load_named(model, iter_checkpoint(folder), str(folder))
+
+
+def load_named(
+    model: nn.Module, tensors: Iterable[tuple[str, Any]], source: str = "the weights"
+) -> None:
+    """Load every parameter of `model` from (checkpoint name, tensor) pairs.
 
     The model maps each checkpoint name to (parameter name, shard id) or None to skip it; a
     parameter with a `weight_loader` places its shard, others are copied whole.
@@ -74,8 +97,11 @@ def load_weights(model: nn.Module, folder: Path) -> None:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     mapper: WeightMapped = model  # type: ignore[assignment]
+    folder = source
     with torch.no_grad():
-        for name, tensor in iter_checkpoint(folder):
+        for name, tensor in tensors:
+            if isinstance(tensor, torch.Tensor):
+                tensor = InMemoryTensor(name, tensor)
             target = mapper.map_checkpoint_name(name)
             if target is None:
                 continue
@@ -89,4 +115,19 @@ def load_weights(model: nn.Module, folder: Path) -> None:
     missing = sorted(set(params) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-        raise ValueError(f"model: checkpoint in {folder} lacks {len(missing)} weights: {shown}")
+        raise ValueError(f"model: {folder} lacks {len(missing)} weights: {shown}")
+
+
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights of the right shapes (load_format="dummy"): for speed measurements only."""
+    generators: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters()):
+            if param.dim() == 1:
+                param.fill_(1.0)  # norms
+                continue
+            # Drawn where the parameter lives: tens of GB take seconds on a GPU.
+            gen = generators.get(param.device)
+            if gen is None:
+                gen = generators[param.device] = torch.Generator(param.device).manual_seed(seed)
+            param.normal_(0.0, 0.02, generator=gen)

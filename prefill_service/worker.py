@@ -1,27 +1,30 @@
 """The prefill worker: runs a prompt and pushes its KV blocks, layer by layer while the forward
 runs, to the decode worker that holds the destination blocks; returns the first token.
 
-The layer hook runs on the engine thread inside the forward: right after layer L stored this
-step's K/V, the blocks that are now complete for L are queued on the KV sender (which copies and
-sends them from its own thread) while layers L+1... compute.
+Before each step rank 0 plans which prompt blocks the step completes; right after layer L
+stored its K/V, every rank queues its heads of those blocks on its KV sender (which sends from
+its own thread) while layers L+1... compute (see pusher.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+import torch
 
 from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.outputs import StepDelta
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.scheduler import ScheduledBatch
-from pdmesh.kv_transfer import PageGeometry, SendHandle, TransferError, create_sender
 from pdmesh.logger import get_logger
 from pdmesh.observability.worker_collector import TransferTotals, WorkerSnapshot
 from pdmesh.prefill_service.config import PrefillConfig
 from pdmesh.prefill_service.metrics import PrefillMetrics
+from pdmesh.prefill_service.pusher import Endpoint, KVPusher
 from pdmesh.prefill_service.tracing import record_prefill
 from pdmesh.serving.engine_loop import EngineLoop
 
@@ -62,37 +65,34 @@ class PrefillOutcome:
 
 @dataclass
 class _Push:
-    handles: list[SendHandle]
+    job_id: int
     first_block: int
     end_block: int
-    sent: list[int]  # per layer: the next prompt block to push
+    sent: int  # the next prompt block to push
     done: asyncio.Future[tuple[int, int]]  # (first token, cached prompt tokens)
-    forward_ns: int = 0  # unix ns of its first forward step (queueing ends)
+    forward_ns: int = 0  # unix ns of the first forward step that ran this prompt
 
 
 class PrefillWorker:
+    """Rank 0 of a prefill worker (the only rank without tensor parallelism)."""
+
+    RANK_EXTENSION = "pdmesh.prefill_service.rank_extension:PrefillRankExtension"
+
     def __init__(self, config: PrefillConfig, engine: LLMEngine) -> None:
         self.config = config
         self.engine = engine
-        runner = engine.runner
-        attn = runner.model.attention_layers()[0]
-        self.geometry = PageGeometry(
-            num_layers=runner.kv_spec.num_layers,
-            block_size=runner.kv_spec.block_size,
-            num_kv_heads=attn.num_kv_heads,
-            head_start=0,
-            head_dim=runner.kv_spec.head_dim,
-            dtype=runner.kv_spec.dtype,
-        )
-        self.cache = runner.kv_cache.data  # [L, 2, NB, BS, Hkv, D]
-        self.sender = create_sender(config.kv_transport, self.geometry)
+        self.pusher = KVPusher(engine.runner, config.kv_transport)
+        self.geometry = self.pusher.geometry
+        engine.runner.set_step_planner(self._plan_step)
         self.loop = EngineLoop(engine, self._on_engine_deltas, on_fatal=self._on_fatal)
-        runner.add_layer_hook(self._push_layer)
+        if engine.tp_driver is not None:
+            engine.tp_driver.on_rank_death = self.loop.fail
         self.fatal: BaseException | None = None
         self.prefills = 0
-        self.metrics = PrefillMetrics(self.metrics_snapshot)
         self._jobs: dict[str, _Push] = {}  # engine thread only
+        self._job_ids = itertools.count(1)
         self._aio: asyncio.AbstractEventLoop | None = None
+        self.metrics = PrefillMetrics(self.metrics_snapshot)
 
     def start(self, aio_loop: asyncio.AbstractEventLoop) -> None:
         self._aio = aio_loop
@@ -101,7 +101,8 @@ class PrefillWorker:
 
     async def close(self) -> None:
         self.loop.stop()
-        self.sender.close()
+        self.pusher.close()
+        self.engine.close()
 
     def _on_fatal(self, exc: BaseException) -> None:
         self.fatal = exc
@@ -131,18 +132,16 @@ class PrefillWorker:
 
     async def prefill(self, task: PrefillTask) -> PrefillOutcome:
         self.check(task)
+        if self.fatal is not None:
+            raise RuntimeError("this prefill worker's engine failed")
         started = time.perf_counter_ns()
         received_ns = time.time_ns()
-        handles = [
-            self.sender.start(d.address, task.transfer_id, task.token, task.num_blocks)
-            for d in task.destinations
-        ]
         assert self._aio is not None
         push = _Push(
-            handles,
+            next(self._job_ids),
             task.first_block,
             task.first_block + task.num_blocks,
-            [task.first_block] * self.geometry.num_layers,
+            task.first_block,
             self._aio.create_future(),
         )
         # The first token is sampled as the request asks; nothing stops it early.
@@ -155,50 +154,68 @@ class PrefillWorker:
             ignore_eos=True,
         )
         try:
-            await self.loop.acall(
-                lambda e: self._begin(e, task.request_id, task.prompt, params, push)
-            )
+            await self.loop.acall(lambda e: self._begin(e, task, params, push))
             first_token, cached = await push.done
             prefill_ns = time.perf_counter_ns() - started
-            first_token_ns = time.time_ns()
-            stats = await asyncio.to_thread(
-                lambda: [self.sender.finish(h, task.timeout_s) for h in handles]
-            )
+            stats = await asyncio.to_thread(self.pusher.finish, push.job_id, task.timeout_s)
+            await self.loop.acall(lambda e: self._followers(e, "kv.push_end", push, task))
         except BaseException as exc:
-            # Off the engine first, so no layer hook sends on a handle being aborted.
-            await self.loop.acall(lambda e: self._cancel(e, task.request_id))
-            for h in handles:
-                self.sender.abort(h)
-            record_prefill(task, self.geometry.num_layers, received_ns, push.forward_ns, 0, [], exc)
+            # Off the engine thread's books first, so no layer hook sends on an aborted handle.
+            await self.loop.acall(lambda e: self._cancel(e, task, push))
+            record_prefill(task, self.geometry.num_layers, received_ns, push.forward_ns, 0, (), exc)
             raise
-        self.prefills += 1
-        transfer_s = max(s.seconds for s in stats)
-        self.metrics.prefilled(prefill_ns, push.forward_ns - received_ns, transfer_s)
+        first_token_ns = received_ns + prefill_ns
         record_prefill(
             task, self.geometry.num_layers, received_ns, push.forward_ns, first_token_ns, stats
         )
+        transfer_s = max((s.seconds for s in stats), default=0.0)
+        self.metrics.prefilled(prefill_ns, push.forward_ns - received_ns, transfer_s)
+        self.prefills += 1
         return PrefillOutcome(
             first_token=first_token,
             cached_prompt_tokens=cached,
             prefill_ns=prefill_ns,
             kv_bytes=sum(s.bytes for s in stats),
-            kv_send_ns=int(transfer_s * 1e9),
+            kv_send_ns=int(max((s.seconds for s in stats), default=0.0) * 1e9),
         )
 
     # -- engine thread ----------------------------------------------------------------------------
+    def _followers(self, engine: LLMEngine, op: str, push: _Push, task: PrefillTask) -> None:
+        if engine.tp_driver is None:
+            return
+        args: dict[str, object] = {"job_id": push.job_id, "timeout_s": task.timeout_s}
+        if op == "kv.push_start":
+            args.update(
+                transfer_id=task.transfer_id,
+                token=task.token.hex(),
+                num_blocks=task.num_blocks,
+                endpoints=[vars(d) for d in task.destinations],
+            )
+        engine.tp_driver.control(op, args)
+
     def _begin(
-        self, engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams, push: _Push
+        self, engine: LLMEngine, task: PrefillTask, params: SamplingParams, push: _Push
     ) -> None:
-        engine.add_request(rid, prompt, params)
-        self._jobs[rid] = push
+        endpoints = [Endpoint(d.address, d.head_start, d.num_heads) for d in task.destinations]
+        self.pusher.start(push.job_id, task.transfer_id, task.token, task.num_blocks, endpoints)
+        try:
+            self._followers(engine, "kv.push_start", push, task)
+            engine.add_request(task.request_id, task.prompt, params)
+        except BaseException:
+            self.pusher.abort(push.job_id)
+            raise
+        self._jobs[task.request_id] = push
 
-    def _cancel(self, engine: LLMEngine, rid: str) -> None:
-        self._jobs.pop(rid, None)
-        if engine.abort_request(rid) is not None:
-            engine.release(rid)
+    def _cancel(self, engine: LLMEngine, task: PrefillTask, push: _Push) -> None:
+        self._jobs.pop(task.request_id, None)
+        if engine.abort_request(task.request_id) is not None:
+            engine.release(task.request_id)
+        self.pusher.abort(push.job_id)
+        self._followers(engine, "kv.push_abort", push, task)
 
-    def _push_layer(self, layer: int, batch: ScheduledBatch) -> None:
+    def _plan_step(self, batch: ScheduledBatch) -> torch.Tensor | None:
         bs = self.geometry.block_size
+        items: list[int] = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             push = self._jobs.get(seq.request_id)
             if push is None:
@@ -206,26 +223,16 @@ class PrefillWorker:
             if not push.forward_ns:
                 push.forward_ns = time.time_ns()
             end = seq.num_computed_tokens + n
-            # Blocks whose K/V is complete for this layer; the prompt's last one may be partial.
+            # Blocks whose K/V this step completes; the prompt's last one may be partial.
             upto = (
                 push.end_block if end >= seq.num_prompt_tokens else min(end // bs, push.end_block)
             )
-            start = push.sent[layer]
-            if upto <= start:
+            if upto <= push.sent:
                 continue
-            ids = seq.block_table[start:upto]
-            k = self.cache[layer, 0, ids]  # [n, BS, Hkv, D]
-            v = self.cache[layer, 1, ids]
-            try:
-                for handle in push.handles:
-                    self.sender.send_layer(handle, layer, start - push.first_block, k, v)
-            except (TransferError, ValueError) as e:
-                # The transfer is broken (peer gone, handle aborted): stop pushing; finish()
-                # reports the failure to the decode worker. Never let it stop the forward.
-                log.warning("KV push for %s stopped: %s", seq.request_id, e)
-                push.sent = [push.end_block] * len(push.sent)
-                continue
-            push.sent[layer] = upto
+            ids = seq.block_table[push.sent : upto]
+            items += [push.job_id, push.sent - push.first_block, len(ids), *ids]
+            push.sent = upto
+        return torch.tensor(items, dtype=torch.int64) if items else None
 
     def _on_engine_deltas(self, deltas: list[StepDelta]) -> None:
         for d in deltas:
@@ -239,10 +246,9 @@ class PrefillWorker:
                 self._aio.call_soon_threadsafe(_resolve, push.done, result)
 
     def metrics_snapshot(self) -> WorkerSnapshot:
-        """State for a Prometheus scrape, read from the scraping thread without waiting for the
-        engine thread (plain counters and the sender's thread-safe stats)."""
+        """State for a Prometheus scrape, read from the scraping thread (no engine wait)."""
         e = self.engine.stats()
-        tx = self.sender.stats
+        tx = self.pusher.sender.stats
         return WorkerSnapshot(
             num_running=e.num_running,
             num_waiting=e.num_waiting,
@@ -261,11 +267,15 @@ class PrefillWorker:
 
     async def stats(self) -> dict[str, object]:
         engine_stats = await self.loop.acall(lambda e: e.stats())
-        experts = await self.loop.acall(lambda e: e.runner.expert_counts())
-        tx = self.sender.stats
+        experts = await self.loop.acall(lambda e: e.expert_counts())
+        sent = [self.pusher.sender.stats.bytes_sent]
+        if self.engine.tp_driver is not None:
+            replies = await self.loop.acall(lambda e: e.tp_driver.control("kv.stats", {}))
+            sent += [r["bytes_sent"] for r in replies]
+        tx = self.pusher.sender.stats
         return {
             "engine": engine_stats,
-            "kv_bytes_sent": tx.bytes_sent,
+            "kv_bytes_sent": sum(sent),
             "kv_seconds": tx.seconds_sending,
             "kv_transfers": tx.transfers,
             "expert_token_counts": experts or [],

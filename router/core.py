@@ -21,7 +21,7 @@ from pdmesh.logger import get_logger
 from pdmesh.router.config import RouterConfig
 from pdmesh.router.decode_link import DecodeLink, LinkLost
 from pdmesh.router.policies import DispatchPolicy, PromptInfo
-from pdmesh.router.registry import WorkerRegistry
+from pdmesh.router.registry import Worker, WorkerRegistry
 from pdmesh.router.request_telemetry import RequestTelemetry
 from pdmesh.router.stream_pacing import StreamPacer
 from pdmesh.serving.convert import FINISH_FROM_PB, sampling_to_pb
@@ -32,6 +32,7 @@ log = get_logger(__name__)
 
 _STATUS_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
 SUBMIT_TIMEOUT_S = 10.0
+LINK_WAIT_S = 2.0  # how long a request waits for a decode worker's stream to (re)open
 DEFAULT_BLOCK_SIZE = 16
 
 
@@ -86,6 +87,21 @@ class Router:
             await link.close()
         await self.registry.close()
 
+    def decode_ready(self) -> list[Worker]:
+        """Decode workers in rotation whose token stream to this router is open."""
+        healthy = self.registry.healthy("decode")
+        return [w for w in healthy if self.links[w.address].connected.is_set()]
+
+    async def ready_decode_workers(self, wait_s: float) -> list[Worker]:
+        """Ready decode workers; if none, wait up to `wait_s` for one (a link reconnecting)."""
+        loop = asyncio.get_running_loop()
+        ready = self.decode_ready()
+        deadline = loop.time() + wait_s
+        while not ready and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+            ready = self.decode_ready()
+        return ready
+
     @property
     def block_size(self) -> int:
         sizes = [w.load.block_size for w in self.registry.by_role("decode") if w.load.block_size]
@@ -124,9 +140,7 @@ class Router:
         telemetry = RequestTelemetry(
             inp.request_id, len(inp.prompt), inp.params, self.config.policy
         )
-        decode = [
-            w for w in self.registry.healthy("decode") if self.links[w.address].connected.is_set()
-        ]
+        decode = await self.ready_decode_workers(wait_s=LINK_WAIT_S)
         if not decode:
             telemetry.no_worker()
             raise ServiceError(

@@ -91,7 +91,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             eos_token_ids=list(r.info.eos_token_ids),
             block_size=r.block_size,
             num_prefill_workers=len(r.registry.healthy("prefill")),
-            num_decode_workers=len(r.registry.healthy("decode")),
+            num_decode_workers=len(r.decode_ready()),
         )
 
     async def Tokenize(self, request, context):

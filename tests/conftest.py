@@ -35,3 +35,15 @@ def default_llm(default_model_folder: Path):  # -> pdmesh.LLM, imported lazily
     from pdmesh import LLM
 
     return LLM(kv_cache_tokens=16384)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` need CUDA; on a machine without it they are skipped, by design."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -56,8 +56,17 @@ def start_mesh(*args: str, http: bool = False, timeout_s: float = 300) -> Mesh:
     port = free_port()
     http_port = free_port() if http else 0
     cmd = [
-        sys.executable, "-m", "pdmesh.cli", "up", "--port", str(port),
-        "--http-port", str(http_port), "--ask", "", *args,
+        sys.executable,
+        "-m",
+        "pdmesh.cli",
+        "up",
+        "--port",
+        str(port),
+        "--http-port",
+        str(http_port),
+        "--ask",
+        "",
+        *args,
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PDMESH_LOG_LEVEL": "WARNING"}
     proc = subprocess.Popen(

@@ -26,8 +26,16 @@ BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4
 @pytest.fixture(scope="module")
 def mesh(default_model_folder) -> Mesh:
     m = start_mesh(
-        "--prefill", "1", "--decode", "1", "--kv-cache-tokens", "32768",
-        "--max-num-batched-tokens", "512", "--disagg-min-tokens", str(DISAGG_MIN),
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--kv-cache-tokens",
+        "32768",
+        "--max-num-batched-tokens",
+        "512",
+        "--disagg-min-tokens",
+        str(DISAGG_MIN),
     )
     yield m
     m.stop()
@@ -41,7 +49,9 @@ def _request(prompt: list[int], max_tokens: int, **sampling: object) -> gen_pb.G
     )
 
 
-async def _generate(target: str, requests: list[gen_pb.GenerateRequest]) -> list[list[gen_pb.GenerateResponse]]:
+async def _generate(
+    target: str, requests: list[gen_pb.GenerateRequest]
+) -> list[list[gen_pb.GenerateResponse]]:
     async with grpc.aio.insecure_channel(target) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
 
@@ -51,7 +61,9 @@ async def _generate(target: str, requests: list[gen_pb.GenerateRequest]) -> list
         return await asyncio.gather(*(one(r) for r in requests))
 
 
-def test_concurrent_requests_match_offline_and_kv_bytes_are_exact(mesh: Mesh, default_llm: LLM) -> None:
+def test_concurrent_requests_match_offline_and_kv_bytes_are_exact(
+    mesh: Mesh, default_llm: LLM
+) -> None:
     rng = random.Random(11)
     vocab = default_llm.engine.info.vocab_size
     lengths = [rng.choice([5, 20, 40, 63, 64, 90, 150, 300]) for _ in range(32)]
@@ -89,7 +101,9 @@ def test_reflection_and_health(mesh: Mesh) -> None:
         with grpc.insecure_channel(address) as ch:
             services = set(ProtoReflectionDescriptorDatabase(ch).get_services())
             assert {service, "grpc.health.v1.Health"} <= services
-            health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            health = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
             assert health.status == health_pb2.HealthCheckResponse.SERVING
 
 
@@ -146,7 +160,9 @@ def test_deadline_frees_blocks(mesh: Mesh) -> None:
     with grpc.insecure_channel(mesh.target) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
         with pytest.raises(grpc.RpcError) as err:
-            for _ in stub.Generate(_request(list(range(2000, 2200)), 4000, ignore_eos=True), timeout=2.0):
+            for _ in stub.Generate(
+                _request(list(range(2000, 2200)), 4000, ignore_eos=True), timeout=2.0
+            ):
                 pass
         assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
     _wait_free(mesh, 1.0)

@@ -18,8 +18,18 @@ VOCAB = 512
 @pytest.fixture(scope="module")
 def mesh(tiny_model) -> Mesh:
     m = start_mesh(
-        "--model", str(tiny_model("llama")), "--prefill", "2", "--decode", "2",
-        "--kv-cache-tokens", "8192", "--disagg-min-tokens", "32", "--max-model-len", "512",
+        "--model",
+        str(tiny_model("llama")),
+        "--prefill",
+        "2",
+        "--decode",
+        "2",
+        "--kv-cache-tokens",
+        "8192",
+        "--disagg-min-tokens",
+        "32",
+        "--max-model-len",
+        "512",
     )
     yield m
     m.stop()
@@ -32,7 +42,9 @@ async def _run(target: str, prompts: list[list[int]], max_tokens: int = 8) -> li
         async def one(p: list[int]) -> list[int]:
             req = gen_pb.GenerateRequest(
                 token_ids=gen_pb.TokenIds(ids=p),
-                sampling=gen_pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                sampling=gen_pb.SamplingParams(
+                    max_tokens=max_tokens, temperature=0, ignore_eos=True
+                ),
             )
             return [t async for r in stub.Generate(req) for t in r.token_ids]
 
@@ -47,8 +59,10 @@ def test_every_worker_serves_some_of_40_requests(mesh: Mesh) -> None:
     assert all(len(o) == 8 for o in outputs)
     for address in mesh.decode:
         s = mesh.stats(address)
-        served = s.local_prefills + s.remote_prefills - (
-            before[address].local_prefills + before[address].remote_prefills
+        served = (
+            s.local_prefills
+            + s.remote_prefills
+            - (before[address].local_prefills + before[address].remote_prefills)
         )
         assert served > 0, f"decode worker {address} served nothing"
         assert s.kv_blocks_used == 0

@@ -1,0 +1,121 @@
+"""Timed pieces of the GPU benchmark: decode steps, a prefill, MoE expert traffic."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from pdmesh.engine.sampling_params import SamplingParams
+
+_ids = iter(range(10**9))
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
+
+
+def weight_bytes(runner: Any) -> int:
+    """Bytes a decode step reads from weights: all but the (gathered, not scanned) embedding."""
+    total = 0
+    for name, p in runner.model.named_parameters():
+        if "embed_tokens" in name and not runner.model.tie_word_embeddings:
+            continue
+        total += p.numel() * p.element_size()
+    return total
+
+
+def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, 100000) for _ in range(length)] for _ in range(n)]
+
+
+def _admit(engine: Any, batch: int, ctx: int, max_tokens: int) -> list[str]:
+    ids = []
+    for prompt in _prompts(batch, ctx, seed=batch * 7919 + ctx):
+        rid = f"bench-{next(_ids)}"
+        engine.add_request(rid, prompt, _greedy(max_tokens))
+        ids.append(rid)
+    # Run until every prompt is prefilled (each has its first token).
+    while any(engine.get_output(r).outputs[0].token_ids == [] for r in ids):
+        engine.step()
+    return ids
+
+
+def _drain(engine: Any, ids: list[str]) -> None:
+    for rid in ids:
+        engine.abort_request(rid)
+        engine.release(rid)
+
+
+def decode_step_time(engine: Any, batch: int, ctx: int, steps: int = 24) -> float:
+    """Median seconds of a decode step of `batch` sequences at about `ctx` tokens of context."""
+    ids = _admit(engine, batch, ctx, max_tokens=steps + 8)
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.step()  # reads the sampled tokens back: the step's one host sync
+        times.append(time.perf_counter() - start)
+    _drain(engine, ids)
+    return statistics.median(times[4:])
+
+
+def prefill_time(engine: Any, tokens: int) -> tuple[float, float]:
+    """(median seconds, FLOPs) of prefilling one prompt of `tokens` tokens in one step."""
+    info = engine.info
+    layers, heads, head_dim = info.num_layers, info.num_heads, info.head_dim
+    params = sum(p.numel() for n, p in engine.runner.model.named_parameters() if "embed" not in n)
+    flops = 2 * params * tokens + 2 * layers * heads * head_dim * tokens**2  # causal attention
+    times = []
+    for i in range(5):
+        rid = f"prefill-{next(_ids)}"
+        prompt = _prompts(1, tokens, seed=1000 + i)[0]
+        engine.add_request(rid, prompt, _greedy(1))
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        times.append(time.perf_counter() - start)
+        engine.release(rid)
+    engine.block_manager.reset_prefix_cache()
+    return statistics.median(times[1:]), flops
+
+
+def moe_touched_experts(engine: Any, batch: int, ctx: int) -> tuple[float, int]:
+    """(experts touched per MoE layer in one decode step, bytes of weights it reads), counted by
+    running one step eagerly with the routers observed."""
+    from pdmesh.engine.layers.moe import FusedMoE
+
+    runner = engine.runner
+    moes = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
+    touched: list[int] = []
+
+    def observe(module: FusedMoE, inputs: Any, logits: torch.Tensor) -> None:
+        ids = torch.topk(logits.float(), module.parent_top_k, dim=-1).indices
+        touched.append(int(torch.unique(ids).numel()))
+
+    hooks = []
+    for m in moes:
+        m.gate.parent_top_k = m.top_k
+        hooks.append(m.gate.register_forward_hook(lambda mod, i, o: observe(mod, i, o)))
+    graphs, runner.graphs = runner.graphs, None
+    ids = _admit(engine, batch, ctx, max_tokens=4)
+    touched.clear()
+    engine.step()
+    runner.graphs = graphs
+    for h in hooks:
+        h.remove()
+    _drain(engine, ids)
+    per_layer = sum(touched) / len(touched)
+    m = moes[0]
+    expert_bytes = (m.w13_weight[0].numel() + m.w2_weight[0].numel()) * m.w13_weight.element_size()
+    other = sum(
+        p.numel() * p.element_size()
+        for n, p in runner.model.named_parameters()
+        if "w13_weight" not in n and "w2_weight" not in n and "embed_tokens" not in n
+    )
+    return per_layer, int(sum(touched) * expert_bytes + other)

@@ -1,0 +1,91 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, the LM head included.
+
+A decode step of a small batch is hundreds of short kernels, and launching them from Python
+costs more than running them. Each bucket's forward is captured once over static input buffers;
+a step copies its inputs into the first rows, pads the rest (slot -1: nothing stored; context
+length 1), replays the bucket's graph and reads the first rows of its logits. The decode
+attention kernel takes each sequence's own context length, so one capture (made for contexts up
+to max_model_len) serves any length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdmesh.engine.layers.attention import AttentionMetadata
+from pdmesh.logger import get_logger
+
+log = get_logger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        device: torch.device,
+        block_size: int,
+        max_batch: int,
+        max_model_len: int,
+    ) -> None:
+        self.buckets = [b for b in BUCKETS if b <= max_batch] or [1]
+        size = self.buckets[-1]
+        max_blocks = -(-max_model_len // block_size)
+        i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(size, **i64)
+        self.positions = torch.zeros(size, **i64)
+        self.slot_mapping = torch.full((size,), -1, **i64)
+        self.block_tables = torch.zeros(size, max_blocks, **i32)
+        self.context_lens = torch.ones(size, **i32)
+        empty = torch.zeros(0, **i32)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        pool = None
+        with torch.inference_mode():
+            for bs in reversed(self.buckets):  # largest first: the others reuse its memory
+                meta = AttentionMetadata(
+                    slot_mapping=self.slot_mapping[:bs],
+                    num_decode_tokens=bs,
+                    decode_block_tables=self.block_tables[:bs],
+                    decode_context_lens=self.context_lens[:bs],
+                    max_decode_context_len=max_model_len,
+                    prefill_cu_seqlens=torch.zeros(1, **i32),
+                    prefill_context_lens=empty,
+                    prefill_block_tables=torch.zeros(0, 1, **i32),
+                    max_prefill_query_len=0,
+                    max_prefill_context_len=0,
+                )
+
+                def forward(bs: int = bs, meta: AttentionMetadata = meta) -> torch.Tensor:
+                    hidden = model(self.input_ids[:bs], self.positions[:bs], meta)
+                    return model.compute_logits(hidden)
+
+                forward()  # compile kernels, create library handles: outside the capture
+                torch.cuda.synchronize(device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.logits[bs] = forward()
+                pool = graph.pool()
+                self.graphs[bs] = graph
+        log.info("captured CUDA graphs for decode batches %s", self.buckets)
+
+    def covers(self, num_tokens: int, num_decode: int, num_sampled: int) -> bool:
+        """Whether a step is decode-only (every token samples) and fits a bucket."""
+        return num_tokens == num_decode == num_sampled and 0 < num_tokens <= self.buckets[-1]
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        n = input_ids.numel()
+        bs = next(b for b in self.buckets if b >= n)
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.slot_mapping[n:bs].fill_(-1)
+        width = meta.decode_block_tables.shape[1]
+        self.block_tables[:n, :width].copy_(meta.decode_block_tables)
+        self.context_lens[:n].copy_(meta.decode_context_lens)
+        self.context_lens[n:bs].fill_(1)
+        self.graphs[bs].replay()
+        return self.logits[bs][:n]

@@ -1,0 +1,46 @@
+"""The engine on a GPU: Triton kernels, CUDA graphs, bf16. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support import hf_greedy, load_hf, random_prompts
+
+from pdmesh import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+def test_fp32_on_cuda_matches_transformers(tiny_model, arch: str) -> None:
+    folder = tiny_model(arch)
+    prompts = random_prompts([5, 17, 40, 100, 150, 3])
+    llm = LLM(str(folder), dtype="float32", kv_cache_tokens=4096, max_num_batched_tokens=64)
+    assert llm.engine.runner.graphs is not None  # decode steps replay CUDA graphs
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    hf = load_hf(folder)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 24, ignore_eos=True)
+
+
+def test_cuda_graphs_equal_eager(tiny_model) -> None:
+    folder = str(tiny_model("llama"))
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([7, 33, 64, 90])]
+    eager = LLM(folder, dtype="float32", kv_cache_tokens=4096, enforce_eager=True)
+    graphs = LLM(folder, dtype="float32", kv_cache_tokens=4096)
+    assert eager.engine.runner.graphs is None
+    a = [o.outputs[0].token_ids for o in eager.generate(prompts, GREEDY)]
+    b = [o.outputs[0].token_ids for o in graphs.generate(prompts, GREEDY)]
+    assert a == b
+
+
+def test_bf16_default_model_answers(default_model_folder) -> None:
+    llm = LLM(kv_cache_tokens=16384)  # dtype auto: bfloat16 on CUDA
+    assert llm.engine.runner.dtype is torch.bfloat16
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(max_tokens=24, temperature=0),
+    )
+    assert "Paris" in out[0].outputs[0].text
