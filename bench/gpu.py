@@ -98,6 +98,21 @@ def dense_section(folder: Path, ceil: dict[str, float], out: Path) -> None:
         }
 
     guarded("decode_b1", lambda: decode(1, 512), out)
+
+    def replay_only() -> dict[str, float]:
+        """The batch-1 graph alone (no scheduling, no input copies, no sampling): how much of
+        a step is GPU time and how much the host around it."""
+        from triton.testing import do_bench
+
+        graphs = llm.engine.runner.graphs
+        ms = do_bench(graphs.graphs[1].replay, warmup=20, rep=200, return_mode="median")
+        return {
+            "graph_replay_ms": ms,
+            "floor_ms": wbytes / bw * 1e3,
+            "ratio": ms / (wbytes / bw * 1e3),
+        }
+
+    guarded("decode_b1_graph_only", replay_only, out)
     guarded("decode_b64_ctx1024", lambda: decode(64, 1024), out)
 
     def prefill() -> dict[str, float]:
@@ -259,6 +274,15 @@ def plot(out: Path) -> None:
     fig.savefig(out / "decode_roofline.png", dpi=120)
 
 
+def release_memory() -> None:
+    """Free a finished section's models before the next one loads (tens of GB each)."""
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    print(f"GPU memory in use: {torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -283,8 +307,10 @@ def main() -> None:
     if "decode" in only:
         dense_section(dense, ceil, out)
         plot(out)
+        release_memory()
     if "peer" in only:
         transformers_peer(dense, out)
+        release_memory()
     if "moe" in only:
         moe_section(write_config(tmp / "qwen3moe", qwen3_moe_30b_config()), ceil, out)
     print("\n" + json.dumps(RESULTS, indent=1, default=float))

@@ -230,7 +230,9 @@ def moe_cases(s: Shapes, dtype: torch.dtype, device: torch.device) -> Iterator[C
     w2 = torch.randn(e, h, i, dtype=dtype, device=device) / i**0.5
     expert_bytes = (_nbytes(w13) + _nbytes(w2)) / e
     for tokens in s.moe_tokens:
-        logits = torch.randn(tokens, e, dtype=dtype, device=device)
+        # float32 router logits: random bf16 values tie often, and two top-k kernels may break a
+        # tie differently, both correctly; ties in float32 are vanishingly rare.
+        logits = torch.randn(tokens, e, dtype=torch.float32, device=device)
         yield Case(
             "moe_route",
             f"T={tokens} E={e} k={s.top_k}",

@@ -43,8 +43,10 @@ class LLM:
         config = EngineConfig.from_kwargs(model=model, **engine_options)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
-        # Tensor-parallel ranks stop with this object (or at exit), never outlive it.
-        self._finalizer = weakref.finalize(self, self.engine.close)
+        # Tensor-parallel ranks stop with this object (or at exit), never outlive it. The
+        # finalizer holds only the driver: holding the engine would keep its memory alive.
+        driver = self.engine.tp_driver
+        self._finalizer = weakref.finalize(self, driver.shutdown if driver else _nothing)
 
     def close(self) -> None:
         """Stop the engine's other ranks, if any. The LLM is unusable afterwards."""
@@ -132,6 +134,10 @@ class LLM:
         for request_id in ids:
             engine.release(request_id)
         return outputs
+
+
+def _nothing() -> None:
+    return None
 
 
 class _progress:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdmesh import envs
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.cuda_graphs import DecodeGraphs
 from pdmesh.engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
@@ -80,6 +81,9 @@ class ModelRunner:
         kv_cache_memory_fraction = config.kv_cache_memory_fraction
         with torch.device(device), _default_dtype(dtype):
             model = info.model_cls(info.hf_config, max_model_len, tp)
+        # Placement is made explicit: a torch.device context can be overridden by a default-device
+        # mode left behind by other code in the process (seen with transformers on CUDA).
+        model.to(device)
         if config.load_format == "dummy":
             init_dummy_weights(model, config.seed)
         else:
@@ -105,7 +109,9 @@ class ModelRunner:
         self.sampler = Sampler(config.seed)
         # Decode steps replay CUDA graphs (one rank only: captures are not made across ranks).
         self.graphs: DecodeGraphs | None = None
-        if device.type == "cuda" and not config.enforce_eager and tp.size == 1:
+        # The torch reference kernels sync with the host: only the Triton ones are captured.
+        capturable = envs.kernel_backend() != "torch"
+        if device.type == "cuda" and capturable and not config.enforce_eager and tp.size == 1:
             self.graphs = DecodeGraphs(
                 model, device, block_size, min(config.max_num_seqs, 512), max_model_len
             )
@@ -234,6 +240,11 @@ class ModelRunner:
         if logits is None:
             return sampled
         seqs = [batch.seqs[i] for i in inputs.sample_seq_index]
+        if all(s.params.greedy for s in seqs):  # the common case: no per-row tensors to build
+            tokens = logits.argmax(dim=-1).tolist()
+            for i, token in zip(inputs.sample_seq_index, tokens, strict=True):
+                sampled[i] = token
+            return sampled
         sampling = SamplingBatch.build(
             [s.params for s in seqs], [s.generator for s in seqs], logits.shape[-1], self.device
         )

@@ -58,4 +58,8 @@ def moe_experts_ref(x, w13, w2, topk_weights, topk_ids, first_expert=0):
 
 def count_expert_tokens(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Tokens routed to each expert in this batch: [E] int64 (for load statistics)."""
-    return torch.bincount(topk_ids.flatten(), minlength=num_experts)
+    # scatter_add, not bincount: bincount reads its input's max on the host, which a CUDA graph
+    # capture does not allow.
+    ids = topk_ids.flatten()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    return counts.scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.int64))

@@ -34,17 +34,24 @@ class RotaryEmbedding(nn.Module):
                 f"rope_type {rope_type!r} is not supported; supported: {', '.join(_STATIC_ROPE)}"
             )
         rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        # Computed on the CPU (transformers' RoPE helpers return CPU tensors), then moved to the
+        # device the model is being built on.
+        target = torch.empty(0).device
+        cpu = torch.device("cpu")
         if rope_type == "default":
-            exps = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+            exps = (
+                torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=cpu).float() / rotary_dim
+            )
             inv_freq = 1.0 / (params["rope_theta"] ** exps)
             scaling = 1.0
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, cpu)
         # Same float32 arithmetic as transformers: position * inv_freq, then cos/sin, then scaling.
-        freqs = torch.arange(max_position, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
-        cache = torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
+        positions = torch.arange(max_position, dtype=torch.int64, device=cpu).float()
+        freqs = positions[:, None] * inv_freq.to(cpu)[None, :]
+        cache = torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1).to(target)
         self.register_buffer("cos_sin_cache", cache, persistent=False)  # [max_pos, rotary_dim]
 
     def forward(
