@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import grpc
 
+from pdmesh.bench.machine import cpu_seconds, device_name, machine_busy_seconds
 from pdmesh.launcher import Child, _die_with_parent, free_port, stop_all, wait_ready
 from pdmesh.serving.grpc_server import channel
 from pdmesh.v1 import generation_pb2 as gen_pb
@@ -79,19 +79,6 @@ class RelayResult:
     date: str
     errors: int
     bad_finishes: int
-
-
-def cpu_seconds(pid: int) -> float:
-    """user + system CPU time of a process (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def machine_busy_seconds() -> float:
-    """CPU seconds spent by the whole machine, all cores (Linux /proc/stat), to spot other load."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def start_processes(cfg: RelayConfig) -> tuple[list[Child], str]:
@@ -188,7 +175,7 @@ async def drive(cfg: RelayConfig, target: str, pids: dict[str, int]) -> RelayRes
         requests_per_s=round(finished / elapsed, 2),
         cpu_cores_used={k: round(v, 2) for k, v in cpu.items()},
         cpu_count=os.cpu_count() or 0,
-        device=platform.processor() or platform.machine(),
+        device=device_name(),
         date=time.strftime("%Y-%m-%d"),
         errors=len(counts.errors),
         bad_finishes=counts.bad_finishes,

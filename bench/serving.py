@@ -4,7 +4,9 @@ Workload (fixed seed): N requests of random token ids (prompts drawn from ordina
 and output lengths uniform in len * [1 - r, 1 + r], ignore_eos and temperature 0 so every
 request produces exactly its length. Arrivals: Poisson at --request-rate (or evenly spaced with
 --arrivals constant; inf sends all at once), at most --concurrency in flight. Each request is
-one `pdmesh.v1.Generation/Generate` stream; the client timestamps every message.
+one `pdmesh.v1.Generation/Generate` stream; the client timestamps every message. Prompts repeat
+for a given --seed: a second run against the same mesh hits its prefix cache (restart the mesh,
+or change --seed, to measure prefill again).
 
     pdmesh bench --target 127.0.0.1:50051 --num-requests 32 --input-len 192 --output-len 96 \
         --range-ratio 0.33 [--request-rate 4] [--slo-ttft-ms 500 --slo-tpot-ms 100] [--plot x.png]
@@ -17,7 +19,6 @@ import asyncio
 import json
 import math
 import os
-import platform
 import random
 import sys
 import time
@@ -28,6 +29,7 @@ from typing import Any
 import grpc
 
 from pdmesh.bench.latency_stats import RequestRecord, Slo, summarize
+from pdmesh.bench.machine import device_name
 from pdmesh.serving.convert import FINISH_FROM_PB
 from pdmesh.serving.grpc_server import channel
 from pdmesh.v1 import generation_pb2 as gen_pb
@@ -35,12 +37,15 @@ from pdmesh.v1 import generation_pb2_grpc
 
 LOWEST_PROMPT_ID = 1000  # below this, vocabularies keep their special and byte tokens
 REQUEST_TIMEOUT_S = 3600.0
+WARMUP_TOKENS = 4
+WARMUP_PROMPT_LEN = 32
 
 
 @dataclass(frozen=True)
 class Workload:
     prompts: list[list[int]]
     output_lens: list[int]
+    warmup_prompt: list[int]  # shares no prefix with the prompts: warms nothing in the cache
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,8 @@ def make_workload(cfg: LoadConfig, vocab_size: int) -> Workload:
     in_lens = _lengths(rng, cfg.input_len, cfg.range_ratio, cfg.num_requests)
     out_lens = _lengths(rng, cfg.output_len, cfg.range_ratio, cfg.num_requests)
     prompts = [[rng.randrange(low, vocab_size) for _ in range(n)] for n in in_lens]
-    return Workload(prompts, out_lens)
+    warmup = [rng.randrange(low, vocab_size) for _ in range(WARMUP_PROMPT_LEN)]
+    return Workload(prompts, out_lens, warmup)
 
 
 def arrival_times(cfg: LoadConfig) -> list[float]:
@@ -133,6 +139,11 @@ async def run_load(
     times = arrival_times(cfg)
     async with channel(target) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
+        # One untimed request first (as vLLM's benchmark does): a fresh mesh's first request
+        # pays one-time costs (connections, allocations) that are not serving performance.
+        warm = await one_request(stub, work.warmup_prompt, WARMUP_TOKENS)
+        if warm.error:
+            raise RuntimeError(f"the warm-up request failed: {warm.error}")
         bar = Progress(
             "[progress.description]{task.description}",
             BarColumn(),
@@ -165,21 +176,17 @@ async def model_info(target: str) -> gen_pb.ModelInfo:
         return await stub.GetModelInfo(gen_pb.ModelInfoRequest(), timeout=30)
 
 
-def run_offline_peer(args: argparse.Namespace, work: Workload) -> dict[str, float]:
-    """The same requests on the offline engine in this process (all submitted at once)."""
+def offline_peer(engine: dict[str, Any], work: Workload) -> dict[str, float]:
+    """The same requests on the offline engine, all submitted at once."""
     from pdmesh import LLM, SamplingParams
 
-    llm = LLM(
-        args.model,
-        kv_cache_tokens=args.kv_cache_tokens or 32768,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
+    llm = LLM(**engine)
     params = [
         SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in work.output_lens
     ]
     prompts = [{"prompt_token_ids": p} for p in work.prompts]
-    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    warmup = SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": work.warmup_prompt}], warmup, use_tqdm=False)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
@@ -189,6 +196,20 @@ def run_offline_peer(args: argparse.Namespace, work: Workload) -> dict[str, floa
         "request_throughput": round(len(outputs) / seconds, 3),
         "output_throughput": round(produced / seconds, 2),
     }
+
+
+def run_offline_peer(args: argparse.Namespace, work: Workload) -> dict[str, float]:
+    """offline_peer in a fresh process: this one's gRPC threads measurably slowed the engine."""
+    import multiprocessing
+
+    engine = {
+        "model": args.model,
+        "kv_cache_tokens": args.kv_cache_tokens or 32768,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+    }
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(offline_peer, (engine, work))
 
 
 def print_summary(summary: dict[str, Any]) -> None:
@@ -232,10 +253,14 @@ def run_serving_bench(args: argparse.Namespace) -> int:
         print(f"pdmesh bench: cannot reach a router at {args.target}: {e}", file=sys.stderr)
         return 1
     work = make_workload(cfg, info.vocab_size)
-    records, duration = asyncio.run(run_load(args.target, work, cfg, not args.no_progress))
+    try:
+        records, duration = asyncio.run(run_load(args.target, work, cfg, not args.no_progress))
+    except RuntimeError as e:
+        print(f"pdmesh bench: {e}", file=sys.stderr)
+        return 1
     summary: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "device": platform.processor() or platform.machine(),
+        "device": device_name(),
         "cpu_count": os.cpu_count(),
         "target": args.target,
         "model": info.name,
@@ -248,8 +273,6 @@ def run_serving_bench(args: argparse.Namespace) -> int:
         "range_ratio": cfg.range_ratio,
         **summarize(records, duration, slo),
     }
-    # Every process of a local mesh shares this machine: other load skews the figures.
-    summary["machine_load_1m"] = round(os.getloadavg()[0], 2)
     if args.peer_offline:
         summary["offline_peer"] = run_offline_peer(args, work)
     print_summary(summary)

@@ -247,7 +247,7 @@ def add_bench(sub: Any) -> None:
     s.add_argument(
         "--peer-offline",
         action="store_true",
-        help="also run the same requests on the offline engine in this process",
+        help="also run the same requests on the offline engine (a fresh local process)",
     )
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
 
