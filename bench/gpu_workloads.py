@@ -14,6 +14,11 @@ from pdmesh.engine.sampling_params import SamplingParams
 _ids = iter(range(10**9))
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
 
@@ -28,14 +33,14 @@ def weight_bytes(runner: Any) -> int:
     return total
 
 
-def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
+def _prompts(n: int, length: int, seed: int, vocab: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(1000, 100000) for _ in range(length)] for _ in range(n)]
+    return [[rng.randrange(vocab // 10, vocab) for _ in range(length)] for _ in range(n)]
 
 
 def _admit(engine: Any, batch: int, ctx: int, max_tokens: int) -> list[str]:
     ids = []
-    for prompt in _prompts(batch, ctx, seed=batch * 7919 + ctx):
+    for prompt in _prompts(batch, ctx, batch * 7919 + ctx, engine.info.vocab_size):
         rid = f"bench-{next(_ids)}"
         engine.add_request(rid, prompt, _greedy(max_tokens))
         ids.append(rid)
@@ -56,7 +61,7 @@ def decode_step_time(engine: Any, batch: int, ctx: int, steps: int = 24) -> floa
     ids = _admit(engine, batch, ctx, max_tokens=steps + 8)
     times = []
     for _ in range(steps):
-        torch.cuda.synchronize()
+        _sync()
         start = time.perf_counter()
         engine.step()  # reads the sampled tokens back: the step's one host sync
         times.append(time.perf_counter() - start)
@@ -73,9 +78,9 @@ def prefill_time(engine: Any, tokens: int) -> tuple[float, float]:
     times = []
     for i in range(5):
         rid = f"prefill-{next(_ids)}"
-        prompt = _prompts(1, tokens, seed=1000 + i)[0]
+        prompt = _prompts(1, tokens, 1000 + i, info.vocab_size)[0]
         engine.add_request(rid, prompt, _greedy(1))
-        torch.cuda.synchronize()
+        _sync()
         start = time.perf_counter()
         while engine.has_unfinished_requests():
             engine.step()

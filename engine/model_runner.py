@@ -229,13 +229,18 @@ class ModelRunner:
             self._plan = None
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int | None]:
-        """Forward `batch`; the sampled token of each sequence whose KV is now complete."""
+    def step_logits(self, batch: ScheduledBatch) -> tuple[StepInputs, torch.Tensor | None]:
+        """One step's forward on every rank; the logits of the rows to sample (rank 0)."""
         inputs = self.prepare(batch)
         plan = self._planner(batch) if self._planner is not None else None
         if self.before_forward is not None:
             self.before_forward(inputs, plan)
-        logits = self.forward_with_plan(inputs, plan)
+        return inputs, self.forward_with_plan(inputs, plan)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[int | None]:
+        """Forward `batch`; the sampled token of each sequence whose KV is now complete."""
+        inputs, logits = self.step_logits(batch)
         sampled: list[int | None] = [None] * len(batch.seqs)
         if logits is None:
             return sampled

@@ -1,0 +1,146 @@
+"""The default model on a GPU against the CPU engine, and bf16 against transformers.
+
+    python -m pdmesh.bench.gpu_default_model --make-reference REF.json        # on the CPU
+    python -m pdmesh.bench.gpu_default_model --gguf SmolLM2.gguf --reference REF.json --out DIR
+
+The reference holds the CPU engine's greedy tokens (float32) for fixed prompts, as token ids so
+the GPU run needs no tokenizer agreement. On the GPU: the same prompts in float32 must give the
+same tokens; a tiny random Llama in bf16 is compared with transformers in bf16, reporting where
+bf16 rounding flips an argmax (if it does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PROMPTS = [
+    "Hello, my name is",
+    "The quick brown fox",
+    "def fibonacci(n):",
+    "In 1492,",
+    "Once upon a time there was a dragon who lived in a cave near the village, and every night",
+    "1 2 3 4 5",
+    "The meaning of life is",
+    "Paris is the capital of France. Berlin is the capital of Germany. Madrid is the capital of",
+]
+NEW_TOKENS = 32
+
+
+def make_reference(path: Path) -> None:
+    from pdmesh import LLM, SamplingParams
+
+    llm = LLM(kv_cache_tokens=16384)
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(p) for p in PROMPTS]
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(max_tokens=NEW_TOKENS, temperature=0),
+    )
+    path.write_text(
+        json.dumps(
+            {
+                "prompts": prompts,
+                "tokens": [o.outputs[0].token_ids for o in outs],
+                "device": "cpu",
+                "dtype": "float32",
+            }
+        )
+    )
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+
+
+def on_gpu(gguf: Path, reference: Path, out: Path) -> dict[str, Any]:
+    from pdmesh import LLM, SamplingParams
+
+    ref = json.loads(reference.read_text())
+    llm = LLM(str(gguf), dtype="float32", kv_cache_tokens=16384)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in ref["prompts"]],
+        SamplingParams(max_tokens=NEW_TOKENS, temperature=0),
+    )
+    got = [o.outputs[0].token_ids for o in outs]
+    result: dict[str, Any] = {
+        "default_model_fp32_gpu_equals_cpu": got == ref["tokens"],
+        "first_difference": [
+            first_difference(g, r) for g, r in zip(got, ref["tokens"], strict=True)
+        ],
+    }
+    del llm
+    result["tiny_llama_bf16_vs_transformers_bf16"] = tiny_bf16()
+    (out / "default_model.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def tiny_bf16() -> dict[str, Any]:
+    """bf16 on both sides; equal tokens, or where rounding first flips an argmax."""
+    import random
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pdmesh import LLM, SamplingParams
+
+    folder = Path(tempfile.mkdtemp())
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(folder)
+    hf = LlamaForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
+    rng = random.Random(1)
+    prompts = [[rng.randrange(512) for _ in range(n)] for n in (5, 17, 40, 100, 150, 3)]
+    llm = LLM(str(folder), dtype="bfloat16", kv_cache_tokens=4096, skip_tokenizer_init=True)
+    ours = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+    )
+    diffs = []
+    for p, o in zip(prompts, ours, strict=True):
+        ids = torch.tensor([p], device="cuda")
+        ref = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=24,
+            min_new_tokens=24,
+            do_sample=False,
+        )[0, len(p) :].tolist()
+        diffs.append(first_difference(o.outputs[0].token_ids, ref))
+    return {"identical": all(d is None for d in diffs), "first_difference": diffs}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--make-reference", type=Path)
+    parser.add_argument("--gguf", type=Path)
+    parser.add_argument("--reference", type=Path)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if args.make_reference:
+        make_reference(args.make_reference)
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    on_gpu(args.gguf, args.reference, args.out)
+
+
+if __name__ == "__main__":
+    main()
