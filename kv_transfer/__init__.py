@@ -1,6 +1,7 @@
 """Moving paged KV blocks between workers: one interface, several transports (DESIGN.md §6).
 Knows blocks and bytes, never models."""
 
+from pdmesh.kv_transfer import p2p as p2p  # registers the "nccl" and "gloo" transports
 from pdmesh.kv_transfer import tcp as tcp  # registers the "tcp" transport
 from pdmesh.kv_transfer.base import (
     KVReceiver,

@@ -155,10 +155,11 @@ class TransferInbox:
 
     # -- data plane ---------------------------------------------------------------------------
     def deliver(
-        self, header_bytes: bytes | memoryview, payload: memoryview | None
+        self, header_bytes: bytes | memoryview, payload: memoryview | torch.Tensor | None
     ) -> tuple[Verdict, FrameHeader | None]:
         """Check one message and write it. `payload` is None when the message had no second part
-        (or extra parts). Returns the verdict and the parsed header (None when malformed)."""
+        (or extra parts); a tensor (flat uint8, possibly on the GPU) when the transport receives
+        into device memory. Returns the verdict and the parsed header (None when malformed)."""
         try:
             header = FrameHeader.unpack(header_bytes)
         except MalformedFrame:
@@ -193,7 +194,9 @@ class TransferInbox:
                 pending.future.set_result(stats)
         return Verdict.ACCEPTED, header
 
-    def _check(self, h: FrameHeader, payload: memoryview, pending: _Pending | None) -> Verdict:
+    def _check(
+        self, h: FrameHeader, payload: memoryview | torch.Tensor, pending: _Pending | None
+    ) -> Verdict:
         if pending is None:
             return Verdict.UNKNOWN_TRANSFER
         if not hmac.compare_digest(h.token, pending.spec.token):
@@ -213,15 +216,18 @@ class TransferInbox:
         expected = payload_nbytes(
             h.num_blocks, h.block_size, h.num_heads, h.head_dim, geo.dtype.itemsize
         )
-        if h.payload_nbytes != expected or payload.nbytes != expected:
+        if h.payload_nbytes != expected or payload.nbytes != expected:  # tensors have .nbytes too
             return Verdict.BAD_SIZE
         return Verdict.ACCEPTED
 
     def _write(
-        self, h: FrameHeader, payload: memoryview, pending: _Pending, arrived: float
+        self, h: FrameHeader, payload: memoryview | torch.Tensor, pending: _Pending, arrived: float
     ) -> None:
         geo = self.geometry
-        data = torch.frombuffer(payload, dtype=torch.uint8)
+        if isinstance(payload, torch.Tensor):
+            data = payload.view(torch.uint8).flatten()
+        else:
+            data = torch.frombuffer(payload, dtype=torch.uint8)
         if data.data_ptr() % geo.dtype.itemsize:  # small messages may sit unaligned in zmq's buffer
             data = data.clone()
         # src: [2 (k, v), n, block_size, frame heads, head_dim], zero-copy over the message

@@ -1,0 +1,75 @@
+"""Two-rank process groups between one sender and one receiver, made on demand.
+
+The receiver hosts a TCPStore at its endpoint. A sender announces a pair by appending a random
+pair id to the store; both sides then build a 2-rank process group under that id's prefix
+(receiver rank 1, sender rank 0): NCCL between GPUs, gloo between CPUs. Nothing but this
+rendezvous goes through the store; frames go over the group with send / recv.
+"""
+
+from __future__ import annotations
+
+import datetime
+import secrets
+import socket
+
+import torch.distributed as dist
+
+from pdmesh.kv_transfer.base import TransferError
+
+RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=30)
+# A receiver that does not answer within this is gone (the store client retries until then).
+CONNECT_TIMEOUT = datetime.timedelta(seconds=5)
+# A pair waits in recv for as long as no prompt is sent its way: its group must not time out.
+IDLE_TIMEOUT = datetime.timedelta(days=7)
+PAIR_COUNT_KEY = "pdmesh/kv/pairs"
+
+
+def host_port(endpoint: str) -> tuple[str, int]:
+    if not endpoint.startswith("tcp://") or ":" not in endpoint[6:]:
+        raise ValueError(f"KV endpoint must look like tcp://HOST:PORT, got {endpoint!r}")
+    host, _, port = endpoint[6:].rpartition(":")
+    return host, int(port)
+
+
+def serve_store(bind: str) -> dist.TCPStore:
+    host, port = host_port(bind)
+    return dist.TCPStore(
+        host, port, is_master=True, wait_for_workers=False, timeout=RENDEZVOUS_TIMEOUT
+    )
+
+
+def join_store(endpoint: str) -> dist.TCPStore:
+    host, port = host_port(endpoint)
+    try:
+        # A refused connection answers at once; the store client would retry until its timeout.
+        socket.create_connection((host, port), timeout=CONNECT_TIMEOUT.total_seconds()).close()
+        store = dist.TCPStore(host, port, is_master=False, timeout=CONNECT_TIMEOUT)
+        store.set_timeout(RENDEZVOUS_TIMEOUT)
+        return store
+    except (OSError, RuntimeError, dist.DistStoreError) as e:
+        raise TransferError(f"cannot reach the KV receiver at {endpoint}: {e}") from None
+
+
+def announce_pair(store: dist.TCPStore) -> str:
+    pair_id = secrets.token_hex(8)
+    index = store.add(PAIR_COUNT_KEY, 1) - 1
+    store.set(f"pdmesh/kv/pair/{index}", pair_id)
+    return pair_id
+
+
+def announced_pairs(store: dist.TCPStore, seen: int) -> list[str]:
+    """Pair ids announced since the first `seen` ones."""
+    count = store.add(PAIR_COUNT_KEY, 0)
+    return [store.get(f"pdmesh/kv/pair/{i}").decode() for i in range(seen, count)]
+
+
+def pair_group(store: dist.TCPStore, pair_id: str, rank: int, backend: str) -> dist.ProcessGroup:
+    prefixed = dist.PrefixStore(f"pdmesh/kv/{pair_id}/", store)
+    if backend == "nccl":
+        nccl_options = dist.ProcessGroupNCCL.Options()
+        nccl_options._timeout = IDLE_TIMEOUT
+        return dist.ProcessGroupNCCL(prefixed, rank, 2, nccl_options)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = IDLE_TIMEOUT
+    options._devices = [dist.ProcessGroupGloo.create_default_device()]
+    return dist.ProcessGroupGloo(prefixed, rank, 2, options)

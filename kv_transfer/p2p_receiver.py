@@ -1,0 +1,103 @@
+"""Receiving KV frames over two-rank process groups (transports `nccl` and `gloo`).
+
+One thread accepts pairs (a sender announcing itself in the store) and runs the deadline clock;
+one thread per pair receives frames in order: a fixed-size header, then the payload the header
+announces, straight into device memory. Every frame is checked and written by the shared
+`TransferInbox`. A frame for an unknown transfer or with a wrong token is still received (the
+stream must stay in step) and then dropped; a malformed header ends that pair.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from pdmesh.kv_transfer.base import (
+    KVReceiver,
+    PageGeometry,
+    ReceiverStats,
+    TransferSpec,
+)
+from pdmesh.kv_transfer.frame import HEADER_NBYTES, MAX_FRAME_PAYLOAD, FrameHeader, MalformedFrame
+from pdmesh.kv_transfer.inbox import TransferInbox
+from pdmesh.kv_transfer.p2p_pairs import announced_pairs, host_port, pair_group, serve_store
+from pdmesh.logger import get_logger
+
+log = get_logger(__name__)
+TICK_S = 0.05
+
+
+class P2PReceiver(KVReceiver):
+    backend = "gloo"
+
+    def __init__(self, cache: torch.Tensor, geometry: PageGeometry, bind: str) -> None:
+        geometry.check_cache(cache)
+        if cache.is_cuda != (self.backend == "nccl"):
+            raise ValueError(
+                f"the {self.backend} KV transport needs a cache on "
+                f"{'the GPU' if self.backend == 'nccl' else 'the CPU'}, got {cache.device}"
+            )
+        self._cache = cache
+        self._inbox = TransferInbox(cache, geometry)
+        self._store = serve_store(bind)
+        self._endpoint = f"tcp://{host_port(bind)[0]}:{self._store.port}"
+        self._stop = threading.Event()
+        self._seen = 0
+        threading.Thread(target=self._accept, name="kv-p2p-accept", daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    def expect(self, spec: TransferSpec, timeout: float):  # type: ignore[override]
+        return self._inbox.expect(spec, timeout)
+
+    def cancel(self, transfer_id: str) -> None:
+        self._inbox.cancel(transfer_id)
+
+    @property
+    def stats(self) -> ReceiverStats:
+        return self._inbox.stats
+
+    def close(self) -> None:
+        # Pair threads blocked in recv end with the process (daemon threads).
+        self._stop.set()
+        self._inbox.close("the KV receiver closed")
+
+    def _accept(self) -> None:
+        while not self._stop.wait(TICK_S):
+            self._inbox.expire()
+            try:
+                fresh = announced_pairs(self._store, self._seen)
+            except Exception as e:
+                log.warning("KV rendezvous store: %s", e)
+                continue
+            for pair_id in fresh:
+                self._seen += 1
+                threading.Thread(
+                    target=self._serve_pair, args=(pair_id,), name=f"kv-p2p-{pair_id}", daemon=True
+                ).start()
+
+    def _serve_pair(self, pair_id: str) -> None:
+        device = self._cache.device
+        try:
+            group = pair_group(self._store, pair_id, rank=1, backend=self.backend)
+            header = torch.empty(HEADER_NBYTES, dtype=torch.uint8, device=device)
+            while not self._stop.is_set():
+                group.recv([header], 0, 0).wait()
+                raw = bytes(header.cpu().numpy())
+                try:
+                    size = FrameHeader.unpack(raw).payload_nbytes
+                except MalformedFrame:
+                    self._inbox.deliver(raw, None)  # counted as malformed
+                    raise
+                if size > MAX_FRAME_PAYLOAD:
+                    self._inbox.deliver(raw, None)
+                    raise MalformedFrame(f"a frame announces {size} bytes, over the limit")
+                payload = torch.empty(size, dtype=torch.uint8, device=device)
+                group.recv([payload], 0, 0).wait()
+                self._inbox.deliver(raw, payload)
+        except Exception as e:
+            if not self._stop.is_set():
+                log.warning("KV pair %s closed: %s", pair_id, e)
