@@ -1,0 +1,209 @@
+"""KV transfer between two GPUs: the `nccl` transport against raw NCCL point-to-point.
+
+Status: not yet validated on GPUs (its first run hung before printing a result; the stderr
+progress lines now show where).
+
+    python -m pdmesh.bench.kv_transfer_gpu --out DIR        # on a machine with 2 GPUs
+
+Two processes, one per GPU (receiver: a decode rank; sender: a prefill rank). The ceiling is
+measured in the same run: NCCL send/recv of one 512 MiB buffer between the same two processes.
+Then a 4,096-token prompt of the Llama-3.1-8B shape (32 layers x 256 blocks of 16 tokens x 8
+KV heads x 128 dims, bf16: 512 MiB) is pushed layer by layer through the `nccl` transport into
+shuffled destination blocks, and checked byte for byte. The processes talk over stdin/stdout in
+JSON lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+LAYERS, HEADS, DIM, BS, BLOCKS = 32, 8, 128, 16, 256
+REPEATS = 5
+
+
+def geometry() -> Any:
+    from pdmesh.kv_transfer import PageGeometry
+
+    return PageGeometry(
+        num_layers=LAYERS,
+        block_size=BS,
+        num_kv_heads=HEADS,
+        head_start=0,
+        head_dim=DIM,
+        dtype=torch.bfloat16,
+    )
+
+
+def raw_p2p(rank: int, init: str) -> float | None:
+    """GB/s of NCCL send/recv of 512 MiB (measured on the receiver, rank 1)."""
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=2)
+    buf = torch.empty(256 << 20, dtype=torch.bfloat16, device="cuda")  # 512 MiB
+    if rank == 0:
+        buf.normal_()
+    times = []
+    for _ in range(REPEATS + 2):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1)
+        else:
+            dist.recv(buf, 0)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    dist.destroy_process_group()
+    return buf.numel() * 2 / statistics.median(times[2:]) / 1e9 if rank == 1 else None
+
+
+def emit(obj: dict[str, Any]) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+def progress(role: str, what: str) -> None:
+    """On stderr, so that a hang shows where it is (stdout carries the protocol)."""
+    print(f"[{role} {time.strftime('%H:%M:%S')}] {what}", file=sys.stderr, flush=True)
+
+
+def receiver(init: str) -> None:
+    from pdmesh.kv_transfer import TransferSpec, create_receiver
+
+    torch.cuda.set_device(0)
+    progress("receiver", "raw p2p")
+    gbps = raw_p2p(1, init)
+    progress("receiver", f"raw p2p done: {gbps:.0f} GB/s")
+    geo = geometry()
+    cache = torch.zeros(geo.cache_shape(BLOCKS + 64), dtype=geo.dtype, device="cuda")
+    rx = create_receiver("nccl", cache, geo, "tcp://127.0.0.1:0")
+    emit({"raw_p2p_gb_s": gbps, "endpoint": rx.endpoint})
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(REPEATS + 1):
+        blocks = (torch.randperm(BLOCKS + 64, generator=gen)[:BLOCKS]).tolist()
+        spec = TransferSpec.new(blocks, 0, HEADS)
+        done = rx.expect(spec, timeout=120)
+        emit({"transfer_id": spec.transfer_id, "token": spec.token.hex(), "blocks": blocks})
+        progress("receiver", f"expecting {spec.transfer_id}")
+        stats = done.result(timeout=120)
+        progress("receiver", f"received {stats.bytes} bytes in {stats.seconds:.3f} s")
+        checksum = float(cache[:, :, blocks].float().sum())
+        emit({"bytes": stats.bytes, "seconds": stats.seconds, "checksum": checksum})
+    rx.close()
+
+
+def sender(init: str) -> None:
+    from pdmesh.kv_transfer import create_sender
+
+    torch.cuda.set_device(0)
+    progress("sender", "raw p2p")
+    raw_p2p(0, init)
+    progress("sender", "raw p2p done")
+    geo = geometry()
+    source = torch.randn(geo.cache_shape(BLOCKS), device="cuda").to(geo.dtype)
+    expected = float(source.float().sum())
+    tx = create_sender("nccl", geo)
+    endpoint = json.loads(sys.stdin.readline())["endpoint"]
+    for _ in range(REPEATS + 1):
+        job = json.loads(sys.stdin.readline())
+        progress("sender", f"starting {job['transfer_id']} to {endpoint}")
+        h = tx.start(endpoint, job["transfer_id"], bytes.fromhex(job["token"]), BLOCKS)
+        progress("sender", "pair ready; sending")
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for layer in range(LAYERS):  # as a prefill pushes it: one layer at a time
+            tx.send_layer(h, layer, 0, source[layer, 0], source[layer, 1])
+        stats = tx.finish(h, timeout=120)
+        emit(
+            {
+                "send_seconds": time.perf_counter() - start,
+                "bytes": stats.bytes,
+                "expected_checksum": expected,
+            }
+        )
+    tx.close()
+
+
+def _close(a: float, b: float) -> bool:
+    """Sums of the same bf16 values in another order agree to float rounding."""
+    return abs(a - b) <= 1e-3 * abs(b) + 1.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--role", choices=["sender", "receiver"])
+    parser.add_argument("--init")
+    args = parser.parse_args()
+    if args.role == "receiver":
+        receiver(args.init)
+        return
+    if args.role == "sender":
+        sender(args.init)
+        return
+    from pdmesh.engine.distributed import free_port
+
+    init = f"tcp://127.0.0.1:{free_port()}"
+    me = [sys.executable, "-m", "pdmesh.bench.kv_transfer_gpu", "--init", init]
+    env = dict(os.environ)
+    rx = subprocess.Popen(
+        [*me, "--role", "receiver"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**env, "CUDA_VISIBLE_DEVICES": "1"},
+    )
+    tx = subprocess.Popen(
+        [*me, "--role", "sender"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**env, "CUDA_VISIBLE_DEVICES": "0"},
+    )
+    assert rx.stdout and tx.stdin and tx.stdout
+
+    def from_rx() -> dict[str, Any]:
+        return json.loads(rx.stdout.readline())
+
+    hello = from_rx()
+    tx.stdin.write(json.dumps({"endpoint": hello["endpoint"]}) + "\n")
+    tx.stdin.flush()
+    runs = []
+    for _ in range(REPEATS + 1):
+        job = from_rx()
+        tx.stdin.write(json.dumps(job) + "\n")
+        tx.stdin.flush()
+        sent = json.loads(tx.stdout.readline())
+        got = from_rx()
+        runs.append({**sent, **got})
+    rx.wait(60)
+    tx.wait(60)
+    timed = runs[1:]  # the first builds the pair's communicator
+    seconds = statistics.median(r["seconds"] for r in timed)
+    send_seconds = statistics.median(r["send_seconds"] for r in timed)
+    gb = timed[0]["bytes"] / 1e9
+    result = {
+        "raw_nccl_p2p_gb_s": hello["raw_p2p_gb_s"],
+        "kv_bytes": timed[0]["bytes"],
+        "kv_receiver_seconds": seconds,
+        "kv_gb_s": gb / seconds,
+        "kv_sender_seconds": send_seconds,
+        "ratio_to_raw": gb / seconds / hello["raw_p2p_gb_s"],
+        "bytes_checked": all(_close(r["checksum"], r["expected_checksum"]) for r in runs),
+        "first_transfer_seconds": runs[0]["seconds"],
+    }
+    print(json.dumps(result, indent=1))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "kv_transfer.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
