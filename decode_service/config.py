@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdmesh.engine.config import EngineConfig
+from pdmesh.serving.tls import TLSConfig
 
 PREFILL_FAILURE_POLICIES = ("recompute", "fail")
 
@@ -14,8 +15,12 @@ class DecodeConfig:
     """bind: gRPC host:port. kv_bind: where the KV data plane listens; kv_advertise: the address
     prefill workers are told to push to (default: the bound one). prefill_failure_policy:
     'recompute' prefills here when a remote prefill or its transfer fails, 'fail' ends the
-    request with UNAVAILABLE. metrics_bind: host:port of the Prometheus `/metrics` endpoint
-    (None: no endpoint)."""
+    request with UNAVAILABLE. prefill_timeout_s: how long a remote prefill (queueing, compute
+    and the KV push) may take before that policy applies; kv_timeout_s: how long the last KV
+    frames may trail the prefill's reply. max_waiting_requests: requests that wait for KV
+    blocks beyond this are refused with RESOURCE_EXHAUSTED. metrics_bind: host:port of the
+    Prometheus `/metrics` endpoint (None: no endpoint). tls: certificate and CA for the gRPC
+    server and the calls to prefill workers (None: plaintext)."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     bind: str = "127.0.0.1:50061"
@@ -26,6 +31,8 @@ class DecodeConfig:
     kv_timeout_s: float = 30.0
     prefill_timeout_s: float = 300.0
     metrics_bind: str | None = None
+    max_waiting_requests: int = 1024
+    tls: TLSConfig | None = None
 
     def __post_init__(self) -> None:
         if self.prefill_failure_policy not in PREFILL_FAILURE_POLICIES:
@@ -36,3 +43,9 @@ class DecodeConfig:
         for name in ("kv_timeout_s", "prefill_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}.")
+        if self.max_waiting_requests < 1:
+            raise ValueError(
+                f"max_waiting_requests must be >= 1, got {self.max_waiting_requests!r}."
+            )
+        if self.tls is not None and not self.tls.can_serve:
+            raise ValueError("a decode worker with TLS needs --tls-cert and --tls-key.")

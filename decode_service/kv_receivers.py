@@ -39,17 +39,29 @@ def rank_geometry(runner: ModelRunner) -> PageGeometry:
     )
 
 
-def advertised(endpoint: str, advertise_host: str | None) -> str:
-    if advertise_host is None:
+def split_advertise(advertise: str) -> tuple[str, int | None]:
+    """HOST or HOST:PORT (an IPv6 host in brackets) -> (host, port or None)."""
+    host, sep, port = advertise.rpartition(":")
+    if sep and port.isdigit() and (":" not in host or host.endswith("]")):
+        return host, int(port)
+    return advertise, None
+
+
+def advertised(endpoint: str, advertise: str | None) -> str:
+    """The endpoint prefill workers are told to push to: the bound one, with its host replaced
+    by `advertise` (HOST), or host and port replaced (HOST:PORT, e.g. behind a port mapping)."""
+    if advertise is None:
         return endpoint
-    return f"tcp://{advertise_host}:{endpoint.rsplit(':', 1)[1]}"
+    host, port = split_advertise(advertise)
+    return f"tcp://{host}:{port if port is not None else endpoint.rsplit(':', 1)[1]}"
 
 
 def extension_options(config: DecodeConfig) -> dict[str, object]:
     return {
         "transport": config.kv_transport,
         "bind": config.kv_bind,
-        "advertise": config.kv_advertise,
+        # Every other rank binds a port of its own: only the host is shared.
+        "advertise": split_advertise(config.kv_advertise)[0] if config.kv_advertise else None,
     }
 
 

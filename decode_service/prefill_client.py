@@ -10,6 +10,7 @@ from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.kv_transfer import TransferSpec
 from pdmesh.serving.convert import sampling_to_pb
 from pdmesh.serving.grpc_server import channel
+from pdmesh.serving.tls import TLSConfig
 from pdmesh.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -31,14 +32,15 @@ class PrefillResult:
 
 
 class PrefillClient:
-    def __init__(self) -> None:
+    def __init__(self, tls: TLSConfig | None = None) -> None:
+        self._tls = tls
         self._stubs: dict[str, worker_pb2_grpc.PrefillWorkerStub] = {}
         self._channels: list[grpc.aio.Channel] = []
 
     def _stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
         stub = self._stubs.get(address)
         if stub is None:
-            ch = channel(address)
+            ch = channel(address, self._tls)
             self._channels.append(ch)
             stub = self._stubs[address] = worker_pb2_grpc.PrefillWorkerStub(ch)
         return stub

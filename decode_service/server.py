@@ -38,6 +38,7 @@ async def serve(config: DecodeConfig, on_ready: Callable[[int], None] | None = N
                 SERVICE, worker_pb2_grpc.add_DecodeWorkerServicer_to_server, DecodeServicer(worker)
             )
         ],
+        tls=config.tls,
     )
     await server.start()
     log.info("decode worker on port %d, KV data plane at %s", port, worker.kv_address)

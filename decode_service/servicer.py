@@ -23,6 +23,7 @@ def submission_from_pb(req: worker_pb2.DecodeRequest) -> Submission:
         disagg_min_tokens=req.disagg_min_tokens,
         deadline=req.deadline_unix_ms / 1000 if req.deadline_unix_ms > 0 else None,
         arrival_ns=req.arrival_unix_ns or time.time_ns(),
+        num_output_tokens_sent=req.num_output_tokens_sent,
     )
 
 

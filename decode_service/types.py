@@ -17,6 +17,8 @@ class Submission:
     disagg_min_tokens: int  # prefill here when fewer uncached prompt tokens than this
     deadline: float | None  # unix seconds
     arrival_ns: int  # unix ns, when the router received the request
+    # The prompt's last tokens are output a lost decode worker already streamed (a failover).
+    num_output_tokens_sent: int = 0
 
 
 @dataclass(frozen=True)

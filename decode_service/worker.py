@@ -67,7 +67,7 @@ class DecodeWorker:
         self._subscribers: dict[str, asyncio.Queue[list[Delta]]] = {}
         self._owner: dict[str, str] = {}  # request id -> subscriber id
         self._remote: dict[str, asyncio.Task[None]] = {}
-        self._prefill = PrefillClient()
+        self._prefill = PrefillClient(config.tls)
         self.metrics = DecodeMetrics(self.metrics_snapshot)
         self.traces = DecodeTraces()
 
@@ -209,18 +209,31 @@ class DecodeWorker:
     # -- engine thread ----------------------------------------------------------------------------
     def _admit(self, engine: LLMEngine, sub: Submission) -> RemotePlan | None:
         side = self._side
+        waiting = engine.num_waiting_for_blocks()
+        if waiting >= self.config.max_waiting_requests:
+            raise ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this decode worker's KV cache is full and {waiting} requests wait for it "
+                f"(max_waiting_requests); retry later.",
+            )
         clock = RequestClock(
             arrival_ns=sub.arrival_ns or time.time_ns(), admitted_ns=time.time_ns()
         )
         plan = None
-        if sub.prefill_address:
+        sent = sub.num_output_tokens_sent
+        # A resumed seeded request is prefilled here: a prefill worker would draw its first
+        # token from the start of the seed's stream rather than after the tokens already sent.
+        seeded_resume = sent > 0 and sub.params.seed is not None and not sub.params.greedy
+        if sub.prefill_address and not seeded_resume:
             uncached = len(sub.prompt) - engine.cached_prefix_tokens(sub.prompt)
             if uncached >= max(1, sub.disagg_min_tokens):
-                res = engine.reserve_prefill(sub.request_id, sub.prompt, sub.params)
+                res = engine.reserve_prefill(
+                    sub.request_id, sub.prompt, sub.params, num_output_tokens=sent
+                )
                 if res is not None:
                     plan = RemotePlan(res.first_block, list(res.block_ids), res.uncached_tokens)
         if plan is None:
-            engine.add_request(sub.request_id, sub.prompt, sub.params)
+            engine.add_request(sub.request_id, sub.prompt, sub.params, num_output_tokens=sent)
             self.counters.local_prefills += 1
         else:
             clock.disaggregated = True
@@ -240,6 +253,9 @@ class DecodeWorker:
         if self.config.prefill_failure_policy == "recompute":
             engine.release_prefill(rid)
             self.counters.prefill_fallbacks += 1
+            clock = self._side.clocks.get(rid)
+            if clock is not None:  # its timings must say where it was prefilled in the end
+                clock.disaggregated = False
             return
         self._side.errors[rid] = (grpc.StatusCode.UNAVAILABLE.value[0], f"prefill failed: {exc}")
         self._abort_one(engine, rid)

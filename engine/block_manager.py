@@ -96,12 +96,15 @@ class BlockManager:
         held = len(prefix) if prefix else len(seq.block_table)
         return max(0, self.blocks_for(computed + num_new_tokens) - held)
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: Seq[int] = ()) -> bool:
-        """Whether `seq` can get slots for `num_new_tokens` more tokens (after taking `prefix`)."""
+    def can_allocate(
+        self, seq: Sequence, num_new_tokens: int, prefix: Seq[int] = (), spare: int = 0
+    ) -> bool:
+        """Whether `seq` can get slots for `num_new_tokens` more tokens (after taking `prefix`),
+        leaving `spare` blocks free for others."""
         # Adopting a free cached block takes it out of the free pool too.
         adopted_free = sum(1 for b in prefix if self.blocks[b].ref_count == 0)
         needed = self._new_blocks_needed(seq, num_new_tokens, prefix)
-        return needed + adopted_free <= len(self._free)
+        return needed + adopted_free + spare <= len(self._free)
 
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix: Seq[int] = ()) -> None:
         """Give `seq` slots for `num_new_tokens` tokens past its computed ones.

@@ -30,7 +30,12 @@ def chat_token_ids(tokenizer: Any, messages: list[Message]) -> list[int]:
             raise ValueError(f"each message needs a string 'role' and 'content', got {m!r}.")
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this model's tokenizer has no chat template; use generate() instead.")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    from jinja2 import TemplateError
+
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except TemplateError as e:  # the template refused the conversation (a role it forbids, ...)
+        raise ValueError(f"the model's chat template refused these messages: {e}.") from None
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)

@@ -118,6 +118,9 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._texts: dict[str, str] = {}
         self._reserved: dict[str, Sequence] = {}
+        # The last step could do nothing: queued requests wait for blocks that prompts being
+        # prefilled elsewhere hold (their KV's arrival is what unblocks it).
+        self.stalled = False
         log.info(
             "KV cache: %s tokens (%d blocks of %d, %.2f GiB); "
             "maximum concurrency for %s tokens per request: %.2fx",
@@ -141,9 +144,12 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        num_output_tokens: int = 0,
     ) -> Sequence:
-        """Queue a request; raises ValueError (naming the field) for bad input."""
-        seq = self._new_sequence(request_id, prompt, params, arrival_time)
+        """Queue a request; raises ValueError (naming the field) for bad input.
+        `num_output_tokens`: the prompt's last tokens are output a lost worker already produced
+        (a resumed request; see Sequence)."""
+        seq = self._new_sequence(request_id, prompt, params, arrival_time, num_output_tokens)
         self.scheduler.add(seq)
         return seq
 
@@ -153,6 +159,7 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         arrival_time: float | None,
+        num_output_tokens: int = 0,
     ) -> Sequence:
         if request_id in self._seqs:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -163,12 +170,24 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(token_ids)
-        seq = Sequence(request_id, token_ids, params, text, arrival_time)
-        self._seqs[request_id] = seq
-        self._detok[request_id] = IncrementalDetokenizer(
-            self.tokenizer, token_ids, params.skip_special_tokens, params.stop
+        if not 0 <= num_output_tokens < min(len(token_ids), params.max_tokens):
+            raise ValueError(
+                f"num_output_tokens_sent must be in [0, {min(len(token_ids), params.max_tokens)})"
+                f" (fewer than the prompt's tokens and max_tokens), got {num_output_tokens}."
+            )
+        seq = Sequence(request_id, token_ids, params, text, arrival_time, num_output_tokens)
+        detok = IncrementalDetokenizer(
+            self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens, params.stop
         )
-        self._texts[request_id] = ""
+        # Replay the output already streamed (by a lost worker): the detokenizer ends up holding
+        # back exactly what that worker held back, and its text was sent already.
+        sent_text = "".join(detok.add(t).text for t in seq.output_token_ids)
+        if seq.generator is not None and not params.greedy:
+            for _ in range(num_output_tokens):  # each streamed token was one draw of the seed
+                Sampler.skip_draw(seq.generator, self.info.vocab_size)
+        self._seqs[request_id] = seq
+        self._detok[request_id] = detok
+        self._texts[request_id] = sent_text
         return seq
 
     # -- prompts prefilled by another worker ---------------------------------------------------
@@ -178,6 +197,7 @@ class LLMEngine:
         prompt: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        num_output_tokens: int = 0,
     ) -> Reservation | None:
         """Hold blocks for the whole prompt (after this worker's prefix-cache hit) so another
         worker can fill them. None when blocks or sequence slots are short right now."""
@@ -188,11 +208,16 @@ class LLMEngine:
         prefix = self.block_manager.match_prefix(probe)
         new_tokens = probe.num_tokens - len(prefix) * self.block_manager.block_size
         busy = self.scheduler.num_running + len(self._reserved)
-        if busy >= self.config.max_num_seqs or not self.block_manager.can_allocate(
-            probe, new_tokens, prefix
+        # No overtaking: the blocks of requests queued ahead stay theirs, and nothing is held
+        # while one of them waits for blocks.
+        queued_blocks, beyond = self.scheduler.waiting_demand()
+        if (
+            busy >= self.config.max_num_seqs
+            or beyond
+            or not self.block_manager.can_allocate(probe, new_tokens, prefix, queued_blocks)
         ):
             return None
-        seq = self._new_sequence(request_id, prompt, params, arrival_time)
+        seq = self._new_sequence(request_id, prompt, params, arrival_time, num_output_tokens)
         self.block_manager.allocate(seq, new_tokens, prefix)
         seq.num_cached_tokens = seq.num_computed_tokens
         seq.status = SequenceStatus.PREFILLING
@@ -254,11 +279,16 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def num_waiting_for_blocks(self) -> int:
+        """Queued requests beyond what the KV cache can take now (see Scheduler)."""
+        return self.scheduler.num_waiting_for_blocks()
+
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> list[StepDelta]:
         batch = self.scheduler.schedule()
+        self.stalled = not batch and bool(self._reserved)
         if not batch:
-            if self.scheduler.has_unfinished():
+            if self.scheduler.has_unfinished() and not self.stalled:
                 raise RuntimeError("scheduler made no progress with requests pending")
             return []
         sampled = self.runner.run(batch)

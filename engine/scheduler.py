@@ -63,6 +63,26 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def waiting_demand(self) -> tuple[int, int]:
+        """(blocks the waiting sequences that fit now will take, how many wait beyond them): in
+        arrival order, up to the first that the free blocks and sequence slots cannot take
+        (nobody overtakes it). Prefix-cache hits are not counted: an upper bound on blocks."""
+        free = self.block_manager.num_free_blocks
+        slots = self.max_num_seqs - len(self.running)
+        fit = taken = 0
+        for seq in self.waiting:
+            need = self.block_manager.blocks_for(seq.num_tokens) - len(seq.block_table)
+            if need > free - taken or slots <= 0:
+                break
+            taken += need
+            slots -= 1
+            fit += 1
+        return taken, len(self.waiting) - fit
+
+    def num_waiting_for_blocks(self) -> int:
+        """Waiting sequences that the free blocks and sequence slots cannot take now."""
+        return self.waiting_demand()[1]
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """End `seq` (stop, length or abort) and free its blocks, whatever its state."""
         if seq.status is SequenceStatus.RUNNING:

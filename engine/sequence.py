@@ -23,6 +23,10 @@ class Sequence:
     `num_computed_tokens` tokens have their KV in `block_table`; the scheduler runs the next
     `num_tokens - num_computed_tokens` of them (a prefill chunk, or the last sampled token).
     When the KV covers every token, the step samples one more.
+
+    A request resumed on this worker after another was lost comes with the output it had
+    produced appended to its prompt: the last `num_output_tokens` of `prompt_token_ids` then
+    count as output (for max_tokens, stop rules and usage), not as prompt.
     """
 
     def __init__(
@@ -32,11 +36,12 @@ class Sequence:
         params: SamplingParams,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        num_output_tokens: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.token_ids: list[int] = list(prompt_token_ids)
-        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids) - num_output_tokens
         self.params = params
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None

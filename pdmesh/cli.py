@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from pdmesh import envs
 
@@ -32,6 +33,9 @@ def engine_args(p: argparse.ArgumentParser) -> None:
         help="MoE experts split over the tensor-parallel ranks (all-to-all) instead of sharded",
     )
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--load-format", default="auto", help="auto | dummy (random weights)")
+    g.add_argument("--skip-tokenizer-init", action="store_true", help="token ids only")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -49,7 +53,31 @@ def engine_options(args: argparse.Namespace) -> dict:
         "enable_prefix_caching": not args.no_prefix_caching,
         "enable_expert_parallel": args.enable_expert_parallel,
         "seed": args.seed,
+        "enforce_eager": args.enforce_eager,
+        "load_format": args.load_format,
+        "skip_tokenizer_init": args.skip_tokenizer_init,
     }
+
+
+def tls_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("TLS (every gRPC hop; all unset: plaintext)")
+    g.add_argument("--tls-cert", default=None, help="PEM certificate chain of this process")
+    g.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    g.add_argument(
+        "--tls-ca",
+        default=None,
+        help="PEM CA bundle peers must chain to; servers then require client certificates",
+    )
+    g.add_argument(
+        "--tls-server-name", default=None, help="the name to verify in servers' certificates"
+    )
+
+
+def tls_config(args: argparse.Namespace) -> Any:
+    """The TLSConfig the TLS flags describe, or None (plaintext)."""
+    from pdmesh.serving.tls import TLSConfig
+
+    return TLSConfig.from_flags(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
 
 
 def sampling_args(p: argparse.ArgumentParser) -> None:

@@ -8,6 +8,8 @@ import sys
 
 import grpc
 
+from pdmesh.cli import tls_config
+from pdmesh.serving.auth import bearer_metadata
 from pdmesh.serving.convert import FINISH_FROM_PB
 from pdmesh.serving.grpc_server import channel
 from pdmesh.v1 import generation_pb2 as gen_pb
@@ -27,13 +29,14 @@ def request_from_args(args: argparse.Namespace) -> gen_pb.GenerateRequest:
 
 
 async def stream_generate(args: argparse.Namespace) -> int:
-    async with channel(args.target) as ch:
+    async with channel(args.target, tls_config(args)) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
         tokens: list[int] = []
         text = ""
         last = None
         try:
-            async for response in stub.Generate(request_from_args(args)):
+            stream = stub.Generate(request_from_args(args), metadata=bearer_metadata(args.api_key))
+            async for response in stream:
                 tokens.extend(response.token_ids)
                 text += response.text
                 last = response

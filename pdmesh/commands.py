@@ -7,7 +7,7 @@ import asyncio
 import json
 from typing import Any
 
-from pdmesh.cli import engine_args, engine_options, sampling_args
+from pdmesh.cli import engine_args, engine_options, sampling_args, tls_args, tls_config
 
 
 def _sampling_params(args: argparse.Namespace) -> Any:
@@ -31,8 +31,10 @@ def add_generate(sub: Any) -> None:
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="apply the chat template")
     g.add_argument("--json", action="store_true", help="print JSON with token ids")
+    g.add_argument("--api-key", default=None, help="the router's API key (PDMESH_API_KEY)")
     sampling_args(g)
     engine_args(g)
+    tls_args(g)
     g.set_defaults(func=cmd_generate)
 
 
@@ -94,6 +96,9 @@ def add_up(sub: Any) -> None:
     u.add_argument("--policy", default="kv")
     u.add_argument("--disagg-min-tokens", type=int, default=64)
     u.add_argument("--ready-timeout", type=float, default=600.0)
+    _reliability_args(u)
+    _api_key_args(u)
+    tls_args(u)
     u.add_argument(
         "--ask",
         default="What is the capital of France?",
@@ -123,6 +128,14 @@ def add_services(sub: Any) -> None:
     r.add_argument("--served-model-name", default=None)
     r.add_argument("--model", default=None, help="for the tokenizer and model info")
     r.add_argument("--max-model-len", type=int, default=None)
+    r.add_argument(
+        "--max-failovers",
+        type=int,
+        default=2,
+        help="times a request moves to another decode worker when its worker is lost",
+    )
+    _api_key_args(r)
+    tls_args(r)
     r.set_defaults(func=cmd_router)
 
     d = sub.add_parser("decode", help="run a decode worker")
@@ -131,11 +144,17 @@ def add_services(sub: Any) -> None:
     d.add_argument("--kv-transport", default="tcp")
     d.add_argument("--kv-host", default=None, help="KV data plane bind host (default: --host)")
     d.add_argument("--kv-port", type=int, default=0)
-    d.add_argument("--kv-advertise", default=None, help="host prefill workers push KV to")
+    d.add_argument(
+        "--kv-advertise",
+        default=None,
+        help="HOST or HOST:PORT prefill workers push KV to (default: the bound address)",
+    )
     d.add_argument("--prefill-failure-policy", default="recompute", help="recompute | fail")
     d.add_argument("--kv-timeout", type=float, default=30.0)
     d.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics; 0: off")
+    _reliability_args(d)
     engine_args(d)
+    tls_args(d)
     d.set_defaults(func=cmd_decode)
 
     p = sub.add_parser("prefill", help="run a prefill worker")
@@ -145,7 +164,34 @@ def add_services(sub: Any) -> None:
     p.add_argument("--kv-send-timeout", type=float, default=30.0)
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics; 0: off")
     engine_args(p)
+    tls_args(p)
     p.set_defaults(func=cmd_prefill)
+
+
+def _reliability_args(p: argparse.ArgumentParser) -> None:
+    """Decode-worker limits that `pdmesh up` passes through."""
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=1024,
+        help="requests waiting for KV blocks beyond this are refused (RESOURCE_EXHAUSTED)",
+    )
+    p.add_argument(
+        "--prefill-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a remote prefill and its KV push may take before the failure policy",
+    )
+
+
+def _api_key_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-keys", default=None, help="comma-separated keys the public API requires")
+    p.add_argument("--api-keys-file", default=None, help="a file of API keys, one per line")
+    p.add_argument(
+        "--public-client-auth",
+        action="store_true",
+        help="clients of the public API must present a certificate signed by --tls-ca",
+    )
 
 
 def _metrics_bind(args: argparse.Namespace) -> str | None:
@@ -159,6 +205,7 @@ def _addresses(value: str) -> tuple[str, ...]:
 def cmd_router(args: argparse.Namespace) -> int:
     from pdmesh.router.config import RouterConfig
     from pdmesh.router.server import serve
+    from pdmesh.serving.auth import ApiKeys
 
     config = RouterConfig(
         model=args.model,
@@ -171,6 +218,10 @@ def cmd_router(args: argparse.Namespace) -> int:
         disagg_min_tokens=args.disagg_min_tokens,
         max_model_len=args.max_model_len,
         served_model_name=args.served_model_name,
+        max_failovers=args.max_failovers,
+        tls=tls_config(args),
+        public_client_auth=args.public_client_auth,
+        api_keys=ApiKeys.from_flags(args.api_keys, args.api_keys_file),
     )
     asyncio.run(serve(config))
     return 0
@@ -189,7 +240,10 @@ def cmd_decode(args: argparse.Namespace) -> int:
         kv_advertise=args.kv_advertise,
         prefill_failure_policy=args.prefill_failure_policy,
         kv_timeout_s=args.kv_timeout,
+        prefill_timeout_s=args.prefill_timeout,
+        max_waiting_requests=args.max_waiting_requests,
         metrics_bind=_metrics_bind(args),
+        tls=tls_config(args),
     )
     asyncio.run(serve(config))
     return 0
@@ -206,6 +260,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
         kv_transport=args.kv_transport,
         kv_send_timeout_s=args.kv_send_timeout,
         metrics_bind=_metrics_bind(args),
+        tls=tls_config(args),
     )
     asyncio.run(serve(config))
     return 0
@@ -221,6 +276,11 @@ def add_bench(sub: Any) -> None:
     mode.add_argument("--target", help="a serving benchmark against a router at HOST:PORT")
     mode.add_argument(
         "--relay", action="store_true", help="the router's relay capacity, fed by token sources"
+    )
+    mode.add_argument(
+        "--soak",
+        action="store_true",
+        help="mixed load with cancellations on a mesh of its own: leaks and memory growth",
     )
     b.add_argument("--num-requests", type=int, default=32)
     b.add_argument("--json-out", default=None, help="write the figures as JSON here")
@@ -257,6 +317,9 @@ def add_bench(sub: Any) -> None:
     r.add_argument("--duration", type=float, default=20.0, help="measured seconds")
     r.add_argument("--warmup", type=float, default=3.0, help="seconds before measuring")
     r.add_argument("--step-ms", type=float, default=1.0, help="token-source step interval")
+    k = b.add_argument_group("soak (--soak; --duration sets its length, e.g. 600)")
+    k.add_argument("--kv-target", type=float, default=0.8, help="share of KV capacity in use")
+    k.add_argument("--cancel-fraction", type=float, default=0.2, help="requests the client cancels")
     engine_args(b)
     b.set_defaults(func=cmd_bench)
 
@@ -270,6 +333,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from pdmesh.bench.relay import run_relay_bench
 
         return run_relay_bench(args)
+    if args.soak:
+        from pdmesh.bench.soak import run_soak_bench
+
+        return run_soak_bench(args)
     from pdmesh.bench.offline import run_offline_bench
 
     return run_offline_bench(args)

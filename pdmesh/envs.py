@@ -36,6 +36,12 @@ def flag_env(dest: str) -> str | None:
     return os.environ.get(f"PDMESH_{dest.upper()}")
 
 
+def with_flag_env(dest: str, value: str) -> dict[str, str]:
+    """This process's environment plus PDMESH_<DEST>=value: how `pdmesh up` hands a child a
+    secret (API keys) without putting it on a command line that `ps` shows."""
+    return {**os.environ, f"PDMESH_{dest.upper()}": value}
+
+
 def tp_spec() -> str:
     """PDMESH_TP_SPEC: the JSON a tensor-parallel follower rank is started with (set by rank 0)."""
     value = os.environ.get("PDMESH_TP_SPEC")

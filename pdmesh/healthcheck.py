@@ -13,6 +13,10 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdmesh.cli import tls_args, tls_config
+from pdmesh.serving.grpc_server import blocking_channel
+from pdmesh.serving.tls import TLSConfig
+
 SERVING = 0
 NOT_SERVING = 1
 UNREACHABLE = 2
@@ -24,12 +28,15 @@ def add_healthcheck(sub: Any) -> None:
     h.add_argument("--service", default="", help="a service name; '' (default): the whole server")
     h.add_argument("--timeout", type=float, default=3.0, help="seconds")
     h.add_argument("--quiet", action="store_true", help="print nothing")
+    tls_args(h)
     h.set_defaults(func=cmd_healthcheck)
 
 
-def check(target: str, service: str = "", timeout_s: float = 3.0) -> tuple[int, str]:
+def check(
+    target: str, service: str = "", timeout_s: float = 3.0, tls: TLSConfig | None = None
+) -> tuple[int, str]:
     """(exit code, what to print)."""
-    with grpc.insecure_channel(target) as ch:
+    with blocking_channel(target, tls) as ch:
         try:
             reply = health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
@@ -42,7 +49,7 @@ def check(target: str, service: str = "", timeout_s: float = 3.0) -> tuple[int, 
 
 
 def cmd_healthcheck(args: argparse.Namespace) -> int:
-    code, message = check(args.target, args.service, args.timeout)
+    code, message = check(args.target, args.service, args.timeout, tls_config(args))
     if not args.quiet:
         print(message, file=sys.stdout if code == SERVING else sys.stderr)
     return code

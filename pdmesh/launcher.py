@@ -2,6 +2,8 @@
 
 Children are started with PR_SET_PDEATHSIG so they die with this process even if it is killed
 outright; on Ctrl-C or SIGTERM everything is stopped (SIGTERM, then SIGKILL after a grace).
+TLS flags go to every child (each uses the same certificate as server and client); API keys go
+to the router through its environment, not its command line.
 """
 
 from __future__ import annotations
@@ -17,6 +19,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdmesh import envs
+from pdmesh.cli import tls_config
+from pdmesh.serving.auth import ApiKeys, bearer_metadata
+from pdmesh.serving.grpc_server import blocking_channel
+from pdmesh.serving.tls import TLSConfig
 from pdmesh.v1 import generation_pb2 as gen_pb
 from pdmesh.v1 import generation_pb2_grpc
 
@@ -33,6 +40,7 @@ class Child:
     proc: subprocess.Popen[bytes]
     metrics: str | None = None  # its Prometheus endpoint
     argv: list[str] = field(default_factory=list)  # how to start it again
+    env: dict[str, str] | None = None
     restarts: int = 0
     restart_at: float | None = None  # monotonic time of a scheduled restart
 
@@ -78,13 +86,28 @@ def _with_tp(engine: list[str], size: int | None) -> list[str]:
     return [*engine, "--tensor-parallel-size", str(size)] if size else engine
 
 
-def spawn(name: str, argv: list[str], address: str, metrics: str | None = None) -> Child:
-    return Child(name, address, _start(argv), metrics, argv)
+def _tls_flags(args: argparse.Namespace) -> list[str]:
+    flags: list[str] = []
+    for name in ("tls_cert", "tls_key", "tls_ca", "tls_server_name"):
+        value = getattr(args, name)
+        if value:
+            flags += [f"--{name.replace('_', '-')}", str(value)]
+    return flags
 
 
-def _start(argv: list[str]) -> subprocess.Popen[bytes]:
+def spawn(
+    name: str,
+    argv: list[str],
+    address: str,
+    metrics: str | None = None,
+    env: dict[str, str] | None = None,
+) -> Child:
+    return Child(name, address, _start(argv, env), metrics, argv, env)
+
+
+def _start(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "pdmesh.cli", *argv], preexec_fn=_die_with_parent
+        [sys.executable, "-m", "pdmesh.cli", *argv], preexec_fn=_die_with_parent, env=env
     )
 
 
@@ -97,7 +120,7 @@ def supervise(children: list[Child]) -> bool:
             print(
                 f"pdmesh: restarting {c.name} (restart {c.restarts})", file=sys.stderr, flush=True
             )
-            c.proc = _start(c.argv)
+            c.proc = _start(c.argv, c.env)
             c.restart_at = None
             continue
         if c.restart_at is not None or c.proc.poll() is None:
@@ -133,7 +156,13 @@ def spawn_worker(role: str, index: int, host: str, engine: list[str]) -> Child:
 
 def start_mesh(args: argparse.Namespace) -> list[Child]:
     host = args.host
-    engine = _engine_flags(args)
+    engine = [*_engine_flags(args), *_tls_flags(args)]
+    decode_flags = [
+        "--max-waiting-requests",
+        str(args.max_waiting_requests),
+        "--prefill-timeout",
+        str(args.prefill_timeout),
+    ]
     children: list[Child] = []
     prefill: list[str] = []
     decode: list[str] = []
@@ -141,7 +170,9 @@ def start_mesh(args: argparse.Namespace) -> list[Child]:
         children.append(spawn_worker("prefill", i, host, _with_tp(engine, args.prefill_tp)))
         prefill.append(children[-1].address)
     for i in range(args.decode):
-        children.append(spawn_worker("decode", i, host, _with_tp(engine, args.decode_tp)))
+        children.append(
+            spawn_worker("decode", i, host, [*decode_flags, *_with_tp(engine, args.decode_tp)])
+        )
         decode.append(children[-1].address)
     router = [
         "router",
@@ -164,22 +195,59 @@ def start_mesh(args: argparse.Namespace) -> list[Child]:
         router += ["--model", args.model]
     if args.max_model_len:
         router += ["--max-model-len", str(args.max_model_len)]
-    children.append(spawn("router", router, f"{host}:{args.port}"))
+    router += _tls_flags(args)
+    if args.public_client_auth:
+        router.append("--public-client-auth")
+    if args.api_keys_file:
+        router += ["--api-keys-file", args.api_keys_file]
+    env = envs.with_flag_env("api_keys", args.api_keys) if args.api_keys else None
+    children.append(spawn("router", router, f"{host}:{args.port}", env=env))
     return children
 
 
+@dataclass(frozen=True)
+class RouterClient:
+    """How this process reaches its router: address, TLS, an API key."""
+
+    target: str
+    tls: TLSConfig | None = None
+    api_key: str | None = None
+
+    def channel(self) -> grpc.Channel:
+        return blocking_channel(self.target, self.tls)
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return bearer_metadata(self.api_key)
+
+
+def router_client(args: argparse.Namespace) -> RouterClient:
+    keys = ApiKeys.from_flags(args.api_keys, args.api_keys_file)
+    return RouterClient(
+        f"{args.host}:{args.port}", tls_config(args), keys.keys[0] if keys.keys else None
+    )
+
+
 def wait_ready(
-    target: str, prefill: int, decode: int, children: list[Child], timeout_s: float
+    router: RouterClient | str,
+    prefill: int,
+    decode: int,
+    children: list[Child],
+    timeout_s: float,
 ) -> None:
+    """Until the router has this many workers in rotation (RuntimeError if a child exits)."""
+    client = router if isinstance(router, RouterClient) else RouterClient(router)
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(target) as ch:
+    with client.channel() as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
         while time.monotonic() < deadline:
             dead = [c for c in children if c.proc.poll() is not None]
             if dead:
                 raise RuntimeError(f"{dead[0].name} exited with code {dead[0].proc.returncode}")
             try:
-                info = stub.GetModelInfo(gen_pb.ModelInfoRequest(), timeout=2)
+                info = stub.GetModelInfo(
+                    gen_pb.ModelInfoRequest(), timeout=2, metadata=client.metadata
+                )
                 if info.num_prefill_workers >= prefill and info.num_decode_workers >= decode:
                     return
             except grpc.RpcError:
@@ -201,14 +269,15 @@ def stop_all(children: list[Child]) -> None:
             c.proc.wait()
 
 
-def ask(target: str, question: str) -> str:
-    with grpc.insecure_channel(target) as ch:
+def ask(client: RouterClient, question: str) -> str:
+    with client.channel() as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
         chat = gen_pb.ChatMessages(messages=[gen_pb.ChatMessage(role="user", content=question)])
         req = gen_pb.GenerateRequest(
             chat=chat, sampling=gen_pb.SamplingParams(max_tokens=64, temperature=0)
         )
-        return "".join(r.text for r in stub.Generate(req, timeout=120))
+        stream = stub.Generate(req, timeout=120, metadata=client.metadata)
+        return "".join(r.text for r in stream)
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -220,19 +289,23 @@ def run_up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    client = router_client(args)  # before any child starts: bad TLS files or keys fail here
     children = start_mesh(args)
-    target = f"{args.host}:{args.port}"
+    target = client.target
     n_prefill = 0 if args.colocated else args.prefill
     try:
-        wait_ready(target, n_prefill, args.decode, children, args.ready_timeout)
+        wait_ready(client, n_prefill, args.decode, children, args.ready_timeout)
         print(f"pdmesh is up: gRPC {target} (pdmesh.v1.Generation)", flush=True)
         if args.http_port:
-            base = f"http://{args.host}:{args.http_port}"
+            scheme = "https" if client.tls is not None else "http"
+            base = f"{scheme}://{args.host}:{args.http_port}"
             print(f"  OpenAI-compatible HTTP: {base}/v1, metrics {base}/metrics", flush=True)
         for c in children[:-1]:
             print(f"  {c.name}: {c.address} (pid {c.proc.pid}), metrics {c.metrics}", flush=True)
+        router = children[-1]
+        print(f"  router: {router.address} (pid {router.proc.pid})", flush=True)
         if args.ask:
-            print(f"Q: {args.ask}\nA: {ask(target, args.ask)}", flush=True)
+            print(f"Q: {args.ask}\nA: {ask(client, args.ask)}", flush=True)
         print("Ctrl-C stops everything.", flush=True)
         while not stopping:
             if not supervise(children):

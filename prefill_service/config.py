@@ -5,20 +5,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdmesh.engine.config import EngineConfig
+from pdmesh.serving.tls import TLSConfig
 
 
 @dataclass(frozen=True)
 class PrefillConfig:
     """bind: gRPC host:port. kv_transport: how KV blocks are pushed (must match the decode
     workers'). kv_send_timeout_s: how long pushing one prompt's KV may take. metrics_bind:
-    host:port of the Prometheus `/metrics` endpoint (None: no endpoint)."""
+    host:port of the Prometheus `/metrics` endpoint (None: no endpoint). tls: certificate and
+    CA of the gRPC server (None: plaintext)."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     bind: str = "127.0.0.1:50071"
     kv_transport: str = "tcp"
     kv_send_timeout_s: float = 30.0
     metrics_bind: str | None = None
+    tls: TLSConfig | None = None
 
     def __post_init__(self) -> None:
         if self.kv_send_timeout_s <= 0:
             raise ValueError(f"kv_send_timeout_s must be > 0, got {self.kv_send_timeout_s!r}.")
+        if self.tls is not None and not self.tls.can_serve:
+            raise ValueError("a prefill worker with TLS needs --tls-cert and --tls-key.")

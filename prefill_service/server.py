@@ -39,6 +39,7 @@ async def serve(config: PrefillConfig, on_ready: Callable[[int], None] | None = 
                 PrefillServicer(worker),
             )
         ],
+        tls=config.tls,
     )
     await server.start()
     log.info("prefill worker on port %d", port)

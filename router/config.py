@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from pdmesh.serving.auth import ApiKeys
+from pdmesh.serving.tls import TLSConfig
 
 
 @dataclass(frozen=True)
 class RouterConfig:
     """prefill / decode: worker addresses (host:port). policy: 'kv' (Dynamo-style cost: prefix-miss
     prefill blocks x overlap_weight + active blocks; decode: least KV usage) or 'round_robin'.
-    disagg_min_tokens: prompts with fewer uncached tokens are prefilled on the decode worker."""
+    disagg_min_tokens: prompts with fewer uncached tokens are prefilled on the decode worker.
+    max_failovers: how many times one request moves to another decode worker when its worker is
+    lost or refuses it. tls: the router's certificate for its public API and its hops to
+    workers; public_client_auth: clients of the public API must present a certificate signed by
+    `tls.ca` too. api_keys: keys the public API (gRPC and HTTP) requires (none: open)."""
 
     model: str | None = None
     prefill: tuple[str, ...] = ()
@@ -23,6 +30,10 @@ class RouterConfig:
     stats_interval_s: float = 0.5
     max_model_len: int | None = None
     served_model_name: str | None = None
+    max_failovers: int = 2
+    tls: TLSConfig | None = None
+    public_client_auth: bool = False
+    api_keys: ApiKeys = field(default_factory=ApiKeys)
 
     def __post_init__(self) -> None:
         if not self.decode:
@@ -31,6 +42,12 @@ class RouterConfig:
             raise ValueError(f"overlap_weight must be >= 0, got {self.overlap_weight!r}.")
         if self.disagg_min_tokens < 0:
             raise ValueError(f"disagg_min_tokens must be >= 0, got {self.disagg_min_tokens!r}.")
+        if self.max_failovers < 0:
+            raise ValueError(f"max_failovers must be >= 0, got {self.max_failovers!r}.")
+        if self.tls is not None and not self.tls.can_serve:
+            raise ValueError("a router with TLS needs its certificate: --tls-cert and --tls-key.")
+        if self.public_client_auth and (self.tls is None or self.tls.ca is None):
+            raise ValueError("public_client_auth needs TLS with a CA (--tls-ca).")
         for name in ("health_interval_s", "stats_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}.")

@@ -1,5 +1,7 @@
 """OpenAI-compatible HTTP gateway on the router (aiohttp): completions, chat completions (SSE
-streaming), models, health and Prometheus metrics.
+streaming), models, health and Prometheus metrics; HTTPS with the router's certificate when TLS is
+configured, and API keys (`Authorization: Bearer <key>`, else 401) on everything but `/health`
+and `/metrics`.
 
 Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: bad input is 400
 naming the field; ServiceError codes map to 429 (with Retry-After), 503, 504, else 500. A client
@@ -22,6 +24,7 @@ from aiohttp import web
 
 from pdmesh.logger import get_logger
 from pdmesh.router import metrics
+from pdmesh.router.config import RouterConfig
 from pdmesh.router.core import Chunk, GenerationInput, Router
 from pdmesh.router.openai_protocol import OpenAIRequest, RequestError, parse_chat, parse_completion
 from pdmesh.router.openai_responses import (
@@ -33,11 +36,13 @@ from pdmesh.router.openai_responses import (
     model_card,
     models_body,
 )
+from pdmesh.serving.auth import ApiKeys
 from pdmesh.serving.errors import ServiceError
 
 log = get_logger(__name__)
 
 MAX_BODY_BYTES = 8 * 1024 * 1024  # a prompt of ~2M tokens: far past any model's context
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers need no key
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 CLIENT_CLOSED = "499"  # nginx's code for "the client went away first"
@@ -87,12 +92,35 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         return error_response(e.status, f"{e.reason}: {request.method} {request.path}")
 
 
+def require_api_key(keys: ApiKeys) -> Any:
+    """A middleware answering 401 (OpenAI's body, code invalid_api_key) without a valid key."""
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path in OPEN_PATHS or keys.check_header(request.headers.get("Authorization")):
+            return await handler(request)
+        metrics.count_request("other", "401")
+        return web.json_response(
+            error_body(
+                401,
+                "a valid API key is required: send the header `Authorization: Bearer <key>`.",
+                code="invalid_api_key",
+            ),
+            status=401,
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+    return check
+
+
 async def read_json(request: web.Request) -> Any:
     raw = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge (413)
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(f"the request body is not valid JSON: {e}.") from None
+    except RecursionError:
+        raise RequestError("the request body is nested too deeply.") from None
 
 
 class Gateway:
@@ -112,7 +140,7 @@ class Gateway:
         try:
             body = await read_json(request)
             req = parse_chat(body) if endpoint == CHAT else parse_completion(body)
-            inp = self._input(req)
+            inp = await self._input(req)
             record.prompt(len(inp.prompt))
             head = ResponseHead(
                 inp.request_id, int(time.time()), self.router.model_name, endpoint == CHAT
@@ -134,7 +162,7 @@ class Gateway:
             record.done(str(status))
             return error_response(status, message, param)
 
-    def _input(self, req: OpenAIRequest) -> GenerationInput:
+    async def _input(self, req: OpenAIRequest) -> GenerationInput:
         r = self.router
         try:
             r.check_model(req.model)
@@ -143,9 +171,9 @@ class Gateway:
         field = "messages" if req.chat else "prompt"
         try:
             if req.prompt.messages is not None:
-                prompt = r.tokenize_chat(req.prompt.messages)
+                prompt = await r.tokenize_chat(req.prompt.messages)
             elif req.prompt.text is not None:
-                prompt = r.tokenize(req.prompt.text)
+                prompt = await r.tokenize(req.prompt.text)
             else:
                 prompt = list(req.prompt.token_ids or ())
             r.check_prompt(prompt)
@@ -265,9 +293,12 @@ async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:
         await response.write(data)
 
 
-def build_app(router: Router) -> web.Application:
+def build_app(router: Router, keys: ApiKeys | None = None) -> web.Application:
     gateway = Gateway(router)
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[openai_errors])
+    middlewares: list[Any] = [openai_errors]
+    if keys is not None and keys.required:
+        middlewares.insert(0, require_api_key(keys))
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
     app.router.add_post(COMPLETIONS, gateway.completions)
     app.router.add_post(CHAT, gateway.chat_completions)
     app.router.add_get("/v1/models", gateway.models)
@@ -284,13 +315,24 @@ def split_bind(bind: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
-async def start_gateway(router: Router, bind: str) -> web.AppRunner:
-    """Serve the gateway on `bind` (host:port); stop it with `await runner.cleanup()`."""
+async def start_gateway(
+    router: Router, bind: str, config: RouterConfig | None = None
+) -> web.AppRunner:
+    """Serve the gateway on `bind` (host:port), over HTTPS and with API keys when `config` says
+    so; stop it with `await runner.cleanup()`."""
     host, port = split_bind(bind)
+    keys = config.api_keys if config is not None else None
+    tls = config.tls if config is not None else None
     # handler_cancellation: a client that disconnects cancels its handler, so its request is
     # aborted on the workers instead of running to the end for nobody.
-    runner = web.AppRunner(build_app(router), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(build_app(router, keys), handler_cancellation=True, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    log.info("OpenAI-compatible HTTP gateway on http://%s:%d/v1", host, port)
+    ssl_context = (
+        tls.ssl_server_context(config.public_client_auth)
+        if tls is not None and config is not None
+        else None
+    )
+    await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
+    scheme = "https" if ssl_context is not None else "http"
+    log.info("OpenAI-compatible HTTP gateway on %s://%s:%d/v1", scheme, host, port)
     return runner

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.serving.convert import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_STOP_STRINGS = 16
 TEXT_PART = "text"
 
 # Fields that change the output in ways pdmesh does not implement: (field, its neutral values).
@@ -133,12 +133,12 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     stops = [v] if isinstance(v, str) else v
     if (
         not isinstance(stops, list)
-        or not all(isinstance(s, str) and s for s in stops)
+        or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)
         or len(stops) > MAX_STOP_STRINGS
     ):
         raise RequestError(
             f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} "
-            f"non-empty strings, got {v!r}.",
+            f"non-empty strings of at most {MAX_STOP_CHARS} characters, got {v!r:.200}.",
             "stop",
         )
     return tuple(stops)
@@ -148,9 +148,15 @@ def _stop_token_ids(body: dict[str, Any]) -> tuple[int, ...]:
     v = body.get("stop_token_ids")
     if v is None:
         return ()
-    if not isinstance(v, list) or not all(_is_int(t) and t >= 0 for t in v):
+    if (
+        not isinstance(v, list)
+        or len(v) > MAX_STOP_TOKEN_IDS
+        or not all(_is_int(t) and t >= 0 for t in v)
+    ):
         raise RequestError(
-            f"stop_token_ids must be a list of non-negative integers, got {v!r}.", "stop_token_ids"
+            f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} non-negative "
+            f"integers, got {v!r:.200}.",
+            "stop_token_ids",
         )
     return tuple(v)
 

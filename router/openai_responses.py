@@ -8,6 +8,7 @@ from typing import Any
 
 ERROR_TYPE_BY_STATUS = {
     400: "invalid_request_error",
+    401: "invalid_request_error",  # OpenAI's type for a missing or wrong key (code invalid_api_key)
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
@@ -28,13 +29,15 @@ class ResponseHead:
     chat: bool
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     return {
         "error": {
             "message": message,
             "type": ERROR_TYPE_BY_STATUS.get(status, "api_error"),
             "param": param,
-            "code": None,
+            "code": code,
         }
     }
 

@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdmesh.logger import get_logger
 from pdmesh.router.prefix_index import PrefixIndex
 from pdmesh.serving.grpc_server import channel
+from pdmesh.serving.tls import TLSConfig
 from pdmesh.v1 import worker_pb2, worker_pb2_grpc
 
 log = get_logger(__name__)
@@ -57,11 +58,12 @@ class WorkerRegistry:
         decode: tuple[str, ...],
         health_interval_s: float,
         stats_interval_s: float,
+        tls: TLSConfig | None = None,
     ) -> None:
         self.workers: list[Worker] = []
         for role, addresses in (("prefill", prefill), ("decode", decode)):
             for address in addresses:
-                ch = channel(address)
+                ch = channel(address, tls)
                 stub_cls = (
                     worker_pb2_grpc.PrefillWorkerStub
                     if role == "prefill"

@@ -31,6 +31,12 @@ DISPATCH_DECISIONS = Counter(
     "worker's blocks), local_prefill (the decode worker prefills), no_decode_worker (refused).",
     ["policy", "outcome"],
 )
+FAILOVERS = Counter(
+    "pdmesh_router_failovers",
+    "Requests moved to another decode worker, by reason: worker_lost (its stream broke "
+    "mid-request), submit_failed (unreachable), queue_full (it refused with RESOURCE_EXHAUSTED).",
+    ["reason"],
+)
 
 
 class RequestTelemetry:
@@ -78,6 +84,11 @@ class RequestTelemetry:
                 "pdmesh.dispatch.prefill_miss_blocks": decision.prefill_miss_blocks,
             },
         )
+
+    def failover(self, reason: str) -> None:
+        FAILOVERS.labels(reason).inc()
+        if self.span is not None:
+            self.span.add_event("pdmesh.failover", {"pdmesh.failover.reason": reason})
 
     def _dispatch_span(self, outcome: str, attributes: dict[str, object], error: str = "") -> None:
         assert self.span is not None

@@ -15,6 +15,7 @@ from pdmesh.router.core import Router
 from pdmesh.router.policies import create_policy
 from pdmesh.router.registry import WorkerRegistry
 from pdmesh.router.servicer import GenerationServicer
+from pdmesh.serving.auth import ApiKeyInterceptor
 from pdmesh.serving.grpc_server import ServiceSpec, build_server
 from pdmesh.serving.runner import serve_until_stopped
 from pdmesh.v1 import generation_pb2_grpc
@@ -28,7 +29,11 @@ async def build_router(config: RouterConfig) -> Router:
     info = await asyncio.to_thread(ModelInfo.load, folder)
     tokenizer = await asyncio.to_thread(load_tokenizer, folder)
     registry = WorkerRegistry(
-        config.prefill, config.decode, config.health_interval_s, config.stats_interval_s
+        config.prefill,
+        config.decode,
+        config.health_interval_s,
+        config.stats_interval_s,
+        tls=config.tls,
     )
     policy = create_policy(config.policy, config.overlap_weight, config.disagg_min_tokens)
     return Router(config, info, tokenizer, registry, policy)
@@ -47,13 +52,16 @@ async def serve(config: RouterConfig, on_ready: Callable[[int], None] | None = N
                 GenerationServicer(router),
             )
         ],
+        interceptors=[ApiKeyInterceptor(config.api_keys)] if config.api_keys.required else [],
+        tls=config.tls,
+        require_client_cert=config.public_client_auth,
     )
     await server.start()
     gateway = None
     if config.http_bind:
         from pdmesh.router.http_gateway import start_gateway
 
-        gateway = await start_gateway(router, config.http_bind)
+        gateway = await start_gateway(router, config.http_bind, config)
     log.info(
         "router on port %d (%s); workers: prefill %s, decode %s",
         port,

@@ -23,22 +23,22 @@ def messages_from_pb(chat: gen_pb.ChatMessages) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.content} for m in chat.messages]
 
 
-def input_from_pb(
+async def input_from_pb(
     router: Router, req: gen_pb.GenerateRequest, remaining_s: float | None
 ) -> GenerationInput:
     router.check_model(req.model)
-    kind = req.WhichOneof("input")
-    if kind == "text":
-        prompt = router.tokenize(req.text)
-    elif kind == "token_ids":
-        prompt = list(req.token_ids.ids)
-    elif kind == "chat":
-        prompt = router.tokenize_chat(messages_from_pb(req.chat))
-    else:
-        raise ValueError("input must be one of text, token_ids or chat (none was set).")
     if len(req.request_id) > MAX_REQUEST_ID_LEN:
         raise ValueError(f"request_id must be at most {MAX_REQUEST_ID_LEN} characters.")
     params = sampling_from_pb(req.sampling, max_tokens_cap=router.max_model_len)
+    kind = req.WhichOneof("input")
+    if kind == "text":
+        prompt = await router.tokenize(req.text)
+    elif kind == "token_ids":
+        prompt = list(req.token_ids.ids)
+    elif kind == "chat":
+        prompt = await router.tokenize_chat(messages_from_pb(req.chat))
+    else:
+        raise ValueError("input must be one of text, token_ids or chat (none was set).")
     return GenerationInput(
         request_id=req.request_id or uuid.uuid4().hex,
         prompt=prompt,
@@ -68,7 +68,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context: grpc.aio.ServicerContext):
         record = metrics.RequestRecorder(GRPC_ENDPOINT)
         try:
-            inp = input_from_pb(self.router, request, context.time_remaining())
+            inp = await input_from_pb(self.router, request, context.time_remaining())
             record.prompt(len(inp.prompt))
             async for chunk in self.router.generate(inp):
                 record.tokens(len(chunk.token_ids))
@@ -97,9 +97,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Tokenize(self, request, context):
         kind = request.WhichOneof("input")
         if kind == "text":
-            ids = self.router.tokenize(request.text)
+            ids = await self.router.tokenize(request.text)
         elif kind == "chat":
-            ids = self.router.tokenize_chat(messages_from_pb(request.chat))
+            ids = await self.router.tokenize_chat(messages_from_pb(request.chat))
         else:
             raise ValueError("input must be text or chat (none was set).")
         return gen_pb.TokenizeResponse(token_ids=ids)

@@ -84,6 +84,8 @@ def start_mesh(*args: str, http: bool = False, timeout_s: float = 300) -> Mesh:
         if m := re.match(r"\s+(prefill|decode)-\d+: (\S+) \(pid (\d+)\)", line):
             getattr(mesh, m.group(1)).append(m.group(2))
             mesh.pids[m.group(2)] = int(m.group(3))
+        if m := re.match(r"\s+router: (\S+) \(pid (\d+)\)", line):
+            mesh.pids[m.group(1)] = int(m.group(2))
         if line.startswith("Ctrl-C stops everything"):
             _drain(proc, mesh)
             return mesh

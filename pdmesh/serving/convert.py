@@ -17,6 +17,22 @@ FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
 
 # Largest integers accepted on the wire before SamplingParams checks ranges.
 _MAX_INT = 2**63 - 1
+# Stop rules are checked at every token of a request, on the engine thread: bounded so that no
+# request can make every step of its batch slow.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def check_stop_rules(stop: tuple[str, ...], stop_token_ids: tuple[int, ...]) -> None:
+    """ValueError when the stop rules are larger than a request may have."""
+    if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise ValueError(
+            f"stop must be at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
+            "characters each."
+        )
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"stop_token_ids must have at most {MAX_STOP_TOKEN_IDS} entries.")
 
 
 def sampling_from_pb(
@@ -38,6 +54,7 @@ def sampling_from_pb(
         )
     kwargs["stop"] = tuple(pb.stop)
     kwargs["stop_token_ids"] = tuple(pb.stop_token_ids)
+    check_stop_rules(kwargs["stop"], kwargs["stop_token_ids"])
     kwargs["ignore_eos"] = pb.ignore_eos
     return SamplingParams(**kwargs)
 

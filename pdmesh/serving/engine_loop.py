@@ -101,7 +101,9 @@ class EngineLoop:
         engine = self.engine
         try:
             while not self._stopped.is_set():
-                self._drain(block=not engine.has_unfinished_requests())
+                # A stalled engine waits for a command (a remote prefill landing) rather than
+                # spinning through empty steps.
+                self._drain(block=not engine.has_unfinished_requests() or engine.stalled)
                 if self._on_tick is not None:
                     self._on_tick(engine)
                 if engine.has_unfinished_requests():

@@ -1,4 +1,5 @@
-"""Building a pdmesh gRPC server: health, reflection, message-size limits, error mapping."""
+"""Building a pdmesh gRPC server (health, reflection, message-size limits, error mapping, TLS) and
+the channels between services."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pdmesh.observability import tracing
 from pdmesh.serving.errors import ErrorInterceptor
+from pdmesh.serving.tls import TLSConfig
 
 # Deliberate limits: the largest legitimate message is a long prompt's token ids (a few MB).
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -35,6 +37,11 @@ CHANNEL_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.enable_retries", 0),
+    # A restarted worker must be found again within seconds: gRPC's default reconnect back-off
+    # grows to two minutes while it is down.
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.min_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 3000),
 ]
 
 
@@ -63,10 +70,16 @@ class Health:
 
 
 def build_server(
-    bind: str, services: Sequence[ServiceSpec], interceptors: Sequence[Any] = ()
+    bind: str,
+    services: Sequence[ServiceSpec],
+    interceptors: Sequence[Any] = (),
+    tls: TLSConfig | None = None,
+    require_client_cert: bool = True,
 ) -> tuple[grpc.aio.Server, Health, int]:
-    """A server on `bind` (host:port; port 0 picks one) with health and reflection on.
-    Returns (server, health, bound port); call `await server.start()`."""
+    """A server on `bind` (host:port; port 0 picks one) with health and reflection on; TLS when
+    `tls` is given (mutual when it names a CA and `require_client_cert`). Interceptors run
+    after tracing and before the error mapping. Returns (server, health, bound port); call
+    `await server.start()`."""
     # Tracing (when on) is outermost, so its span sees the status the error interceptor sets.
     server = grpc.aio.server(
         interceptors=[*tracing.server_interceptors(), *interceptors, ErrorInterceptor()],
@@ -85,14 +98,33 @@ def build_server(
         ],
         server,
     )
-    port = server.add_insecure_port(bind)
+    if tls is not None:
+        port = server.add_secure_port(bind, tls.server_credentials(require_client_cert))
+    else:
+        port = server.add_insecure_port(bind)
     if port == 0:
         raise OSError(f"cannot bind {bind}")
     return server, health, port
 
 
-def channel(target: str) -> grpc.aio.Channel:
-    """A channel to another pdmesh service; it carries the trace context when tracing is on."""
-    return grpc.aio.insecure_channel(
-        target, options=CHANNEL_OPTIONS, interceptors=tracing.client_interceptors() or None
+def channel(target: str, tls: TLSConfig | None = None) -> grpc.aio.Channel:
+    """A channel to another pdmesh service (over TLS when `tls` is given, presenting its
+    certificate); it carries the trace context when tracing is on."""
+    interceptors = tracing.client_interceptors() or None
+    if tls is None:
+        return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS, interceptors=interceptors)
+    return grpc.aio.secure_channel(
+        target,
+        tls.channel_credentials(),
+        options=[*CHANNEL_OPTIONS, *tls.channel_options()],
+        interceptors=interceptors,
+    )
+
+
+def blocking_channel(target: str, tls: TLSConfig | None = None) -> grpc.Channel:
+    """A synchronous channel, for command-line tools (health checks, `pdmesh up`)."""
+    if tls is None:
+        return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    return grpc.secure_channel(
+        target, tls.channel_credentials(), options=[*CHANNEL_OPTIONS, *tls.channel_options()]
     )

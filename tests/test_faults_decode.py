@@ -1,0 +1,123 @@
+"""A decode worker killed (SIGKILL) mid-stream: its requests move to the other decode worker and
+every client stream goes on with no token missing or repeated, the result equal to a fault-free
+run; `pdmesh up` restarts the dead worker and it rejoins the rotation through health checks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from mesh_support import Mesh, start_mesh
+from service_support import wait_until, wait_workers
+
+from pdmesh import LLM, SamplingParams
+from pdmesh.v1 import generation_pb2 as gen_pb
+from pdmesh.v1 import generation_pb2_grpc
+
+pytestmark = pytest.mark.timeout(240)
+
+MAX_TOKENS = 300
+GREEDY = dict(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+SEEDED = dict(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.95, seed=1234, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_model) -> str:
+    return str(tiny_model("llama"))
+
+
+@pytest.fixture(scope="module")
+def mesh(folder: str) -> Iterator[Mesh]:
+    m = start_mesh(
+        "--model",
+        folder,
+        "--prefill",
+        "1",
+        "--decode",
+        "2",
+        "--kv-cache-tokens",
+        "8192",
+        "--disagg-min-tokens",
+        "32",
+    )
+    try:
+        yield m
+    finally:
+        m.stop()
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(4)
+    return [[rng.randrange(512) for _ in range(rng.randint(20, 80))] for _ in range(6)]
+
+
+def test_killed_decode_worker_mid_stream_loses_and_repeats_nothing(mesh: Mesh, folder: str) -> None:
+    prompts = _prompts()
+    kinds = [GREEDY if i % 3 else SEEDED for i in range(len(prompts))]
+    streams: list[list[gen_pb.GenerateResponse]] = [[] for _ in prompts]
+
+    async def run() -> str:
+        async with grpc.aio.insecure_channel(mesh.target) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+
+            async def one(i: int) -> None:
+                req = gen_pb.GenerateRequest(
+                    token_ids=gen_pb.TokenIds(ids=prompts[i]),
+                    sampling=gen_pb.SamplingParams(**kinds[i]),
+                )
+                async for r in stub.Generate(req, timeout=120):
+                    streams[i].append(r)
+
+            tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
+            while min(sum(len(r.token_ids) for r in s) for s in streams) < 10:
+                await asyncio.sleep(0.005)
+            # Kill the decode worker serving the most of them, while they stream.
+            busy = {a: mesh.stats(a).num_running for a in mesh.decode}
+            victim = max(busy, key=lambda a: busy[a])
+            assert busy[victim] > 0
+            os.kill(mesh.pids[victim], signal.SIGKILL)
+            await asyncio.gather(*tasks)
+            return victim
+
+    victim = asyncio.run(run())
+    reference = LLM(folder, kv_cache_tokens=8192)
+    for stream, prompt, kind in zip(streams, prompts, kinds, strict=True):
+        expected = reference.generate([{"prompt_token_ids": prompt}], SamplingParams(**kind))[0]
+        assert [t for r in stream for t in r.token_ids] == expected.outputs[0].token_ids
+        assert "".join(r.text for r in stream) == expected.outputs[0].text
+        last = stream[-1]
+        assert last.finish_reason == gen_pb.FINISH_REASON_LENGTH
+        assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (
+            len(prompt),
+            MAX_TOKENS,
+        )
+    survivor = next(a for a in mesh.decode if a != victim)
+    wait_until(lambda: mesh.stats(survivor).kv_blocks_used == 0, 5, "no blocks held")
+
+    # `pdmesh up` restarts the worker; health checks bring it back into the rotation.
+    wait_workers(mesh.target, 1, 2, timeout_s=120)
+    before = mesh.stats(victim)
+    asyncio.run(_generate_many(mesh.target, _prompts() * 2))
+    after = mesh.stats(victim)
+    served = after.local_prefills + after.remote_prefills
+    assert served > before.local_prefills + before.remote_prefills
+    assert after.kv_blocks_used == 0
+
+
+async def _generate_many(target: str, prompts: list[list[int]]) -> None:
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+
+        async def one(p: list[int]) -> None:
+            req = gen_pb.GenerateRequest(
+                token_ids=gen_pb.TokenIds(ids=p),
+                sampling=gen_pb.SamplingParams(max_tokens=4, temperature=0),
+            )
+            assert [r async for r in stub.Generate(req, timeout=60)][-1].finish_reason
+
+        await asyncio.gather(*(one(p) for p in prompts))
