@@ -74,6 +74,9 @@ def add_up(sub: Any) -> None:
     u.add_argument("--prefill", type=int, default=1, help="prefill workers")
     u.add_argument("--decode", type=int, default=1, help="decode workers")
     u.add_argument(
+        "--kv-transport", default="tcp", help="KV data plane: tcp | nccl (GPUs) | gloo (CPUs)"
+    )
+    u.add_argument(
         "--prefill-tp",
         type=int,
         default=None,

@@ -156,7 +156,7 @@ def spawn_worker(role: str, index: int, host: str, engine: list[str]) -> Child:
 
 def start_mesh(args: argparse.Namespace) -> list[Child]:
     host = args.host
-    engine = [*_engine_flags(args), *_tls_flags(args)]
+    engine = [*_engine_flags(args), *_tls_flags(args), "--kv-transport", args.kv_transport]
     decode_flags = [
         "--max-waiting-requests",
         str(args.max_waiting_requests),

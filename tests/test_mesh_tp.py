@@ -39,8 +39,10 @@ async def _generate(target: str, prompts: list[list[int]]) -> list[list[int]]:
         return await asyncio.gather(*(one(p) for p in prompts))
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
-def test_kv_crosses_tp_sizes(tiny_model, prefill_tp: int, decode_tp: int) -> None:
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp", "transport"), [(2, 1, "tcp"), (1, 2, "tcp"), (2, 1, "gloo")]
+)
+def test_kv_crosses_tp_sizes(tiny_model, prefill_tp: int, decode_tp: int, transport: str) -> None:
     folder = str(tiny_model("llama"))  # 2 KV heads: TP 2 holds one per rank
     prompts = _prompts()
     offline = LLM(folder, kv_cache_tokens=4096).generate(
@@ -57,6 +59,8 @@ def test_kv_crosses_tp_sizes(tiny_model, prefill_tp: int, decode_tp: int) -> Non
         "4096",
         "--disagg-min-tokens",
         "16",
+        "--kv-transport",
+        transport,
     )
     try:
         assert asyncio.run(_generate(mesh.target, prompts)) == [
