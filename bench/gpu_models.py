@@ -60,3 +60,22 @@ def write_config(folder: Path, config: Any) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(folder)
     return folder
+
+
+def save_word_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A word-level tokenizer whose words are 't0' .. 't{vocab-1}': a stand-in for a model whose
+    real tokenizer is not on this machine (random weights make no sense of text anyway)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(folder)
+
+
+def write_llama_8b(folder: Path) -> Path:
+    """The Llama-3.1-8B shape as a model folder without weights (load_format="dummy")."""
+    config = llama_8b_config()
+    write_config(folder, config)
+    save_word_tokenizer(folder, config.vocab_size)
+    return folder

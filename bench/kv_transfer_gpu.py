@@ -1,8 +1,5 @@
 """KV transfer between two GPUs: the `nccl` transport against raw NCCL point-to-point.
 
-Status: not yet validated on GPUs (its first run hung before printing a result; the stderr
-progress lines now show where).
-
     python -m pdmesh.bench.kv_transfer_gpu --out DIR        # on a machine with 2 GPUs
 
 Two processes, one per GPU (receiver: a decode rank; sender: a prefill rank). The ceiling is

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -64,6 +66,21 @@ StepPlanner = Callable[[ScheduledBatch], "torch.Tensor | None"]
 BeforeForward = Callable[["StepInputs", "torch.Tensor | None"], None]
 
 
+def _on_device(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a method with the runner's GPU as the current device. The current device is per
+    thread, and Triton kernels and CUDA graphs use it: a worker on cuda:1 steps from threads of
+    its own."""
+
+    @functools.wraps(fn)
+    def wrapper(self: ModelRunner, *args: Any, **kwargs: Any) -> Any:
+        if self.device.type != "cuda":
+            return fn(self, *args, **kwargs)
+        with torch.cuda.device(self.device):
+            return fn(self, *args, **kwargs)
+
+    return wrapper
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -75,6 +92,8 @@ class ModelRunner:
     ) -> None:
         self.info = info
         self.device = device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # for this (the building) thread
         self.dtype = dtype = config.torch_dtype(device)
         self.block_size = block_size = config.block_size
         kv_cache_tokens = config.kv_cache_tokens
@@ -217,6 +236,7 @@ class ModelRunner:
 
         return hook
 
+    @_on_device
     @torch.inference_mode()
     def forward_with_plan(
         self, inputs: StepInputs, plan: torch.Tensor | None
@@ -228,6 +248,7 @@ class ModelRunner:
         finally:
             self._plan = None
 
+    @_on_device
     @torch.inference_mode()
     def step_logits(self, batch: ScheduledBatch) -> tuple[StepInputs, torch.Tensor | None]:
         """One step's forward on every rank; the logits of the rows to sample (rank 0)."""
@@ -237,6 +258,7 @@ class ModelRunner:
             self.before_forward(inputs, plan)
         return inputs, self.forward_with_plan(inputs, plan)
 
+    @_on_device
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int | None]:
         """Forward `batch`; the sampled token of each sequence whose KV is now complete."""

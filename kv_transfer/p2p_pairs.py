@@ -2,8 +2,13 @@
 
 The receiver hosts a TCPStore at its endpoint. A sender announces a pair by appending a random
 pair id to the store; both sides then build a 2-rank process group under that id's prefix
-(receiver rank 1, sender rank 0): NCCL between GPUs, gloo between CPUs. Nothing but this
-rendezvous goes through the store; frames go over the group with send / recv.
+(receiver rank 1, sender rank 0): NCCL between GPUs, gloo between CPUs.
+
+Each frame's fixed-size header goes through the store (key n of the pair's frame sequence); its
+payload follows over the group with send / recv. The receiver posts a recv only once a header has
+told it a payload is on its way: an NCCL recv left pending while idle would hold a kernel on the
+decode GPU, and anything there that waits for the whole device (an allocation that has to
+synchronise, a checksum over the cache) would wait for the next transfer.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import torch.distributed as dist
 from pdmesh.kv_transfer.base import TransferError
 
 RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=30)
+# A receiver waits this long for a pair's next header before it simply waits again.
+HEADER_WAIT = datetime.timedelta(hours=1)
 # A receiver that does not answer within this is gone (the store client retries until then).
 CONNECT_TIMEOUT = datetime.timedelta(seconds=5)
 # A pair waits in recv for as long as no prompt is sent its way: its group must not time out.
@@ -63,7 +70,12 @@ def announced_pairs(store: dist.TCPStore, seen: int) -> list[str]:
     return [store.get(f"pdmesh/kv/pair/{i}").decode() for i in range(seen, count)]
 
 
-def pair_group(store: dist.TCPStore, pair_id: str, rank: int, backend: str) -> dist.ProcessGroup:
+def frame_store(store: dist.Store, pair_id: str) -> dist.PrefixStore:
+    """Where a pair's frame headers go, under keys "0", "1", ... in send order."""
+    return dist.PrefixStore(f"pdmesh/kv/{pair_id}/frames/", store)
+
+
+def pair_group(store: dist.Store, pair_id: str, rank: int, backend: str) -> dist.ProcessGroup:
     prefixed = dist.PrefixStore(f"pdmesh/kv/{pair_id}/", store)
     if backend == "nccl":
         nccl_options = dist.ProcessGroupNCCL.Options()

@@ -1,17 +1,21 @@
 """Receiving KV frames over two-rank process groups (transports `nccl` and `gloo`).
 
 One thread accepts pairs (a sender announcing itself in the store) and runs the deadline clock;
-one thread per pair receives frames in order: a fixed-size header, then the payload the header
-announces, straight into device memory. Every frame is checked and written by the shared
-`TransferInbox`. A frame for an unknown transfer or with a wrong token is still received (the
-stream must stay in step) and then dropped; a malformed header ends that pair.
+one thread per pair receives frames in order: it waits in the store for the next header, then
+receives the payload the header announces over the group, straight into device memory. On the
+GPU a pair thread works on a CUDA stream of its own, so the model's stream never waits on a recv.
+Every frame is checked and written by the shared `TransferInbox`. A frame for an unknown
+transfer or with a wrong token is still received (the stream must stay in step) and then
+dropped; a malformed header ends that pair.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
+import torch.distributed as dist
 
 from pdmesh.kv_transfer.base import (
     KVReceiver,
@@ -19,9 +23,17 @@ from pdmesh.kv_transfer.base import (
     ReceiverStats,
     TransferSpec,
 )
-from pdmesh.kv_transfer.frame import HEADER_NBYTES, MAX_FRAME_PAYLOAD, FrameHeader, MalformedFrame
+from pdmesh.kv_transfer.frame import MAX_FRAME_PAYLOAD, FrameHeader, MalformedFrame
 from pdmesh.kv_transfer.inbox import TransferInbox
-from pdmesh.kv_transfer.p2p_pairs import announced_pairs, host_port, pair_group, serve_store
+from pdmesh.kv_transfer.p2p_pairs import (
+    HEADER_WAIT,
+    RENDEZVOUS_TIMEOUT,
+    announced_pairs,
+    frame_store,
+    host_port,
+    pair_group,
+    serve_store,
+)
 from pdmesh.logger import get_logger
 
 log = get_logger(__name__)
@@ -81,12 +93,29 @@ class P2PReceiver(KVReceiver):
 
     def _serve_pair(self, pair_id: str) -> None:
         device = self._cache.device
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            self._receive_frames(pair_id, device)
+
+    def _receive_frames(self, pair_id: str, device: torch.device) -> None:
+        host, port = host_port(self._endpoint)
         try:
-            group = pair_group(self._store, pair_id, rank=1, backend=self.backend)
-            header = torch.empty(HEADER_NBYTES, dtype=torch.uint8, device=device)
+            # A client of its own: its waits must not hold up the accept thread's store calls.
+            client = dist.TCPStore(host, port, is_master=False, timeout=RENDEZVOUS_TIMEOUT)
+            group = pair_group(client, pair_id, rank=1, backend=self.backend)
+            headers = frame_store(client, pair_id)
+            seq = 0
             while not self._stop.is_set():
-                group.recv([header], 0, 0).wait()
-                raw = bytes(header.cpu().numpy())
+                key = str(seq)
+                try:
+                    headers.wait([key], HEADER_WAIT)
+                except dist.DistStoreError as e:
+                    if "timeout" in str(e):
+                        continue  # an idle pair
+                    raise
+                raw = headers.get(key)
+                headers.delete_key(key)
+                seq += 1
                 try:
                     size = FrameHeader.unpack(raw).payload_nbytes
                 except MalformedFrame:

@@ -1,10 +1,10 @@
 """Sending KV frames over two-rank process groups (transports `nccl` and `gloo`).
 
 `send_layer` builds the frame on the tensors' device (the head slice the receiver holds, K and V
-side by side) and posts two sends, header then payload, which run asynchronously: on the GPU the
-bytes go device to device, never through host memory. `finish` waits for every send of the
-transfer (with a timeout): then the receiver has the bytes; it checks and writes them itself and
-resolves its own future.
+side by side), puts its header in the receiver's store and posts the payload's send, which runs
+asynchronously: on the GPU the bytes go device to device, never through host memory. `finish`
+waits for every send of the transfer (with a timeout): then the receiver has the bytes; it checks
+and writes them itself and resolves its own future.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,11 +27,19 @@ from pdmesh.kv_transfer.base import (
     handle_heads,
 )
 from pdmesh.kv_transfer.frame import DTYPE_CODES, FrameHeader, payload_nbytes
-from pdmesh.kv_transfer.p2p_pairs import announce_pair, join_store, pair_group
+from pdmesh.kv_transfer.p2p_pairs import announce_pair, frame_store, join_store, pair_group
 from pdmesh.logger import get_logger
 
 log = get_logger(__name__)
 POLL_S = 0.001
+
+
+@dataclass
+class _Pair:
+    group: Any  # the two-rank process group
+    headers: Any  # the pair's frame store
+    seq: int = 0  # the next frame's key
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class _Handle(SendHandle):
@@ -44,8 +53,8 @@ class _Handle(SendHandle):
         heads: tuple[int, int],
     ) -> None:
         super().__init__(endpoint, transfer_id, token, num_blocks, *heads)
-        self.pair = pair
-        self.works: list[tuple[Any, ...]] = []  # (work, work, header, payload) in flight
+        self.pair: _Pair = pair
+        self.works: list[tuple[Any, torch.Tensor]] = []  # (work, payload) in flight
         self.bytes = 0
         self.frames = 0
         self.first_sent_at: float | None = None
@@ -64,13 +73,13 @@ class P2PSender(KVSender):
 
     def _pair(self, endpoint: str) -> Any:
         with self._lock:
-            group = self._pairs.get(endpoint)
-            if group is None:
+            pair = self._pairs.get(endpoint)
+            if pair is None:
                 store = join_store(endpoint)
                 pair_id = announce_pair(store)
                 group = pair_group(store, pair_id, rank=0, backend=self.backend)
-                self._pairs[endpoint] = group
-            return group
+                pair = self._pairs[endpoint] = _Pair(group, frame_store(store, pair_id))
+            return pair
 
     def start(
         self,
@@ -118,13 +127,15 @@ class P2PSender(KVSender):
             dtype_code=DTYPE_CODES[geo.dtype],
             payload_nbytes=nbytes,
         ).pack()
-        header_t = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(payload.device)
+        pair = h.pair
         try:
-            w1 = h.pair.send([header_t], 1, 0)
-            w2 = h.pair.send([payload], 1, 0)
+            with pair.lock:  # headers and sends in one order
+                pair.headers.set(str(pair.seq), header)
+                pair.seq += 1
+                work = pair.group.send([payload], 1, 0)
         except Exception as e:
             raise TransferError(f"transfer {h.transfer_id} to {h.endpoint}: {e}") from None
-        h.works.append((w1, w2, header_t, payload))  # tensors live until their sends are done
+        h.works.append((work, payload))  # the payload lives until its send is done
         h.bytes += nbytes
         h.frames += 1
         if h.first_sent_at is None:
@@ -137,9 +148,8 @@ class P2PSender(KVSender):
         h.ended = True
         deadline = time.monotonic() + timeout
         try:
-            for entry in h.works:
-                for work in entry[:2]:
-                    self._wait(work, deadline, h, timeout)
+            for work, _ in h.works:
+                self._wait(work, deadline, h, timeout)
         except TransferError:
             self._broken(h)
             raise
@@ -181,7 +191,7 @@ class P2PSender(KVSender):
             self._failed += 1
             if self._pairs.get(h.endpoint) is h.pair:
                 del self._pairs[h.endpoint]
-        abort = getattr(h.pair, "abort", None)
+        abort = getattr(h.pair.group, "abort", None)
         if callable(abort):
             try:
                 abort()

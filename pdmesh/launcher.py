@@ -70,6 +70,7 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
         "max_num_batched_tokens",
         "max_model_len",
         "seed",
+        "load_format",
     ):
         value = getattr(args, name)
         if value is not None:
@@ -78,7 +79,39 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
         flags.append("--no-prefix-caching")
     if args.enable_expert_parallel:
         flags.append("--enable-expert-parallel")
+    if args.enforce_eager:
+        flags.append("--enforce-eager")
     return flags
+
+
+class GpuPlacement:
+    """Which GPUs each worker gets: consecutive devices in start order (prefill workers, then
+    decode workers), a worker of TP size N taking N of them; once they run out, the next worker
+    starts again from the first. Workers get `--device cuda:K` (their ranks take K .. K+N-1), so
+    every process sees every GPU and NCCL finds the direct GPU-to-GPU path between them."""
+
+    def __init__(self, device: str | None) -> None:
+        import torch
+
+        self.count = 0
+        self.first = 0
+        if (device in (None, "auto") and torch.cuda.is_available()) or (device or "").startswith(
+            "cuda"
+        ):
+            self.count = torch.cuda.device_count()
+            if device and ":" in device:
+                self.first = int(device.split(":", 1)[1])
+        self.next = self.first
+
+    def flags(self, tp: int) -> list[str]:
+        """The device flag for the next worker ([] on the CPU)."""
+        if self.count == 0:
+            return []
+        if self.next + tp > self.count:
+            self.next = self.first
+        device = self.next
+        self.next += tp
+        return ["--device", f"cuda:{device}"]
 
 
 def _with_tp(engine: list[str], size: int | None) -> list[str]:
@@ -166,13 +199,16 @@ def start_mesh(args: argparse.Namespace) -> list[Child]:
     children: list[Child] = []
     prefill: list[str] = []
     decode: list[str] = []
+    gpus = GpuPlacement(args.device)
     for i in range(0 if args.colocated else args.prefill):
-        children.append(spawn_worker("prefill", i, host, _with_tp(engine, args.prefill_tp)))
+        tp = args.prefill_tp or args.tensor_parallel_size
+        flags = [*_with_tp(engine, args.prefill_tp), *gpus.flags(tp)]
+        children.append(spawn_worker("prefill", i, host, flags))
         prefill.append(children[-1].address)
     for i in range(args.decode):
-        children.append(
-            spawn_worker("decode", i, host, [*decode_flags, *_with_tp(engine, args.decode_tp)])
-        )
+        tp = args.decode_tp or args.tensor_parallel_size
+        flags = [*decode_flags, *_with_tp(engine, args.decode_tp), *gpus.flags(tp)]
+        children.append(spawn_worker("decode", i, host, flags))
         decode.append(children[-1].address)
     router = [
         "router",

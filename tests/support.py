@@ -71,13 +71,9 @@ TINY_ARCHS = tuple(_tiny_configs())
 
 
 def save_word_tokenizer(folder: Path, vocab_size: int = TINY_VOCAB) -> None:
-    """A word-level tokenizer whose words are 't0' .. 't{vocab-1}'."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from pdmesh.bench.gpu_models import save_word_tokenizer as save
 
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(folder)
+    save(folder, vocab_size)
 
 
 def make_tiny_model(folder: Path, arch: str, seed: int = 0, **save_kwargs: object) -> Path:

@@ -1,0 +1,208 @@
+"""Disaggregated (1 prefill + 1 decode worker) against colocated (2 workers that both prefill and
+decode) serving on the same two GPUs, the same engine, the Llama-3.1-8B shape (random weights).
+
+    python -m pdmesh.bench.disagg_gpu --out DIR [--stages ttft,load,tp] [--requests 32]
+
+Stages, each writing its figures to DIR/disagg.json as it ends:
+- ttft: one 4,096-token prompt at a time (concurrency 1), the time to its first token, on each
+  layout. The disaggregated TTFT includes the prefill on the other GPU and the KV transfer over
+  the `nccl` transport, layer by layer behind the prefill forward.
+- load: Poisson arrivals at several rates, two workloads (prefill-heavy 4,096 in / 256 out and
+  chat-like 512 in / 256 out), each layout: TTFT, TPOT, inter-token latency, throughput, and the
+  fraction of requests within the SLO (TTFT <= 1.5 s and TPOT <= 40 ms). Goodput is the highest
+  rate run whose attainment is >= 90%, and also reported as good requests per second. Every
+  request's TTFT and inter-token latencies go to DIR/disagg_samples.json for the CDF plots.
+- tp: decode time per token at batch 1 for TP=1 and TP=2 over NCCL (CUDA graphs on both).
+
+Each layout is a real `pdmesh up` on the two GPUs (workers placed on cuda:0 and cuda:1), driven by
+the serving benchmark's client over gRPC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pdmesh.bench.gpu_models import write_llama_8b
+from pdmesh.bench.latency_stats import Slo, summarize
+from pdmesh.bench.serving import LoadConfig, make_workload, run_load
+
+SLO = Slo(ttft_ms=1500, tpot_ms=40)
+ATTAINMENT = 0.9
+WORKLOADS = {"prefill_heavy": (4096, 256), "chat": (512, 256)}
+RATES = {"prefill_heavy": (1.0, 2.0, 3.0, 4.0), "chat": (2.0, 4.0, 8.0)}
+LAYOUTS = {
+    "disagg_1p1d": ["--prefill", "1", "--decode", "1", "--disagg-min-tokens", "0"],
+    "colocated_2": ["--colocated", "--decode", "2"],
+}
+ENGINE = ["--load-format", "dummy", "--max-model-len", "8192", "--kv-transport", "nccl"]
+VOCAB = 128256
+
+
+class Results:
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.data: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M")}
+        self.samples: dict[str, Any] = {}
+
+    def record(self, key: str, value: Any) -> None:
+        self.data[key] = value
+        (self.out / "disagg.json").write_text(json.dumps(self.data, indent=2))
+        print(f"[{key}] {json.dumps(value)[:600]}", flush=True)
+
+    def sample(self, key: str, value: Any) -> None:
+        self.samples[key] = value
+        (self.out / "disagg_samples.json").write_text(json.dumps(self.samples))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def mesh(folder: Path, layout: str, log: Path) -> Iterator[str]:
+    """`pdmesh up` with this layout; yields the router's address once it is up."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "pdmesh.cli", "up", "--model", str(folder), "--port", str(port)]
+    cmd += ["--http-port", "0", "--ask", "", *ENGINE, *LAYOUTS[layout]]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PDMESH_LOG_LEVEL": "WARNING"}
+    with log.open("w") as sink:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=sink, text=True, env=env)
+        assert proc.stdout is not None
+        try:
+            start = time.monotonic()
+            for line in proc.stdout:
+                if line.startswith("pdmesh is up"):
+                    break
+            else:
+                raise RuntimeError(f"{layout}: the mesh did not come up; see {log}")
+            print(f"{layout}: up in {time.monotonic() - start:.0f} s", flush=True)
+            yield f"127.0.0.1:{port}"
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def load(target: str, n: int, in_len: int, out_len: int, rate: float, seed: int, conc=None):
+    cfg = LoadConfig(
+        num_requests=n,
+        input_len=in_len,
+        output_len=out_len,
+        range_ratio=0.0,
+        request_rate=rate,
+        arrivals="poisson",
+        concurrency=conc,
+        seed=seed,
+    )
+    return asyncio.run(run_load(target, make_workload(cfg, VOCAB), cfg, progress=False))
+
+
+def warm(target: str, in_len: int, seed: int) -> None:
+    """Full-size requests first: a fresh process compiles kernels for shapes it has not seen."""
+    load(target, 4, in_len, 8, math.inf, seed)
+
+
+def ttft_stage(target: str, layout: str, res: Results) -> None:
+    warm(target, 4096, 900)
+    records, duration = load(target, 8, 4096, 2, math.inf, 901, conc=1)
+    s = summarize(records, duration, Slo())
+    res.record(f"ttft_4096_{layout}", {"ttft_ms": s["ttft_ms"], "completed": s["completed"]})
+
+
+def load_stage(target: str, layout: str, n: int, res: Results) -> None:
+    for wi, (work, (in_len, out_len)) in enumerate(WORKLOADS.items()):
+        warm(target, in_len, 100 + wi)
+        runs = []
+        for ri, rate in enumerate(RATES[work]):
+            records, duration = load(target, n, in_len, out_len, rate, 1000 + 97 * wi + ri)
+            s = summarize(records, duration, SLO)
+            s["request_rate"] = rate
+            s["attainment"] = round(s["good_requests"] / n, 3)
+            runs.append(s)
+            res.sample(
+                f"{layout}/{work}/{rate:g}",
+                {
+                    "ttft_ms": [round(r.ttft_s * 1e3, 3) for r in records if r.ok],
+                    "itl_ms": [round(x * 1e3, 3) for r in records if r.ok for x in r.itls_s],
+                },
+            )
+            print(
+                f"  {layout} {work} rate {rate:g}: ttft p50 {s['ttft_ms']['p50']:.0f} ms, "
+                f"tpot p50 {s['tpot_ms']['p50']:.1f} ms, itl p99 {s['itl_ms']['p99']:.1f} ms, "
+                f"attainment {s['attainment']:.2f}",
+                flush=True,
+            )
+        ok = [r["request_rate"] for r in runs if r["attainment"] >= ATTAINMENT]
+        res.record(
+            f"load_{work}_{layout}",
+            {"runs": runs, "goodput_rate_at_90pct": max(ok) if ok else 0.0},
+        )
+
+
+def tp_stage(folder: Path, res: Results) -> None:
+    """Batch-1 decode time per token, TP=1 against TP=2 over NCCL (dummy weights, bf16)."""
+    from pdmesh import LLM
+    from pdmesh.bench.gpu_workloads import decode_step_time
+
+    kw = dict(
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        kv_cache_tokens=32768,
+        max_model_len=4096,
+        dtype="bfloat16",
+    )
+    out: dict[str, float] = {}
+    for tp in (1, 2):
+        with LLM(str(folder), tensor_parallel_size=tp, **kw) as llm:
+            out[f"tp{tp}_step_ms_b1"] = decode_step_time(llm.engine, 1, 256) * 1e3
+            out[f"tp{tp}_graphs"] = llm.engine.runner.graphs is not None
+        gc.collect()
+    out["tp2_over_tp1"] = out["tp2_step_ms_b1"] / out["tp1_step_ms_b1"]
+    res.record("tp2_vs_tp1_decode_b1", out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--stages", default="ttft,load,tp")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--requests", type=int, default=32, help="requests per load run")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    stages = set(args.stages.split(","))
+    folder = write_llama_8b(Path(tempfile.mkdtemp()) / "llama-8b-shape")
+    res = Results(args.out)
+    for layout in args.layouts.split(","):
+        if not stages & {"ttft", "load"}:
+            break
+        with mesh(folder, layout, args.out / f"mesh-{layout}.log") as target:
+            if "ttft" in stages:
+                ttft_stage(target, layout, res)
+            if "load" in stages:
+                load_stage(target, layout, args.requests, res)
+    if "tp" in stages:
+        tp_stage(folder, res)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""The mesh on two GPUs with the `nccl` KV transport: prefill worker on cuda:0, decode worker on
+cuda:1, the KV pages going GPU to GPU. Outputs equal the single-GPU engine's; every byte is
+counted on both ends; a decode worker killed mid-stream leaves the prefill worker serving, and
+once `pdmesh up` has restarted it, the pair to the new decode worker carries KV again."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+
+import grpc
+import pytest
+import torch
+from mesh_support import start_mesh
+from service_support import wait_workers
+
+from pdmesh import LLM, SamplingParams
+from pdmesh.v1 import generation_pb2 as gen_pb
+from pdmesh.v1 import generation_pb2_grpc
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+]
+
+PARAMS = dict(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(512) for _ in range(rng.randint(20, 150))] for _ in range(8)]
+
+
+async def _generate(target: str, prompts: list[list[int]], max_tokens: int = 24) -> list[list[int]]:
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+
+        async def one(p: list[int]) -> list[int]:
+            req = gen_pb.GenerateRequest(
+                token_ids=gen_pb.TokenIds(ids=p),
+                sampling=gen_pb.SamplingParams(**{**PARAMS, "max_tokens": max_tokens}),
+            )
+            return [t async for r in stub.Generate(req, timeout=120) for t in r.token_ids]
+
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def test_nccl_mesh_equals_one_gpu_and_survives_a_dead_decode_worker(tiny_model) -> None:
+    folder = str(tiny_model("llama"))
+    reference = LLM(folder, dtype="float32", kv_cache_tokens=8192)
+
+    def expected(prompts: list[list[int]]) -> list[list[int]]:
+        outs = reference.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(**PARAMS)
+        )
+        return [o.outputs[0].token_ids for o in outs]
+
+    mesh = start_mesh(
+        "--model",
+        folder,
+        "--dtype",
+        "float32",
+        "--kv-cache-tokens",
+        "8192",
+        "--disagg-min-tokens",
+        "16",
+        "--kv-transport",
+        "nccl",
+    )
+    try:
+        prompts = _prompts(1)
+        assert asyncio.run(_generate(mesh.target, prompts)) == expected(prompts)
+        d, p = mesh.stats(mesh.decode[0]), mesh.stats(mesh.prefill[0])
+        assert d.remote_prefills == len(prompts) and d.prefill_fallbacks == 0
+        block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # layers x (K+V) x tokens x KV heads x dims x fp32
+        blocks = sum(-(-len(x) // 16) for x in prompts)
+        assert d.kv_bytes_received == p.kv_bytes_sent == blocks * block_bytes
+        assert d.kv_blocks_used == 0
+
+        # Kill the decode worker while it streams long outputs.
+        victim = mesh.decode[0]
+
+        async def kill_mid_stream() -> None:
+            task = asyncio.ensure_future(_generate(mesh.target, _prompts(2), max_tokens=400))
+            await asyncio.sleep(1.0)
+            os.kill(mesh.pids[victim], signal.SIGKILL)
+            await asyncio.gather(task, return_exceptions=True)
+
+        asyncio.run(kill_mid_stream())
+        # The prefill worker stays up and healthy while the decode worker is gone.
+        assert mesh.stats(mesh.prefill[0]).kv_bytes_sent >= p.kv_bytes_sent
+        deadline = time.monotonic() + 180  # `pdmesh up` restarts it at the same address
+        while True:
+            try:
+                if mesh.stats(victim).kv_blocks_total > 0:
+                    break
+            except grpc.RpcError:
+                pass
+            assert time.monotonic() < deadline, "the decode worker was not restarted"
+            time.sleep(0.5)
+        wait_workers(mesh.target, 1, 1, timeout_s=120)
+        prompts = _prompts(3)
+        assert asyncio.run(_generate(mesh.target, prompts)) == expected(prompts)
+        d = mesh.stats(victim)
+        assert d.remote_prefills == len(prompts) and d.prefill_fallbacks == 0
+    finally:
+        mesh.stop()
