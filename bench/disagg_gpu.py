@@ -122,11 +122,45 @@ def warm(target: str, in_len: int, seed: int) -> None:
     load(target, 4, in_len, 8, math.inf, seed)
 
 
+async def _server_timings(target: str, n: int, seed: int) -> list[dict[str, float]]:
+    """The mesh's own timings (last response of each stream) of `n` 4,096-token prompts in turn."""
+    import random
+
+    import grpc
+
+    from pdmesh.v1 import generation_pb2 as gen_pb
+    from pdmesh.v1 import generation_pb2_grpc
+
+    rng = random.Random(seed)
+    out = []
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        for _ in range(n):
+            req = gen_pb.GenerateRequest(
+                token_ids=gen_pb.TokenIds(ids=[rng.randrange(1000, VOCAB) for _ in range(4096)]),
+                sampling=gen_pb.SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
+            )
+            last = [r async for r in stub.Generate(req, timeout=60)][-1].timings
+            out.append(
+                {
+                    "queue_ms": last.queue_ns / 1e6,
+                    "prefill_ms": last.prefill_ns / 1e6,
+                    "first_token_ms": last.first_token_ns / 1e6,
+                    "disaggregated": last.disaggregated,
+                }
+            )
+    return out
+
+
 def ttft_stage(target: str, layout: str, res: Results) -> None:
     warm(target, 4096, 900)
     records, duration = load(target, 8, 4096, 2, math.inf, 901, conc=1)
     s = summarize(records, duration, Slo())
-    res.record(f"ttft_4096_{layout}", {"ttft_ms": s["ttft_ms"], "completed": s["completed"]})
+    server = asyncio.run(_server_timings(target, 4, 902))
+    res.record(
+        f"ttft_4096_{layout}",
+        {"ttft_ms": s["ttft_ms"], "completed": s["completed"], "server_timings": server},
+    )
 
 
 def load_stage(target: str, layout: str, n: int, res: Results) -> None:

@@ -268,17 +268,25 @@ class ModelRunner:
             return sampled
         seqs = [batch.seqs[i] for i in inputs.sample_seq_index]
         if all(s.params.greedy for s in seqs):  # the common case: no per-row tensors to build
-            tokens = logits.argmax(dim=-1).tolist()
+            tokens = self._to_host(logits.argmax(dim=-1))
             for i, token in zip(inputs.sample_seq_index, tokens, strict=True):
                 sampled[i] = token
             return sampled
         sampling = SamplingBatch.build(
             [s.params for s in seqs], [s.generator for s in seqs], logits.shape[-1], self.device
         )
-        tokens = self.sampler(logits, sampling).tolist()
+        tokens = self._to_host(self.sampler(logits, sampling))
         for i, token in zip(inputs.sample_seq_index, tokens, strict=True):
             sampled[i] = token
         return sampled
+
+    def _to_host(self, tokens: torch.Tensor) -> list[int]:
+        """The sampled ids as a list. On the GPU, wait for the step first in a stream sync,
+        which lets go of the GIL (a blocking copy would hold it for the whole step): the
+        process's other threads (gRPC, KV receivers) run meanwhile."""
+        if tokens.is_cuda:
+            torch.cuda.current_stream(tokens.device).synchronize()
+        return tokens.tolist()
 
     def expert_counts(self) -> list[int] | None:
         """Tokens routed to each expert, summed over MoE layers (None for dense models)."""

@@ -103,4 +103,5 @@ def receive_step(
         max_prefill_context_len=h["max_prefill_ctx"],
     )
     inputs = StepInputs(ids, pos, meta, logits_idx, list(range(s)))
-    return inputs, (extra if e else None)
+    # The plan is read on the host after every layer: one copy back now, not a sync per layer.
+    return inputs, (extra.cpu() if e else None)

@@ -4,11 +4,11 @@ The receiver hosts a TCPStore at its endpoint. A sender announces a pair by appe
 pair id to the store; both sides then build a 2-rank process group under that id's prefix
 (receiver rank 1, sender rank 0): NCCL between GPUs, gloo between CPUs.
 
-Each frame's fixed-size header goes through the store (key n of the pair's frame sequence); its
-payload follows over the group with send / recv. The receiver posts a recv only once a header has
-told it a payload is on its way: an NCCL recv left pending while idle would hold a kernel on the
-decode GPU, and anything there that waits for the whole device (an allocation that has to
-synchronise, a checksum over the cache) would wait for the next transfer.
+Each frame's fixed-size header goes through the store (a queue per pair: one round trip to push,
+one to pop); its payload follows over the group with send / recv. The receiver posts a recv only
+once a header has told it a payload is on its way: an NCCL recv left pending while idle would hold
+a kernel on the decode GPU, and anything there that waits for the whole device (an allocation
+that has to synchronise, a checksum over the cache) would wait for the next transfer.
 """
 
 from __future__ import annotations
@@ -70,9 +70,12 @@ def announced_pairs(store: dist.TCPStore, seen: int) -> list[str]:
     return [store.get(f"pdmesh/kv/pair/{i}").decode() for i in range(seen, count)]
 
 
+FRAME_QUEUE = "frames"
+
+
 def frame_store(store: dist.Store, pair_id: str) -> dist.PrefixStore:
-    """Where a pair's frame headers go, under keys "0", "1", ... in send order."""
-    return dist.PrefixStore(f"pdmesh/kv/{pair_id}/frames/", store)
+    """The store of a pair's FRAME_QUEUE of headers, in send order."""
+    return dist.PrefixStore(f"pdmesh/kv/{pair_id}/", store)
 
 
 def pair_group(store: dist.Store, pair_id: str, rank: int, backend: str) -> dist.ProcessGroup:

@@ -26,6 +26,7 @@ from pdmesh.kv_transfer.base import (
 from pdmesh.kv_transfer.frame import MAX_FRAME_PAYLOAD, FrameHeader, MalformedFrame
 from pdmesh.kv_transfer.inbox import TransferInbox
 from pdmesh.kv_transfer.p2p_pairs import (
+    FRAME_QUEUE,
     HEADER_WAIT,
     RENDEZVOUS_TIMEOUT,
     announced_pairs,
@@ -103,19 +104,15 @@ class P2PReceiver(KVReceiver):
             # A client of its own: its waits must not hold up the accept thread's store calls.
             client = dist.TCPStore(host, port, is_master=False, timeout=RENDEZVOUS_TIMEOUT)
             group = pair_group(client, pair_id, rank=1, backend=self.backend)
+            client.set_timeout(HEADER_WAIT)  # the group is made: now only headers are awaited
             headers = frame_store(client, pair_id)
-            seq = 0
             while not self._stop.is_set():
-                key = str(seq)
                 try:
-                    headers.wait([key], HEADER_WAIT)
+                    raw = headers.queue_pop(FRAME_QUEUE, block=True)
                 except dist.DistStoreError as e:
                     if "timeout" in str(e):
                         continue  # an idle pair
                     raise
-                raw = headers.get(key)
-                headers.delete_key(key)
-                seq += 1
                 try:
                     size = FrameHeader.unpack(raw).payload_nbytes
                 except MalformedFrame:

@@ -27,7 +27,13 @@ from pdmesh.kv_transfer.base import (
     handle_heads,
 )
 from pdmesh.kv_transfer.frame import DTYPE_CODES, FrameHeader, payload_nbytes
-from pdmesh.kv_transfer.p2p_pairs import announce_pair, frame_store, join_store, pair_group
+from pdmesh.kv_transfer.p2p_pairs import (
+    FRAME_QUEUE,
+    announce_pair,
+    frame_store,
+    join_store,
+    pair_group,
+)
 from pdmesh.logger import get_logger
 
 log = get_logger(__name__)
@@ -37,8 +43,7 @@ POLL_S = 0.001
 @dataclass
 class _Pair:
     group: Any  # the two-rank process group
-    headers: Any  # the pair's frame store
-    seq: int = 0  # the next frame's key
+    headers: Any  # the pair's store, where its FRAME_QUEUE is
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -130,8 +135,7 @@ class P2PSender(KVSender):
         pair = h.pair
         try:
             with pair.lock:  # headers and sends in one order
-                pair.headers.set(str(pair.seq), header)
-                pair.seq += 1
+                pair.headers.queue_push(FRAME_QUEUE, header)
                 work = pair.group.send([payload], 1, 0)
         except Exception as e:
             raise TransferError(f"transfer {h.transfer_id} to {h.endpoint}: {e}") from None
