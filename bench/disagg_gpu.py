@@ -221,7 +221,17 @@ def main() -> None:
     parser.add_argument("--stages", default="ttft,load,tp")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--requests", type=int, default=32, help="requests per load run")
+    parser.add_argument(
+        "--rates", default=None, help='req/s per workload, e.g. "prefill_heavy=6,8;chat=16"'
+    )
     args = parser.parse_args()
+    if args.rates:
+        chosen = dict(item.split("=") for item in args.rates.split(";"))
+        for work in list(WORKLOADS):
+            if work in chosen:
+                RATES[work] = tuple(float(r) for r in chosen[work].split(","))
+            else:
+                del WORKLOADS[work]
     args.out.mkdir(parents=True, exist_ok=True)
     stages = set(args.stages.split(","))
     folder = write_llama_8b(Path(tempfile.mkdtemp()) / "llama-8b-shape")
