@@ -45,7 +45,47 @@ def paged_decode_attention(
     return fn(query, k_cache, v_cache, block_tables, context_lens, scale, max_context_len)
 
 
+def _pages(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """cache[tables] (pages [NB, BS, Hkv, D] picked by a table of any shape), gathered as whole
+    pages: index_select copies each page as one run of bytes, several times faster on the CPU
+    than advanced indexing, which moves element by element."""
+    picked = cache.index_select(0, tables.reshape(-1))
+    return picked.view(*tables.shape, *cache.shape[1:])
+
+
+# Decode batches larger than this are split into groups of sequences of similar context length:
+# each group gathers and attends over its own longest context instead of the batch's, which on
+# the CPU (where this reference is the kernel) roughly halves the bytes moved for mixed lengths.
+DECODE_GROUP = 8
+
+
 def paged_decode_attention_ref(
+    query, k_cache, v_cache, block_tables, context_lens, scale, max_context_len=None
+):
+    batch = query.shape[0]
+    if batch > DECODE_GROUP and not query.is_cuda:
+        lens = context_lens.tolist()
+        order = sorted(range(batch), key=lens.__getitem__)
+        out = torch.empty_like(query)
+        for start in range(0, batch, DECODE_GROUP):
+            rows = order[start : start + DECODE_GROUP]
+            idx = torch.tensor(rows, device=query.device)
+            out[idx] = _decode_attention(
+                query[idx],
+                k_cache,
+                v_cache,
+                block_tables[idx],
+                context_lens[idx],
+                scale,
+                lens[rows[-1]],
+            )
+        return out
+    return _decode_attention(
+        query, k_cache, v_cache, block_tables, context_lens, scale, max_context_len
+    )
+
+
+def _decode_attention(
     query, k_cache, v_cache, block_tables, context_lens, scale, max_context_len=None
 ):
     block_size = k_cache.shape[1]
@@ -55,8 +95,8 @@ def paged_decode_attention_ref(
     tables = block_tables[:, :num_blocks].long()
     batch = query.shape[0]
     # Gather each sequence's pages: [B, nb, BS, Hkv, D] -> [B, Hkv, L, D]
-    keys = k_cache[tables].flatten(1, 2)[:, :max_context_len].transpose(1, 2)
-    values = v_cache[tables].flatten(1, 2)[:, :max_context_len].transpose(1, 2)
+    keys = _pages(k_cache, tables).flatten(1, 2)[:, :max_context_len].transpose(1, 2)
+    values = _pages(v_cache, tables).flatten(1, 2)[:, :max_context_len].transpose(1, 2)
     positions = torch.arange(max_context_len, device=query.device)
     mask = (positions.unsqueeze(0) < context_lens.unsqueeze(1)).view(batch, 1, 1, -1)
     out = F.scaled_dot_product_attention(
@@ -116,8 +156,8 @@ def paged_prefill_attention_ref(
         q_start, q_end = starts[i], starts[i + 1]
         q_len = q_end - q_start
         pages = block_tables[i, : -(-ctx // block_size)].long()
-        keys = k_cache[pages].flatten(0, 1)[:ctx].transpose(0, 1).to(query.dtype)  # [Hkv, ctx, D]
-        values = v_cache[pages].flatten(0, 1)[:ctx].transpose(0, 1).to(query.dtype)
+        keys = _pages(k_cache, pages).flatten(0, 1)[:ctx].transpose(0, 1).to(query.dtype)
+        values = _pages(v_cache, pages).flatten(0, 1)[:ctx].transpose(0, 1).to(query.dtype)
         q = query[q_start:q_end].transpose(0, 1)  # [H, q_len, D]
         if q_len == ctx:
             o = F.scaled_dot_product_attention(
