@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -13,7 +14,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdmesh.v1 import worker_pb2, worker_pb2_grpc
+from pdmesh.v1 import generation_pb2 as gen_pb
+from pdmesh.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 
 def free_port() -> int:
@@ -103,3 +105,22 @@ def _drain(proc: subprocess.Popen[str], mesh: Mesh) -> None:
             mesh.output.append(line)
 
     threading.Thread(target=pump, daemon=True).start()
+
+
+async def greedy_tokens(
+    target: str, prompts: list[list[int]], max_tokens: int, timeout_s: float = 120
+) -> list[list[int]]:
+    """Greedy (ignore_eos) completions of token-id prompts, all at once, through a router."""
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+
+        async def one(p: list[int]) -> list[int]:
+            req = gen_pb.GenerateRequest(
+                token_ids=gen_pb.TokenIds(ids=p),
+                sampling=gen_pb.SamplingParams(
+                    max_tokens=max_tokens, temperature=0, ignore_eos=True
+                ),
+            )
+            return [t async for r in stub.Generate(req, timeout=timeout_s) for t in r.token_ids]
+
+        return await asyncio.gather(*(one(p) for p in prompts))

@@ -12,11 +12,9 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from mesh_support import start_mesh
+from mesh_support import greedy_tokens, start_mesh
 
 from pdmesh import LLM, SamplingParams
-from pdmesh.v1 import generation_pb2 as gen_pb
-from pdmesh.v1 import generation_pb2_grpc
 
 PARAMS = dict(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -24,19 +22,6 @@ PARAMS = dict(max_tokens=12, temperature=0, ignore_eos=True)
 def _prompts() -> list[list[int]]:
     rng = random.Random(2)
     return [[rng.randrange(512) for _ in range(rng.randint(40, 150))] for _ in range(6)]
-
-
-async def _generate(target: str, prompts: list[list[int]]) -> list[list[int]]:
-    async with grpc.aio.insecure_channel(target) as ch:
-        stub = generation_pb2_grpc.GenerationStub(ch)
-
-        async def one(p: list[int]) -> list[int]:
-            req = gen_pb.GenerateRequest(
-                token_ids=gen_pb.TokenIds(ids=p), sampling=gen_pb.SamplingParams(**PARAMS)
-            )
-            return [t async for r in stub.Generate(req, timeout=120) for t in r.token_ids]
-
-        return await asyncio.gather(*(one(p) for p in prompts))
 
 
 @pytest.mark.parametrize(
@@ -63,7 +48,7 @@ def test_kv_crosses_tp_sizes(tiny_model, prefill_tp: int, decode_tp: int, transp
         transport,
     )
     try:
-        assert asyncio.run(_generate(mesh.target, prompts)) == [
+        assert asyncio.run(greedy_tokens(mesh.target, prompts, PARAMS["max_tokens"])) == [
             o.outputs[0].token_ids for o in offline
         ]
         d, p = mesh.stats(mesh.decode[0]), mesh.stats(mesh.prefill[0])
@@ -132,7 +117,7 @@ def test_killing_one_rank_takes_its_worker_out(tiny_model) -> None:
             time.sleep(0.2)
         # New requests go to the healthy worker (the dead one is restarted by `pdmesh up` after
         # a back-off, and rejoins only once healthy); nothing hangs.
-        out = asyncio.run(_generate(mesh.target, _prompts()[:3]))
+        out = asyncio.run(greedy_tokens(mesh.target, _prompts()[:3], PARAMS["max_tokens"]))
         assert all(len(o) == PARAMS["max_tokens"] for o in out)
         assert mesh.stats(healthy).local_prefills >= 1
     finally:

@@ -14,12 +14,10 @@ import time
 import grpc
 import pytest
 import torch
-from mesh_support import start_mesh
+from mesh_support import greedy_tokens, start_mesh
 from service_support import wait_workers
 
 from pdmesh import LLM, SamplingParams
-from pdmesh.v1 import generation_pb2 as gen_pb
-from pdmesh.v1 import generation_pb2_grpc
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,20 +31,6 @@ PARAMS = dict(max_tokens=24, temperature=0, ignore_eos=True)
 def _prompts(seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(512) for _ in range(rng.randint(20, 150))] for _ in range(8)]
-
-
-async def _generate(target: str, prompts: list[list[int]], max_tokens: int = 24) -> list[list[int]]:
-    async with grpc.aio.insecure_channel(target) as ch:
-        stub = generation_pb2_grpc.GenerationStub(ch)
-
-        async def one(p: list[int]) -> list[int]:
-            req = gen_pb.GenerateRequest(
-                token_ids=gen_pb.TokenIds(ids=p),
-                sampling=gen_pb.SamplingParams(**{**PARAMS, "max_tokens": max_tokens}),
-            )
-            return [t async for r in stub.Generate(req, timeout=120) for t in r.token_ids]
-
-        return await asyncio.gather(*(one(p) for p in prompts))
 
 
 def test_nccl_mesh_equals_one_gpu_and_survives_a_dead_decode_worker(tiny_model) -> None:
@@ -73,7 +57,7 @@ def test_nccl_mesh_equals_one_gpu_and_survives_a_dead_decode_worker(tiny_model) 
     )
     try:
         prompts = _prompts(1)
-        assert asyncio.run(_generate(mesh.target, prompts)) == expected(prompts)
+        assert asyncio.run(greedy_tokens(mesh.target, prompts, 24)) == expected(prompts)
         d, p = mesh.stats(mesh.decode[0]), mesh.stats(mesh.prefill[0])
         assert d.remote_prefills == len(prompts) and d.prefill_fallbacks == 0
         block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # layers x (K+V) x tokens x KV heads x dims x fp32
@@ -85,7 +69,7 @@ def test_nccl_mesh_equals_one_gpu_and_survives_a_dead_decode_worker(tiny_model) 
         victim = mesh.decode[0]
 
         async def kill_mid_stream() -> None:
-            task = asyncio.ensure_future(_generate(mesh.target, _prompts(2), max_tokens=400))
+            task = asyncio.ensure_future(greedy_tokens(mesh.target, _prompts(2), 400))
             await asyncio.sleep(1.0)
             os.kill(mesh.pids[victim], signal.SIGKILL)
             await asyncio.gather(task, return_exceptions=True)
@@ -104,7 +88,7 @@ def test_nccl_mesh_equals_one_gpu_and_survives_a_dead_decode_worker(tiny_model) 
             time.sleep(0.5)
         wait_workers(mesh.target, 1, 1, timeout_s=120)
         prompts = _prompts(3)
-        assert asyncio.run(_generate(mesh.target, prompts)) == expected(prompts)
+        assert asyncio.run(greedy_tokens(mesh.target, prompts, 24)) == expected(prompts)
         d = mesh.stats(victim)
         assert d.remote_prefills == len(prompts) and d.prefill_fallbacks == 0
     finally:
