@@ -6,7 +6,7 @@ import time
 
 from pdmesh.decode_service.types import Delta, Submission
 from pdmesh.decode_service.worker import DecodeWorker
-from pdmesh.serving.convert import FINISH_TO_PB, sampling_from_pb
+from pdmesh.serving.convert import FINISH_TO_PB, sampling_from_pb, worker_stat_fields
 from pdmesh.v1 import generation_pb2 as gen_pb
 from pdmesh.v1 import worker_pb2, worker_pb2_grpc
 
@@ -89,14 +89,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         c = s["counters"]
         return worker_pb2.WorkerStats(
             role="decode",
-            num_running=e.num_running,
-            num_waiting=e.num_waiting,
-            kv_blocks_total=e.num_blocks_total,
-            kv_blocks_used=e.num_blocks_used,
-            kv_blocks_free=e.num_blocks_free,
-            prefix_queried_tokens=e.prefix_queried_tokens,
-            prefix_hit_tokens=e.prefix_hit_tokens,
-            num_preemptions=e.num_preemptions,
+            **worker_stat_fields(e),
             kv_bytes_received=s["kv_bytes_received"],
             kv_seconds=s["kv_seconds"],
             kv_transfers=s["kv_transfers"],

@@ -26,6 +26,7 @@ from pdmesh.kv_transfer import TransferSpec
 from pdmesh.logger import get_logger
 from pdmesh.observability import tracing
 from pdmesh.observability.worker_collector import TransferTotals, WorkerSnapshot
+from pdmesh.serving.convert import worker_stat_fields
 from pdmesh.serving.engine_loop import EngineLoop
 from pdmesh.serving.errors import ServiceError
 
@@ -345,14 +346,7 @@ class DecodeWorker:
         rx = self.receiver.stats
         c = self.counters
         return WorkerSnapshot(
-            num_running=e.num_running,
-            num_waiting=e.num_waiting,
-            kv_blocks_total=e.num_blocks_total,
-            kv_blocks_used=e.num_blocks_used,
-            kv_blocks_free=e.num_blocks_free,
-            prefix_queried_tokens=e.prefix_queried_tokens,
-            prefix_hit_tokens=e.prefix_hit_tokens,
-            num_preemptions=e.num_preemptions,
+            **worker_stat_fields(e),
             transfer=TransferTotals(
                 "receive",
                 rx.bytes_received,

@@ -68,8 +68,8 @@ BeforeForward = Callable[["StepInputs", "torch.Tensor | None"], None]
 
 def _on_device(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Run a method with the runner's GPU as the current device. The current device is per
-    thread, and Triton kernels and CUDA graphs use it: a worker on cuda:1 steps from threads of
-    its own."""
+    thread, and Triton kernels and CUDA graphs use it: a worker on cuda:1 steps from a thread of
+    its own (tensor-parallel followers step on the thread that built them, set in __init__)."""
 
     @functools.wraps(fn)
     def wrapper(self: ModelRunner, *args: Any, **kwargs: Any) -> Any:
@@ -236,7 +236,6 @@ class ModelRunner:
 
         return hook
 
-    @_on_device
     @torch.inference_mode()
     def forward_with_plan(
         self, inputs: StepInputs, plan: torch.Tensor | None
@@ -248,7 +247,6 @@ class ModelRunner:
         finally:
             self._plan = None
 
-    @_on_device
     @torch.inference_mode()
     def step_logits(self, batch: ScheduledBatch) -> tuple[StepInputs, torch.Tensor | None]:
         """One step's forward on every rank; the logits of the rows to sample (rank 0)."""

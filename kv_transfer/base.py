@@ -11,6 +11,7 @@ heads and the receiver writes the intersection with its own.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import secrets
 from abc import ABC, abstractmethod
@@ -198,6 +199,20 @@ class SenderStats:
     seconds_sending: float  # sum of TransferStats.seconds of completed transfers
     transfers: int  # completed (every frame acknowledged)
     transfers_failed: int
+
+
+@dataclass
+class SendCounters:
+    """A sender's running counters, updated under the sender's lock; `snapshot` for `stats`."""
+
+    bytes_sent: int = 0
+    frames_sent: int = 0
+    seconds_sending: float = 0.0
+    transfers: int = 0
+    transfers_failed: int = 0
+
+    def snapshot(self) -> SenderStats:
+        return SenderStats(**dataclasses.asdict(self))
 
 
 def handle_heads(geometry: PageGeometry, heads: tuple[int, int] | None) -> tuple[int, int]:

@@ -73,13 +73,13 @@ def announced_pairs(store: dist.TCPStore, seen: int) -> list[str]:
 FRAME_QUEUE = "frames"
 
 
-def frame_store(store: dist.Store, pair_id: str) -> dist.PrefixStore:
-    """The store of a pair's FRAME_QUEUE of headers, in send order."""
+def pair_store(store: dist.Store, pair_id: str) -> dist.PrefixStore:
+    """A pair's own keys: its group's rendezvous and its FRAME_QUEUE of headers, in send order."""
     return dist.PrefixStore(f"pdmesh/kv/{pair_id}/", store)
 
 
 def pair_group(store: dist.Store, pair_id: str, rank: int, backend: str) -> dist.ProcessGroup:
-    prefixed = dist.PrefixStore(f"pdmesh/kv/{pair_id}/", store)
+    prefixed = pair_store(store, pair_id)
     if backend == "nccl":
         nccl_options = dist.ProcessGroupNCCL.Options()
         nccl_options._timeout = IDLE_TIMEOUT

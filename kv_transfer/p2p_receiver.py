@@ -30,9 +30,9 @@ from pdmesh.kv_transfer.p2p_pairs import (
     HEADER_WAIT,
     RENDEZVOUS_TIMEOUT,
     announced_pairs,
-    frame_store,
     host_port,
     pair_group,
+    pair_store,
     serve_store,
 )
 from pdmesh.logger import get_logger
@@ -105,7 +105,7 @@ class P2PReceiver(KVReceiver):
             client = dist.TCPStore(host, port, is_master=False, timeout=RENDEZVOUS_TIMEOUT)
             group = pair_group(client, pair_id, rank=1, backend=self.backend)
             client.set_timeout(HEADER_WAIT)  # the group is made: now only headers are awaited
-            headers = frame_store(client, pair_id)
+            headers = pair_store(client, pair_id)
             while not self._stop.is_set():
                 try:
                     raw = headers.queue_pop(FRAME_QUEUE, block=True)

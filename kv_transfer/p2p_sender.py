@@ -20,6 +20,7 @@ import torch
 from pdmesh.kv_transfer.base import (
     KVSender,
     PageGeometry,
+    SendCounters,
     SenderStats,
     SendHandle,
     TransferError,
@@ -30,9 +31,9 @@ from pdmesh.kv_transfer.frame import DTYPE_CODES, FrameHeader, payload_nbytes
 from pdmesh.kv_transfer.p2p_pairs import (
     FRAME_QUEUE,
     announce_pair,
-    frame_store,
     join_store,
     pair_group,
+    pair_store,
 )
 from pdmesh.logger import get_logger
 
@@ -73,8 +74,7 @@ class P2PSender(KVSender):
         self.geometry = geometry
         self._pairs: dict[str, Any] = {}
         self._lock = threading.Lock()
-        self._bytes = self._frames = self._transfers = self._failed = 0
-        self._seconds = 0.0
+        self._counts = SendCounters()
 
     def _pair(self, endpoint: str) -> Any:
         with self._lock:
@@ -83,7 +83,7 @@ class P2PSender(KVSender):
                 store = join_store(endpoint)
                 pair_id = announce_pair(store)
                 group = pair_group(store, pair_id, rank=0, backend=self.backend)
-                pair = self._pairs[endpoint] = _Pair(group, frame_store(store, pair_id))
+                pair = self._pairs[endpoint] = _Pair(group, pair_store(store, pair_id))
             return pair
 
     def start(
@@ -163,10 +163,10 @@ class P2PSender(KVSender):
         seconds = time.monotonic() - (h.first_sent_at or time.monotonic())
         h.works.clear()
         with self._lock:
-            self._bytes += h.bytes
-            self._frames += h.frames
-            self._transfers += 1
-            self._seconds += seconds
+            self._counts.bytes_sent += h.bytes
+            self._counts.frames_sent += h.frames
+            self._counts.transfers += 1
+            self._counts.seconds_sending += seconds
         return TransferStats(bytes=h.bytes, seconds=seconds, frames=h.frames)
 
     def _wait(self, work: Any, deadline: float, h: _Handle, timeout: float) -> None:
@@ -192,7 +192,7 @@ class P2PSender(KVSender):
         """A failed or stuck send poisons its pair: the next transfer to that receiver builds a
         new one."""
         with self._lock:
-            self._failed += 1
+            self._counts.transfers_failed += 1
             if self._pairs.get(h.endpoint) is h.pair:
                 del self._pairs[h.endpoint]
         abort = getattr(h.pair.group, "abort", None)
@@ -208,13 +208,7 @@ class P2PSender(KVSender):
     @property
     def stats(self) -> SenderStats:
         with self._lock:
-            return SenderStats(
-                bytes_sent=self._bytes,
-                frames_sent=self._frames,
-                seconds_sending=self._seconds,
-                transfers=self._transfers,
-                transfers_failed=self._failed,
-            )
+            return self._counts.snapshot()
 
     def close(self) -> None:
         with self._lock:

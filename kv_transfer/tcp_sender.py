@@ -25,6 +25,7 @@ import zmq
 from pdmesh.kv_transfer.base import (
     KVSender,
     PageGeometry,
+    SendCounters,
     SenderStats,
     SendHandle,
     TransferError,
@@ -91,8 +92,7 @@ class TcpSender(KVSender):
         self._wake_send.setblocking(False)
         self._lock = threading.Lock()  # counters and _active, shared with caller threads
         self._active: set[tuple[str, bytes]] = set()
-        self._bytes = self._frames = self._transfers = self._failed = 0
-        self._seconds = 0.0
+        self._counts = SendCounters()
         self._closed = False
         self._stop = threading.Event()
         # I/O thread state.
@@ -164,13 +164,7 @@ class TcpSender(KVSender):
     @property
     def stats(self) -> SenderStats:
         with self._lock:
-            return SenderStats(
-                bytes_sent=self._bytes,
-                frames_sent=self._frames,
-                seconds_sending=self._seconds,
-                transfers=self._transfers,
-                transfers_failed=self._failed,
-            )
+            return self._counts.snapshot()
 
     def close(self) -> None:
         with self._lock:
@@ -297,8 +291,8 @@ class TcpSender(KVSender):
                 h.first_sent_at = now
             h.bytes += frame.nbytes
             with self._lock:
-                self._bytes += frame.nbytes
-                self._frames += 1
+                self._counts.bytes_sent += frame.nbytes
+                self._counts.frames_sent += 1
         flags = zmq.POLLIN | (zmq.POLLOUT if link.outbox else 0)
         self._poller.register(link.socket, flags)  # re-registering updates the flags
 
@@ -335,8 +329,8 @@ class TcpSender(KVSender):
         now = time.monotonic()
         stats = TransferStats(bytes=h.bytes, seconds=now - (h.first_sent_at or now), frames=h.acked)
         with self._lock:
-            self._transfers += 1
-            self._seconds += stats.seconds
+            self._counts.transfers += 1
+            self._counts.seconds_sending += stats.seconds
         h.future.set_result(stats)
 
     def _fail(self, h: _TcpHandle, reason: str) -> None:
@@ -347,7 +341,7 @@ class TcpSender(KVSender):
         if link is not None:  # free its staged buffers now
             link.outbox = deque(item for item in link.outbox if item[0] is not h)
         with self._lock:
-            self._failed += 1
+            self._counts.transfers_failed += 1
         h.future.set_exception(TransferError(f"transfer {h.transfer_id} to {h.endpoint}: {reason}"))
 
     def _forget(self, h: _TcpHandle) -> None:

@@ -6,7 +6,7 @@ import grpc
 
 from pdmesh.kv_transfer import TransferError
 from pdmesh.prefill_service.worker import Destination, PrefillTask, PrefillWorker
-from pdmesh.serving.convert import sampling_from_pb
+from pdmesh.serving.convert import sampling_from_pb, worker_stat_fields
 from pdmesh.serving.errors import ServiceError
 from pdmesh.v1 import worker_pb2, worker_pb2_grpc
 
@@ -54,14 +54,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         e = s["engine"]
         return worker_pb2.WorkerStats(
             role="prefill",
-            num_running=e.num_running,
-            num_waiting=e.num_waiting,
-            kv_blocks_total=e.num_blocks_total,
-            kv_blocks_used=e.num_blocks_used,
-            kv_blocks_free=e.num_blocks_free,
-            prefix_queried_tokens=e.prefix_queried_tokens,
-            prefix_hit_tokens=e.prefix_hit_tokens,
-            num_preemptions=e.num_preemptions,
+            **worker_stat_fields(e),
             kv_bytes_sent=s["kv_bytes_sent"],
             kv_seconds=s["kv_seconds"],
             kv_transfers=s["kv_transfers"],

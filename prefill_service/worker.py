@@ -26,6 +26,7 @@ from pdmesh.prefill_service.config import PrefillConfig
 from pdmesh.prefill_service.metrics import PrefillMetrics
 from pdmesh.prefill_service.pusher import Endpoint, KVPusher
 from pdmesh.prefill_service.tracing import record_prefill
+from pdmesh.serving.convert import worker_stat_fields
 from pdmesh.serving.engine_loop import EngineLoop
 
 log = get_logger(__name__)
@@ -250,14 +251,7 @@ class PrefillWorker:
         e = self.engine.stats()
         tx = self.pusher.sender.stats
         return WorkerSnapshot(
-            num_running=e.num_running,
-            num_waiting=e.num_waiting,
-            kv_blocks_total=e.num_blocks_total,
-            kv_blocks_used=e.num_blocks_used,
-            kv_blocks_free=e.num_blocks_free,
-            prefix_queried_tokens=e.prefix_queried_tokens,
-            prefix_hit_tokens=e.prefix_hit_tokens,
-            num_preemptions=e.num_preemptions,
+            **worker_stat_fields(e),
             transfer=TransferTotals(
                 "send", tx.bytes_sent, tx.seconds_sending, tx.transfers, tx.transfers_failed
             ),
