@@ -2,8 +2,11 @@
 
     python -m pdmesh.bench.kv_transfer_gpu --out DIR        # on a machine with 2 GPUs
 
-Two processes, one per GPU (receiver: a decode rank; sender: a prefill rank). The ceiling is
-measured in the same run: NCCL send/recv of one 512 MiB buffer between the same two processes.
+Two processes, one per GPU (receiver: a decode rank on cuda:1; sender: a prefill rank on cuda:0),
+each seeing both GPUs. The ceiling is measured in the same run: NCCL send/recv of one 512 MiB
+buffer between the same two processes. So is the candidate for an `ipc` transport: a copy of
+512 MiB from the sender's GPU straight into a buffer of the receiver's, opened through a CUDA IPC
+handle (the handle's fields travel as JSON, never pickled).
 Then a 4,096-token prompt of the Llama-3.1-8B shape (32 layers x 256 blocks of 16 tokens x 8
 KV heads x 128 dims, bf16: 512 MiB) is pushed layer by layer through the `nccl` transport into
 shuffled destination blocks, and checked byte for byte. The processes talk over stdin/stdout in
@@ -44,7 +47,9 @@ def geometry() -> Any:
 
 def raw_p2p(rank: int, init: str) -> float | None:
     """GB/s of NCCL send/recv of 512 MiB (measured on the receiver, rank 1)."""
-    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=2)
+    dist.init_process_group(
+        "nccl", init_method=init, rank=rank, world_size=2, device_id=torch.device("cuda", rank)
+    )
     buf = torch.empty(256 << 20, dtype=torch.bfloat16, device="cuda")  # 512 MiB
     if rank == 0:
         buf.normal_()
@@ -72,17 +77,31 @@ def progress(role: str, what: str) -> None:
     print(f"[{role} {time.strftime('%H:%M:%S')}] {what}", file=sys.stderr, flush=True)
 
 
+def share(buf: torch.Tensor) -> list[Any]:
+    """A CUDA IPC handle of `buf`'s storage, as JSON-able fields."""
+    fields = buf.untyped_storage()._share_cuda_()
+    return [f.hex() if isinstance(f, bytes) else f for f in fields]
+
+
+def open_shared(fields: list[Any]) -> torch.Tensor:
+    """The receiver's buffer, mapped into this process (flat uint8)."""
+    args = [bytes.fromhex(f) if i in (1, 4, 6) else f for i, f in enumerate(fields)]
+    storage = torch.UntypedStorage._new_shared_cuda(*args)
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
 def receiver(init: str) -> None:
     from pdmesh.kv_transfer import TransferSpec, create_receiver
 
-    torch.cuda.set_device(0)
+    torch.cuda.set_device(1)
     progress("receiver", "raw p2p")
     gbps = raw_p2p(1, init)
     progress("receiver", f"raw p2p done: {gbps:.0f} GB/s")
     geo = geometry()
     cache = torch.zeros(geo.cache_shape(BLOCKS + 64), dtype=geo.dtype, device="cuda")
+    ipc_target = torch.zeros(512 << 20, dtype=torch.uint8, device="cuda")
     rx = create_receiver("nccl", cache, geo, "tcp://127.0.0.1:0")
-    emit({"raw_p2p_gb_s": gbps, "endpoint": rx.endpoint})
+    emit({"raw_p2p_gb_s": gbps, "endpoint": rx.endpoint, "ipc": share(ipc_target)})
     gen = torch.Generator().manual_seed(0)
     for _ in range(REPEATS + 1):
         blocks = (torch.randperm(BLOCKS + 64, generator=gen)[:BLOCKS]).tolist()
@@ -108,7 +127,9 @@ def sender(init: str) -> None:
     source = torch.randn(geo.cache_shape(BLOCKS), device="cuda").to(geo.dtype)
     expected = float(source.float().sum())
     tx = create_sender("nccl", geo)
-    endpoint = json.loads(sys.stdin.readline())["endpoint"]
+    hello = json.loads(sys.stdin.readline())
+    endpoint = hello["endpoint"]
+    emit({"ipc_copy_gb_s": ipc_copy(source, hello["ipc"])})
     for _ in range(REPEATS + 1):
         job = json.loads(sys.stdin.readline())
         progress("sender", f"starting {job['transfer_id']} to {endpoint}")
@@ -127,6 +148,23 @@ def sender(init: str) -> None:
             }
         )
     tx.close()
+
+
+def ipc_copy(source: torch.Tensor, fields: list[Any]) -> float:
+    """GB/s of copying 512 MiB from this GPU into the receiver's buffer through CUDA IPC."""
+    peer = open_shared(fields)
+    local = source.view(-1).view(torch.uint8)[: peer.numel()]
+    times = []
+    for _ in range(REPEATS + 2):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        peer.copy_(local, non_blocking=True)
+        torch.cuda.synchronize(peer.device)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    ok = bool(torch.equal(peer[:4096].cpu(), local[:4096].cpu()))
+    del peer
+    return local.numel() / statistics.median(times[2:]) / 1e9 if ok else float("nan")
 
 
 def _close(a: float, b: float) -> bool:
@@ -151,18 +189,9 @@ def main() -> None:
     init = f"tcp://127.0.0.1:{free_port()}"
     me = [sys.executable, "-m", "pdmesh.bench.kv_transfer_gpu", "--init", init]
     env = dict(os.environ)
-    rx = subprocess.Popen(
-        [*me, "--role", "receiver"],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**env, "CUDA_VISIBLE_DEVICES": "1"},
-    )
+    rx = subprocess.Popen([*me, "--role", "receiver"], stdout=subprocess.PIPE, text=True, env=env)
     tx = subprocess.Popen(
-        [*me, "--role", "sender"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**env, "CUDA_VISIBLE_DEVICES": "0"},
+        [*me, "--role", "sender"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
     )
     assert rx.stdout and tx.stdin and tx.stdout
 
@@ -170,8 +199,9 @@ def main() -> None:
         return json.loads(rx.stdout.readline())
 
     hello = from_rx()
-    tx.stdin.write(json.dumps({"endpoint": hello["endpoint"]}) + "\n")
+    tx.stdin.write(json.dumps({"endpoint": hello["endpoint"], "ipc": hello["ipc"]}) + "\n")
     tx.stdin.flush()
+    ipc_gb_s = json.loads(tx.stdout.readline())["ipc_copy_gb_s"]
     runs = []
     for _ in range(REPEATS + 1):
         job = from_rx()
@@ -195,6 +225,8 @@ def main() -> None:
         "ratio_to_raw": gb / seconds / hello["raw_p2p_gb_s"],
         "bytes_checked": all(_close(r["checksum"], r["expected_checksum"]) for r in runs),
         "first_transfer_seconds": runs[0]["seconds"],
+        "ipc_copy_gb_s": ipc_gb_s,
+        "ipc_over_raw_nccl": ipc_gb_s / hello["raw_p2p_gb_s"],
     }
     print(json.dumps(result, indent=1))
     if args.out:

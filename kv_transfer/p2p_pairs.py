@@ -4,9 +4,10 @@ The receiver hosts a TCPStore at its endpoint. A sender announces a pair by appe
 pair id to the store; both sides then build a 2-rank process group under that id's prefix
 (receiver rank 1, sender rank 0): NCCL between GPUs, gloo between CPUs.
 
-Each frame's fixed-size header goes through the store (a queue per pair: one round trip to push,
-one to pop); its payload follows over the group with send / recv. The receiver posts a recv only
-once a header has told it a payload is on its way: an NCCL recv left pending while idle would hold
+Frames travel in batches: the fixed-size headers of a batch go through the store as one message
+(a queue per pair: one round trip to push, one to pop); the batch's payloads follow, back to back,
+as one send / recv over the group. The receiver posts a recv only once headers have told it a
+payload is on its way: an NCCL recv left pending while idle would hold
 a kernel on the decode GPU, and anything there that waits for the whole device (an allocation
 that has to synchronise, a checksum over the cache) would wait for the next transfer.
 """
@@ -71,6 +72,10 @@ def announced_pairs(store: dist.TCPStore, seen: int) -> list[str]:
 
 
 FRAME_QUEUE = "frames"
+# One batch: at most this many frames and payload bytes (at least one frame). A receiver holds one
+# batch's payload in a buffer of its own until it is written into the cache.
+MAX_BATCH_FRAMES = 1024
+BATCH_BYTES = 128 << 20
 
 
 def pair_store(store: dist.Store, pair_id: str) -> dist.PrefixStore:

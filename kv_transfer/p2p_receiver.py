@@ -1,9 +1,10 @@
 """Receiving KV frames over two-rank process groups (transports `nccl` and `gloo`).
 
 One thread accepts pairs (a sender announcing itself in the store) and runs the deadline clock;
-one thread per pair receives frames in order: it waits in the store for the next header, then
-receives the payload the header announces over the group, straight into device memory. On the
-GPU a pair thread works on a CUDA stream of its own, so the model's stream never waits on a recv.
+one thread per pair receives frames in order: it waits in the store for the next batch of
+headers, then receives the payloads they announce over the group in one recv, straight into
+device memory. On the GPU a pair thread works on a CUDA stream of its own, so the model's stream
+never waits on a recv.
 Every frame is checked and written by the shared `TransferInbox`. A frame for an unknown
 transfer or with a wrong token is still received (the stream must stay in step) and then
 dropped; a malformed header ends that pair.
@@ -23,11 +24,18 @@ from pdmesh.kv_transfer.base import (
     ReceiverStats,
     TransferSpec,
 )
-from pdmesh.kv_transfer.frame import MAX_FRAME_PAYLOAD, FrameHeader, MalformedFrame
+from pdmesh.kv_transfer.frame import (
+    HEADER_NBYTES,
+    MAX_FRAME_PAYLOAD,
+    FrameHeader,
+    MalformedFrame,
+)
 from pdmesh.kv_transfer.inbox import TransferInbox
 from pdmesh.kv_transfer.p2p_pairs import (
+    BATCH_BYTES,
     FRAME_QUEUE,
     HEADER_WAIT,
+    MAX_BATCH_FRAMES,
     RENDEZVOUS_TIMEOUT,
     announced_pairs,
     host_port,
@@ -113,17 +121,32 @@ class P2PReceiver(KVReceiver):
                     if "timeout" in str(e):
                         continue  # an idle pair
                     raise
-                try:
-                    size = FrameHeader.unpack(raw).payload_nbytes
-                except MalformedFrame:
-                    self._inbox.deliver(raw, None)  # counted as malformed
-                    raise
-                if size > MAX_FRAME_PAYLOAD:
-                    self._inbox.deliver(raw, None)
-                    raise MalformedFrame(f"a frame announces {size} bytes, over the limit")
-                payload = torch.empty(size, dtype=torch.uint8, device=device)
-                group.recv([payload], 0, 0).wait()
-                self._inbox.deliver(raw, payload)
+                self._receive_batch(raw, group, device)
         except Exception as e:
             if not self._stop.is_set():
                 log.warning("KV pair %s closed: %s", pair_id, e)
+
+    def _receive_batch(self, raw: bytes, group: dist.ProcessGroup, device: torch.device) -> None:
+        """One batch: its headers, then its payloads in one recv, then each frame's checks and
+        writes. Headers that do not add up end the pair (its stream would be out of step)."""
+        count, rest = divmod(len(raw), HEADER_NBYTES)
+        if rest or not 0 < count <= MAX_BATCH_FRAMES:
+            self._inbox.deliver(raw, None)  # counted as malformed
+            raise MalformedFrame(f"a batch of {len(raw)} header bytes")
+        headers = [raw[i * HEADER_NBYTES : (i + 1) * HEADER_NBYTES] for i in range(count)]
+        sizes = []
+        for header in headers:
+            try:
+                sizes.append(FrameHeader.unpack(header).payload_nbytes)
+            except MalformedFrame:
+                self._inbox.deliver(header, None)
+                raise
+        if max(sizes) > MAX_FRAME_PAYLOAD or sum(sizes) > BATCH_BYTES:
+            self._inbox.deliver(raw[:HEADER_NBYTES], None)
+            raise MalformedFrame(f"a batch announces {sum(sizes)} bytes, over the limit")
+        payload = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        group.recv([payload], 0, 0).wait()
+        offset = 0
+        for header, size in zip(headers, sizes, strict=True):
+            self._inbox.deliver(header, payload[offset : offset + size])
+            offset += size

@@ -1,17 +1,20 @@
 """Sending KV frames over two-rank process groups (transports `nccl` and `gloo`).
 
-`send_layer` builds the frame on the tensors' device (the head slice the receiver holds, K and V
-side by side), puts its header in the receiver's store and posts the payload's send, which runs
-asynchronously: on the GPU the bytes go device to device, never through host memory. `finish`
-waits for every send of the transfer (with a timeout): then the receiver has the bytes; it checks
-and writes them itself and resolves its own future.
+`send_layer` copies the frame's payload on the tensors' device (the head slice the receiver
+holds, K and V side by side) and queues it; it never waits on the network. A thread per pair posts
+queued frames in order, in batches: the batch's headers go into the receiver's store as one
+message, its payloads follow as one send, device to device on the GPU (never through host
+memory). `finish` waits for every send of the transfer (with a timeout): then the receiver has the
+bytes; it checks and writes them itself and resolves its own future.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +32,9 @@ from pdmesh.kv_transfer.base import (
 )
 from pdmesh.kv_transfer.frame import DTYPE_CODES, FrameHeader, payload_nbytes
 from pdmesh.kv_transfer.p2p_pairs import (
+    BATCH_BYTES,
     FRAME_QUEUE,
+    MAX_BATCH_FRAMES,
     announce_pair,
     join_store,
     pair_group,
@@ -42,16 +47,115 @@ POLL_S = 0.001
 
 
 @dataclass
-class _Pair:
-    group: Any  # the two-rank process group
-    headers: Any  # the pair's store, where its FRAME_QUEUE is
+class _Send:
+    """One posted send (a batch of frames); `done` once a waiter saw it complete."""
+
+    work: Any
     lock: threading.Lock = field(default_factory=threading.Lock)
+    done: bool = False
+
+
+@dataclass
+class _Frame:
+    """One queued frame; `posted` is set once its send was posted (`sent`) or failed (`error`)."""
+
+    header: bytes
+    payload: torch.Tensor  # flat uint8, on the sender's device
+    ready: torch.cuda.Event | None  # the payload's copy is done (CUDA); None on the CPU
+    sent: _Send | None = None  # the batch's send, once posted
+    error: str | None = None
+    posted: threading.Event = field(default_factory=threading.Event)
+
+
+class _Pair:
+    """A two-rank group to one receiver and the thread that posts its frames, in queue order.
+
+    The thread takes every frame queued so far (up to BATCH_BYTES) as one batch: one store
+    message carries the batch's headers, one send its payloads back to back. The receiver then
+    pays one store round trip and one recv per batch, not per layer, when a whole prompt's KV is
+    ready at once (a prefix-cache hit, a benchmark); during a prefill, layers come one at a time.
+    """
+
+    def __init__(self, group: Any, headers: Any, name: str) -> None:
+        self.group = group
+        self.headers = headers  # the pair's store, where its FRAME_QUEUE is
+        self.broken: str | None = None
+        self._queue: deque[_Frame] = deque()
+        self._wake = threading.Condition()
+        self._closed = False
+        self._stream: torch.cuda.Stream | None = None  # made for the first CUDA payload
+        threading.Thread(target=self._post_frames, name=name, daemon=True).start()
+
+    def put(self, frame: _Frame) -> None:
+        with self._wake:
+            if self.broken is not None or self._closed:
+                raise TransferError(self.broken or "the KV sender is closed")
+            self._queue.append(frame)
+            self._wake.notify()
+
+    def close(self, reason: str) -> None:
+        with self._wake:
+            self._closed = True
+            self.broken = self.broken or reason
+            self._wake.notify()
+
+    def _next_batch(self) -> list[_Frame] | None:
+        with self._wake:
+            while not self._queue and not self._closed:
+                self._wake.wait()
+            if self._closed:
+                gone, self._queue = list(self._queue), deque()
+                _fail(gone, self.broken or "the KV sender is closed")
+                return None
+            batch = [self._queue.popleft()]
+            size = batch[0].payload.numel()
+            while (
+                self._queue
+                and len(batch) < MAX_BATCH_FRAMES
+                and size + self._queue[0].payload.numel() <= BATCH_BYTES
+            ):
+                size += self._queue[0].payload.numel()
+                batch.append(self._queue.popleft())
+            return batch
+
+    def _post_frames(self) -> None:
+        while (batch := self._next_batch()) is not None:
+            try:
+                self._post(batch)
+            except Exception as e:
+                with self._wake:
+                    self.broken = f"{e}"
+                    self._closed = True
+                _fail(batch, self.broken)
+
+    def _post(self, batch: list[_Frame]) -> None:
+        first = batch[0].payload
+        if first.is_cuda and self._stream is None:
+            self._stream = torch.cuda.Stream(first.device)
+        stream = self._stream if first.is_cuda else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for frame in batch:
+                if frame.ready is not None and stream is not None:
+                    stream.wait_event(frame.ready)  # the payload's copy, on the caller's stream
+            payload = first
+            if len(batch) > 1:
+                payload = torch.cat([f.payload for f in batch])
+                if stream is not None:  # the parts are freed once the cat, on this stream, ran
+                    for frame in batch:
+                        frame.payload.record_stream(stream)
+            self.headers.queue_push(FRAME_QUEUE, b"".join(f.header for f in batch))
+            work = self.group.send([payload], 1, 0)
+        sent = _Send(work)
+        for frame in batch:
+            frame.sent = sent
+            frame.payload = payload  # alive until the send is done
+            frame.posted.set()
 
 
 class _Handle(SendHandle):
     def __init__(
         self,
-        pair: Any,
+        pair: _Pair,
         endpoint: str,
         transfer_id: str,
         token: bytes,
@@ -59,12 +163,24 @@ class _Handle(SendHandle):
         heads: tuple[int, int],
     ) -> None:
         super().__init__(endpoint, transfer_id, token, num_blocks, *heads)
-        self.pair: _Pair = pair
-        self.works: list[tuple[Any, torch.Tensor]] = []  # (work, payload) in flight
+        self.pair = pair
+        self.frames: list[_Frame] = []  # queued, in order
         self.bytes = 0
-        self.frames = 0
         self.first_sent_at: float | None = None
         self.ended = False
+
+
+def _stuck(h: _Handle, timeout: float) -> TransferError:
+    return TransferError(
+        f"transfer {h.transfer_id} to {h.endpoint}: sends not done within {timeout:g} s; "
+        "is the receiver there?"
+    )
+
+
+def _fail(frames: list[_Frame], reason: str) -> None:
+    for frame in frames:
+        frame.error = reason
+        frame.posted.set()
 
 
 class P2PSender(KVSender):
@@ -72,18 +188,19 @@ class P2PSender(KVSender):
 
     def __init__(self, geometry: PageGeometry) -> None:
         self.geometry = geometry
-        self._pairs: dict[str, Any] = {}
+        self._pairs: dict[str, _Pair] = {}
         self._lock = threading.Lock()
         self._counts = SendCounters()
 
-    def _pair(self, endpoint: str) -> Any:
+    def _pair(self, endpoint: str) -> _Pair:
         with self._lock:
             pair = self._pairs.get(endpoint)
-            if pair is None:
+            if pair is None or pair.broken is not None:
                 store = join_store(endpoint)
                 pair_id = announce_pair(store)
                 group = pair_group(store, pair_id, rank=0, backend=self.backend)
-                pair = self._pairs[endpoint] = _Pair(group, pair_store(store, pair_id))
+                pair = _Pair(group, pair_store(store, pair_id), f"kv-send-{pair_id}")
+                self._pairs[endpoint] = pair
             return pair
 
     def start(
@@ -132,16 +249,17 @@ class P2PSender(KVSender):
             dtype_code=DTYPE_CODES[geo.dtype],
             payload_nbytes=nbytes,
         ).pack()
-        pair = h.pair
+        ready = None
+        if payload.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(payload.device))
+        frame = _Frame(header, payload, ready)
         try:
-            with pair.lock:  # headers and sends in one order
-                pair.headers.queue_push(FRAME_QUEUE, header)
-                work = pair.group.send([payload], 1, 0)
-        except Exception as e:
+            h.pair.put(frame)
+        except TransferError as e:
             raise TransferError(f"transfer {h.transfer_id} to {h.endpoint}: {e}") from None
-        h.works.append((work, payload))  # the payload lives until its send is done
+        h.frames.append(frame)
         h.bytes += nbytes
-        h.frames += 1
         if h.first_sent_at is None:
             h.first_sent_at = time.monotonic()
 
@@ -152,8 +270,10 @@ class P2PSender(KVSender):
         h.ended = True
         deadline = time.monotonic() + timeout
         try:
-            for work, _ in h.works:
-                self._wait(work, deadline, h, timeout)
+            for frame in h.frames:
+                self._wait(frame, deadline, h, timeout)
+                assert frame.sent is not None
+                self._wait_sent(frame.sent, deadline, h, timeout)
         except TransferError:
             self._broken(h)
             raise
@@ -161,32 +281,46 @@ class P2PSender(KVSender):
             self._broken(h)
             raise TransferError(f"transfer {h.transfer_id} to {h.endpoint}: {e}") from None
         seconds = time.monotonic() - (h.first_sent_at or time.monotonic())
-        h.works.clear()
+        frames = len(h.frames)
+        h.frames.clear()
         with self._lock:
             self._counts.bytes_sent += h.bytes
-            self._counts.frames_sent += h.frames
+            self._counts.frames_sent += frames
             self._counts.transfers += 1
             self._counts.seconds_sending += seconds
-        return TransferStats(bytes=h.bytes, seconds=seconds, frames=h.frames)
+        return TransferStats(bytes=h.bytes, seconds=seconds, frames=frames)
 
-    def _wait(self, work: Any, deadline: float, h: _Handle, timeout: float) -> None:
-        """Until one send is done; TransferError past the deadline, or the send's own error."""
-        stuck = TransferError(
-            f"transfer {h.transfer_id} to {h.endpoint}: sends not done within {timeout:g} s; "
-            "is the receiver there?"
-        )
-        if self.backend == "gloo":  # gloo's work completes inside wait(), which takes a timeout
-            left = max(0.001, deadline - time.monotonic())
-            try:
-                work.wait(datetime.timedelta(seconds=left))
-            except RuntimeError as e:
-                raise stuck if "Timed out" in str(e) else e from None
-            return
-        while not work.is_completed():  # NCCL: completion is a CUDA event, polled
-            if time.monotonic() > deadline:
-                raise stuck
-            time.sleep(POLL_S)
-        work.wait()  # raises the send's error, if it failed
+    def _wait(self, frame: _Frame, deadline: float, h: _Handle, timeout: float) -> None:
+        """Until the frame's send was posted; TransferError if that failed or took too long."""
+        if not frame.posted.wait(max(0.0, deadline - time.monotonic())):
+            raise _stuck(h, timeout)
+        if frame.error is not None:
+            raise TransferError(f"transfer {h.transfer_id} to {h.endpoint}: {frame.error}")
+
+    def _wait_sent(self, sent: _Send, deadline: float, h: _Handle, timeout: float) -> None:
+        """Until one send is done; TransferError past the deadline, or the send's own error.
+        Frames of several transfers may share a send, but a gloo send can be waited for only
+        once: the first caller waits, the others wait for it."""
+        if not sent.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise _stuck(h, timeout)
+        try:
+            if sent.done:
+                return
+            if self.backend == "gloo":  # gloo's work completes inside wait(), with a timeout
+                left = max(0.001, deadline - time.monotonic())
+                try:
+                    sent.work.wait(datetime.timedelta(seconds=left))
+                except RuntimeError as e:
+                    raise _stuck(h, timeout) if "Timed out" in str(e) else e from None
+            else:
+                while not sent.work.is_completed():  # NCCL: completion is a CUDA event, polled
+                    if time.monotonic() > deadline:
+                        raise _stuck(h, timeout)
+                    time.sleep(POLL_S)
+                sent.work.wait()  # raises the send's error, if it failed
+            sent.done = True
+        finally:
+            sent.lock.release()
 
     def _broken(self, h: _Handle) -> None:
         """A failed or stuck send poisons its pair: the next transfer to that receiver builds a
@@ -195,6 +329,7 @@ class P2PSender(KVSender):
             self._counts.transfers_failed += 1
             if self._pairs.get(h.endpoint) is h.pair:
                 del self._pairs[h.endpoint]
+        h.pair.close(f"transfer {h.transfer_id} failed")
         abort = getattr(h.pair.group, "abort", None)
         if callable(abort):
             try:
@@ -212,7 +347,10 @@ class P2PSender(KVSender):
 
     def close(self) -> None:
         with self._lock:
+            pairs = list(self._pairs.values())
             self._pairs.clear()
+        for pair in pairs:
+            pair.close("the KV sender is closed")
 
     def _own(self, handle: SendHandle) -> _Handle:
         if not isinstance(handle, _Handle):

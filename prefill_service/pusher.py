@@ -29,6 +29,7 @@ class Endpoint:
 
 @dataclass
 class Job:
+    job_id: int
     handles: list[SendHandle]
     broken: bool = False
     stats: list[TransferStats] = field(default_factory=list)
@@ -49,6 +50,8 @@ class KVPusher:
         self.cache = runner.kv_cache.data  # [L, 2, NB, BS, Hkv_local, D]
         self.sender = create_sender(transport, self.geometry)
         self.jobs: dict[int, Job] = {}
+        self._plan: torch.Tensor | None = None  # the plan last parsed, and what it said
+        self._pushes: list[tuple[Job, int, torch.Tensor]] = []
         runner.add_layer_hook(self.push_layer)
 
     def start(
@@ -68,27 +71,42 @@ class KVPusher:
                     handles.append(
                         self.sender.start(e.address, transfer_id, token, num_blocks, heads)
                     )
-        self.jobs[job_id] = Job(handles)
+        self.jobs[job_id] = Job(job_id, handles)
 
     def push_layer(self, layer: int, plan: torch.Tensor) -> None:
+        for job, offset, ids in self._parse(plan):
+            if job.broken:
+                continue
+            kv = self.cache[layer].index_select(1, ids)  # [2, n, BS, Hkv_local, D]
+            try:
+                for handle in job.handles:
+                    self.sender.send_layer(handle, layer, offset, kv[0], kv[1])
+            except (TransferError, ValueError) as e:
+                # A broken transfer must never stop the forward; finish() reports it.
+                log.warning("KV push of job %d stopped: %s", job.job_id, e)
+                job.broken = True
+
+    def _parse(self, plan: torch.Tensor) -> list[tuple[Job, int, torch.Tensor]]:
+        """The step's plan as (job, first transfer block, block ids on the cache's device), read
+        once per step. The ids are copied without a sync: a blocking copy (or indexing with a
+        list) in a layer hook would make the host wait for the GPU at every layer."""
+        if plan is self._plan:
+            return self._pushes
         items = plan.tolist() if plan.numel() else []
+        pushes = []
         i = 0
         while i < len(items):
             job_id, offset, n = items[i], items[i + 1], items[i + 2]
-            ids = items[i + 3 : i + 3 + n]
+            ids = torch.tensor(items[i + 3 : i + 3 + n], dtype=torch.int64)
             i += 3 + n
             job = self.jobs.get(job_id)
             if job is None or job.broken or not job.handles:
                 continue
-            k = self.cache[layer, 0, ids]  # [n, BS, Hkv_local, D]
-            v = self.cache[layer, 1, ids]
-            try:
-                for handle in job.handles:
-                    self.sender.send_layer(handle, layer, offset, k, v)
-            except (TransferError, ValueError) as e:
-                # A broken transfer must never stop the forward; finish() reports it.
-                log.warning("KV push of job %d stopped: %s", job_id, e)
-                job.broken = True
+            if self.cache.is_cuda:
+                ids = ids.pin_memory().to(self.cache.device, non_blocking=True)
+            pushes.append((job, offset, ids))
+        self._plan, self._pushes = plan, pushes
+        return pushes
 
     def finish(self, job_id: int, timeout_s: float) -> list[TransferStats]:
         job = self.jobs.pop(job_id)

@@ -26,6 +26,11 @@ SERVER_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
+    # Accept the clients' keepalive pings (every 20 s, CHANNEL_OPTIONS) on idle connections. By
+    # default a server wants 5 minutes between pings without data and answers the third early
+    # one with GOAWAY "too_many_pings", failing the calls then in flight on that connection.
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 0),
     ("grpc.so_reuseport", 0),
 ]
 

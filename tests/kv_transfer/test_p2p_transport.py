@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import threading
+import time
+
 import pytest
 import torch
 
@@ -115,3 +120,162 @@ def test_no_receiver_is_a_transfer_error() -> None:
     spec = TransferSpec.new([0], 0, 2)
     with pytest.raises(TransferError, match="cannot reach"):
         tx.start("tcp://127.0.0.1:1", spec.transfer_id, spec.token, 1)
+
+
+@pytest.mark.timeout(60)
+def test_frames_queued_together_all_land_and_are_counted() -> None:
+    """One block per frame, several transfers queued before any finish: the sender posts what
+    is queued in batches (one store message, one send each); every frame lands in its block."""
+    geo, cache, rx = _pair()
+    src = torch.randn(geo.cache_shape(8))
+    tx = create_sender("gloo", geo)
+    try:
+        work = []
+        for dest in ([7, 0, 3], [1, 6], [2, 5, 4]):
+            spec = TransferSpec.new(dest, 0, 2)
+            done = rx.expect(spec, timeout=30)
+            h = tx.start(rx.endpoint, spec.transfer_id, spec.token, len(dest))
+            for layer in range(geo.num_layers):
+                for j in range(len(dest)):
+                    tx.send_layer(h, layer, j, src[layer, 0, j : j + 1], src[layer, 1, j : j + 1])
+            work.append((dest, h, done))
+        for dest, h, done in work:
+            assert tx.finish(h, timeout=30).frames == 3 * len(dest)
+            done.result(timeout=30)
+            assert torch.equal(cache[:, :, dest], src[:, :, : len(dest)])
+        assert rx.stats.frames_received == tx.stats.frames_sent == 3 * 8
+        assert rx.stats.transfers_completed == 3 and rx.stats.frames_dropped == 0
+    finally:
+        tx.close()
+        rx.close()
+
+
+@pytest.mark.timeout(60)
+def test_headers_that_do_not_add_up_end_only_that_pair() -> None:
+    """A peer that puts bytes other than whole headers in its queue loses its pair; the receiver
+    counts it and goes on serving other senders."""
+    from pdmesh.kv_transfer.p2p_pairs import (
+        FRAME_QUEUE,
+        announce_pair,
+        join_store,
+        pair_group,
+        pair_store,
+    )
+
+    geo, cache, rx = _pair()
+    store = join_store(rx.endpoint)
+    pair_id = announce_pair(store)
+    pair_group(store, pair_id, rank=0, backend="gloo")  # the receiver joins as rank 1
+    pair_store(store, pair_id).queue_push(FRAME_QUEUE, b"PDKV" + b"\x00" * 90)
+    src = torch.randn(geo.cache_shape(8))
+    tx = create_sender("gloo", geo)
+    try:
+        deadline = time.monotonic() + 20
+        while rx.stats.dropped_malformed == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert rx.stats.dropped_malformed == 1
+        spec = TransferSpec.new([4], 0, 2)
+        done = rx.expect(spec, timeout=30)
+        h = tx.start(rx.endpoint, spec.transfer_id, spec.token, 1)
+        for layer in range(geo.num_layers):
+            tx.send_layer(h, layer, 0, src[layer, 0, :1], src[layer, 1, :1])
+        tx.finish(h, timeout=30)
+        done.result(timeout=30)
+        assert torch.equal(cache[:, :, 4], src[:, :, 0])
+    finally:
+        tx.close()
+        rx.close()
+
+
+_RECEIVER_PROCESS = """
+import sys, time, torch
+from pdmesh.kv_transfer import PageGeometry, create_receiver
+geo = PageGeometry(num_layers=3, block_size=4, num_kv_heads=2, head_start=0, head_dim=8,
+                   dtype=torch.float32)
+rx = create_receiver("gloo", torch.zeros(geo.cache_shape(8)), geo, "tcp://127.0.0.1:0")
+print(rx.endpoint, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_killed_receiver_fails_finish_in_time_and_a_new_one_is_served() -> None:
+    child = subprocess.Popen(
+        [sys.executable, "-c", _RECEIVER_PROCESS], stdout=subprocess.PIPE, text=True
+    )
+    geo = PageGeometry(num_kv_heads=2, head_start=0, **GEO)
+    src = torch.randn(geo.cache_shape(8))
+    tx = create_sender("gloo", geo)
+    try:
+        assert child.stdout is not None
+        endpoint = child.stdout.readline().strip()
+        spec = TransferSpec.new([0], 0, 2)  # never announced there: frames would be dropped
+        h = tx.start(endpoint, spec.transfer_id, spec.token, 1)  # the pair is made
+        child.kill()
+        child.wait()
+        tx.send_layer(h, 0, 0, src[0, 0, :1], src[0, 1, :1])
+        begun = time.monotonic()
+        with pytest.raises(TransferError):
+            tx.finish(h, timeout=5)
+        assert time.monotonic() - begun < 30
+        assert tx.stats.transfers_failed == 1
+        _, cache, rx = _pair()
+        try:
+            spec = TransferSpec.new([2], 0, 2)
+            done = rx.expect(spec, timeout=30)
+            h = tx.start(rx.endpoint, spec.transfer_id, spec.token, 1)
+            for layer in range(geo.num_layers):
+                tx.send_layer(h, layer, 0, src[layer, 0, 5:6], src[layer, 1, 5:6])
+            tx.finish(h, timeout=30)
+            done.result(timeout=30)
+            assert torch.equal(cache[:, :, 2], src[:, :, 5])
+        finally:
+            rx.close()
+    finally:
+        child.kill()
+        tx.close()
+
+
+@pytest.mark.timeout(90)
+def test_concurrent_transfers_from_two_head_halves_all_complete() -> None:
+    """Six transfers at once from threads, each split over two senders (one KV head each, as
+    a TP=2 prefill worker sends): batches then hold frames of several transfers, and every
+    transfer's finish returns once its sends are done."""
+    geo, cache, rx = _pair()
+    halves = [PageGeometry(num_kv_heads=1, head_start=h, **GEO) for h in (0, 1)]
+    senders = [create_sender("gloo", g) for g in halves]
+    src = torch.randn(geo.cache_shape(8))
+    errors: list[BaseException] = []
+
+    def one(blocks: list[int]) -> None:
+        try:
+            spec = TransferSpec.new(blocks, 0, 2)
+            done = rx.expect(spec, timeout=30)
+            n = len(blocks)
+            handles = [tx.start(rx.endpoint, spec.transfer_id, spec.token, n) for tx in senders]
+            for layer in range(geo.num_layers):
+                for head, (tx, h) in enumerate(zip(senders, handles, strict=True)):
+                    kv = src[layer, :, :n, :, head : head + 1]
+                    tx.send_layer(h, layer, 0, kv[0], kv[1])
+            for tx, h in zip(senders, handles, strict=True):
+                tx.finish(h, timeout=30)
+            done.result(timeout=30)
+        except BaseException as e:
+            errors.append(e)
+
+    groups = [[0], [1, 2], [3], [4, 5], [6], [7]]
+    threads = [threading.Thread(target=one, args=(g,)) for g in groups]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        for g in groups:
+            assert torch.equal(cache[:, :, g], src[:, :, : len(g)])
+        assert rx.stats.transfers_completed == len(groups)
+        assert sum(tx.stats.transfers for tx in senders) == 2 * len(groups)
+    finally:
+        for tx in senders:
+            tx.close()
+        rx.close()
