@@ -155,30 +155,36 @@ class TransferInbox:
 
     # -- data plane ---------------------------------------------------------------------------
     def deliver(
-        self, header_bytes: bytes | memoryview, payload: memoryview | torch.Tensor | None
+        self,
+        header_bytes: bytes | memoryview,
+        payload: memoryview | torch.Tensor | None,
+        layers: int = 1,
     ) -> tuple[Verdict, FrameHeader | None]:
         """Check one message and write it. `payload` is None when the message had no second part
         (or extra parts); a tensor (flat uint8, possibly on the GPU) when the transport receives
-        into device memory. Returns the verdict and the parsed header (None when malformed)."""
+        into device memory. Returns the verdict and the parsed header (None when malformed).
+
+        layers > 1: the payloads of that many frames alike but for their layers (the header's
+        layer and the ones after it), back to back, written at once."""
         try:
             header = FrameHeader.unpack(header_bytes)
         except MalformedFrame:
             return self._drop(Verdict.MALFORMED), None
         if payload is None:
-            return self._drop(Verdict.MALFORMED), header
+            return self._drop(Verdict.MALFORMED, layers), header
         arrived = time.monotonic()
         done: tuple[_Pending, float] | None = None  # (transfer, seconds) when this frame ends it
         with self._lock:
             pending = self._pending.get(header.transfer_id)
-            verdict = self._check(header, payload, pending)
+            verdict = self._check(header, payload, pending, layers)
             if verdict is not Verdict.ACCEPTED or pending is None:
-                self._dropped[verdict] += 1
+                self._dropped[verdict] += layers
                 return verdict, header
             try:
-                self._write(header, payload, pending, arrived)
+                self._write(header, payload, pending, arrived, layers)
             except Exception:  # a bug must not kill the transport thread
                 log.exception("writing a KV frame of transfer %s failed", header.transfer_id.hex())
-                self._dropped[Verdict.BAD_SIZE] += 1
+                self._dropped[Verdict.BAD_SIZE] += layers
                 return Verdict.BAD_SIZE, header
             if pending.covered == pending.coverage.numel():
                 del self._pending[header.transfer_id]
@@ -195,7 +201,11 @@ class TransferInbox:
         return Verdict.ACCEPTED, header
 
     def _check(
-        self, h: FrameHeader, payload: memoryview | torch.Tensor, pending: _Pending | None
+        self,
+        h: FrameHeader,
+        payload: memoryview | torch.Tensor,
+        pending: _Pending | None,
+        layers: int = 1,
     ) -> Verdict:
         if pending is None:
             return Verdict.UNKNOWN_TRANSFER
@@ -204,7 +214,7 @@ class TransferInbox:
         geo = self.geometry
         if (h.dtype, h.block_size, h.head_dim) != (geo.dtype, geo.block_size, geo.head_dim):
             return Verdict.BAD_SIZE
-        if h.layer >= geo.num_layers:
+        if not 1 <= layers <= geo.num_layers - h.layer:
             return Verdict.BAD_SIZE
         if h.num_blocks == 0 or h.first_block + h.num_blocks > pending.spec.num_blocks:
             return Verdict.BAD_SIZE
@@ -216,12 +226,17 @@ class TransferInbox:
         expected = payload_nbytes(
             h.num_blocks, h.block_size, h.num_heads, h.head_dim, geo.dtype.itemsize
         )
-        if h.payload_nbytes != expected or payload.nbytes != expected:  # tensors have .nbytes too
+        if h.payload_nbytes != expected or payload.nbytes != expected * layers:  # tensors too
             return Verdict.BAD_SIZE
         return Verdict.ACCEPTED
 
     def _write(
-        self, h: FrameHeader, payload: memoryview | torch.Tensor, pending: _Pending, arrived: float
+        self,
+        h: FrameHeader,
+        payload: memoryview | torch.Tensor,
+        pending: _Pending,
+        arrived: float,
+        layers: int,
     ) -> None:
         geo = self.geometry
         if isinstance(payload, torch.Tensor):
@@ -230,36 +245,39 @@ class TransferInbox:
             data = torch.frombuffer(payload, dtype=torch.uint8)
         if data.data_ptr() % geo.dtype.itemsize:  # small messages may sit unaligned in zmq's buffer
             data = data.clone()
-        # src: [2 (k, v), n, block_size, frame heads, head_dim], zero-copy over the message
-        src = data.view(geo.dtype).view(2, h.num_blocks, h.block_size, h.num_heads, h.head_dim)
+        # src: [layers, 2 (k, v), n, block_size, frame heads, head_dim], zero-copy over the message
+        src = data.view(geo.dtype).view(
+            layers, 2, h.num_blocks, h.block_size, h.num_heads, h.head_dim
+        )
         lo, hi = head_overlap(
             h.head_start, h.num_heads, pending.cover_start, pending.coverage.shape[2]
         )
-        src = src[:, :, :, lo - h.head_start : hi - h.head_start]
+        src = src[..., lo - h.head_start : hi - h.head_start, :]
         if self.cache.is_cuda:
             src = src.to(self.cache.device)
-        # dst: [2, num_blocks, block_size, hi - lo, head_dim], a strided view of this layer
-        dst = self.cache[h.layer, :, :, :, lo - geo.head_start : hi - geo.head_start]
+        # dst: [layers, 2, num_blocks, block_size, hi - lo, head_dim], a strided view
+        end = h.layer + layers
+        dst = self.cache[h.layer : end, :, :, :, lo - geo.head_start : hi - geo.head_start]
         index = pending.block_index[h.first_block : h.first_block + h.num_blocks]
-        dst.index_copy_(1, index, src)
+        dst.index_copy_(2, index, src)
 
         cover = pending.coverage[
-            h.layer,
+            h.layer : end,
             h.first_block : h.first_block + h.num_blocks,
             lo - pending.cover_start : hi - pending.cover_start,
         ]
         pending.covered += cover.numel() - int(cover.sum())  # repeats do not count twice
         cover.fill_(True)
-        pending.bytes += h.payload_nbytes
-        pending.frames += 1
+        pending.bytes += h.payload_nbytes * layers
+        pending.frames += layers
         if pending.first_frame_at is None:
             pending.first_frame_at = arrived
-        self._bytes += h.payload_nbytes
-        self._frames += 1
+        self._bytes += h.payload_nbytes * layers
+        self._frames += layers
 
-    def _drop(self, verdict: Verdict) -> Verdict:
+    def _drop(self, verdict: Verdict, frames: int = 1) -> Verdict:
         with self._lock:
-            self._dropped[verdict] += 1
+            self._dropped[verdict] += frames
         return verdict
 
     def _forget_if_cancelled(self, key: bytes, future: Future[TransferStats]) -> None:

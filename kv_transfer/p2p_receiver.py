@@ -13,6 +13,7 @@ dropped; a malformed header ends that pair.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 
 import torch
@@ -134,19 +135,36 @@ class P2PReceiver(KVReceiver):
             self._inbox.deliver(raw, None)  # counted as malformed
             raise MalformedFrame(f"a batch of {len(raw)} header bytes")
         headers = [raw[i * HEADER_NBYTES : (i + 1) * HEADER_NBYTES] for i in range(count)]
-        sizes = []
+        parsed = []
         for header in headers:
             try:
-                sizes.append(FrameHeader.unpack(header).payload_nbytes)
+                parsed.append(FrameHeader.unpack(header))
             except MalformedFrame:
                 self._inbox.deliver(header, None)
                 raise
+        sizes = [h.payload_nbytes for h in parsed]
         if max(sizes) > MAX_FRAME_PAYLOAD or sum(sizes) > BATCH_BYTES:
-            self._inbox.deliver(raw[:HEADER_NBYTES], None)
+            self._inbox.deliver(headers[0], None)
             raise MalformedFrame(f"a batch announces {sum(sizes)} bytes, over the limit")
         payload = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
         group.recv([payload], 0, 0).wait()
         offset = 0
-        for header, size in zip(headers, sizes, strict=True):
-            self._inbox.deliver(header, payload[offset : offset + size])
+        for first, layers in _runs(parsed):
+            size = sizes[first] * layers
+            self._inbox.deliver(headers[first], payload[offset : offset + size], layers)
             offset += size
+
+
+def _runs(headers: list[FrameHeader]) -> list[tuple[int, int]]:
+    """(first index, count) of runs of frames alike but for consecutive layers: a prompt's
+    layers pushed together are written into the cache with one copy, not one per layer."""
+    runs: list[tuple[int, int]] = []
+    for i, h in enumerate(headers):
+        if runs:
+            first, count = runs[-1]
+            prev = headers[first]
+            if h.layer == prev.layer + count and dataclasses.replace(h, layer=prev.layer) == prev:
+                runs[-1] = (first, count + 1)
+                continue
+        runs.append((i, 1))
+    return runs

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import sys
 import threading
 import time
 from collections import deque
@@ -44,6 +45,7 @@ from pdmesh.logger import get_logger
 
 log = get_logger(__name__)
 POLL_S = 0.001
+GIL_SWITCH_S = 0.0005
 
 
 @dataclass
@@ -188,6 +190,10 @@ class P2PSender(KVSender):
 
     def __init__(self, geometry: PageGeometry) -> None:
         self.geometry = geometry
+        # The pair threads post while the caller's thread runs a forward pass in Python, which
+        # holds the GIL between kernel launches: by default a waiting thread gets it after 5 ms,
+        # which would hold every batch back by as much. Half a millisecond keeps them flowing.
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
         self._pairs: dict[str, _Pair] = {}
         self._lock = threading.Lock()
         self._counts = SendCounters()

@@ -279,3 +279,34 @@ def test_concurrent_transfers_from_two_head_halves_all_complete() -> None:
         for tx in senders:
             tx.close()
         rx.close()
+
+
+def test_consecutive_layers_are_written_with_one_delivery() -> None:
+    """The receiver writes a run of frames alike but for their layers in one go; the result
+    and the counters are those of the frames one by one, and a run past the last layer is
+    refused whole."""
+    from pdmesh.kv_transfer.frame import DTYPE_CODES, FrameHeader, Verdict
+    from pdmesh.kv_transfer.inbox import TransferInbox
+
+    geo = PageGeometry(num_kv_heads=2, head_start=0, **GEO)
+    cache = torch.full(geo.cache_shape(8), -1.0)
+    inbox = TransferInbox(cache, geo)
+    spec = TransferSpec.new([6, 2], 0, 2)
+    done = inbox.expect(spec, timeout=30)
+    src = torch.randn(3, 2, 2, 4, 2, 8)  # [layers, k/v, blocks, block_size, heads, dim]
+
+    def header(layer: int) -> bytes:
+        nbytes = src[0].numel() * 4
+        return FrameHeader(spec.raw_id, spec.token, layer, 0, 2, 0, 2, 4, 8, 1, nbytes).pack()
+
+    assert DTYPE_CODES[torch.float32] == 1
+    payload = src[1:].contiguous().view(-1).view(torch.uint8)
+    assert inbox.deliver(header(2), payload, layers=2)[0] is Verdict.BAD_SIZE  # layers 2, 3 of 3
+    assert inbox.deliver(header(1), payload, layers=2)[0] is Verdict.ACCEPTED
+    assert not done.done()
+    assert inbox.deliver(header(0), src[0].contiguous().view(-1).view(torch.uint8))[0] is (
+        Verdict.ACCEPTED
+    )
+    assert done.result(timeout=5).frames == 3
+    assert torch.equal(cache[:, :, [6, 2]], src)
+    assert inbox.stats.frames_received == 3 and inbox.stats.dropped_bad_size == 2
