@@ -27,13 +27,16 @@ import gc
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -75,8 +78,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class Mesh:
+    target: str  # the router's gRPC address
+    metrics: dict[str, str]  # worker name -> its /metrics URL
+
+    def scrape(self, worker: str, name: str) -> tuple[float, float]:
+        """(sum, count) of one histogram of a worker, summed over its label sets."""
+        text = urllib.request.urlopen(self.metrics[worker], timeout=10).read().decode()
+        total = count = 0.0
+        for line in text.splitlines():
+            if line.startswith(f"{name}_sum"):
+                total += float(line.rsplit(" ", 1)[1])
+            elif line.startswith(f"{name}_count"):
+                count += float(line.rsplit(" ", 1)[1])
+        return total, count
+
+
 @contextlib.contextmanager
-def mesh(folder: Path, layout: str, log: Path) -> Iterator[str]:
+def mesh(folder: Path, layout: str, log: Path) -> Iterator[Mesh]:
     """`pdmesh up` with this layout; yields the router's address once it is up."""
     port = _free_port()
     cmd = [sys.executable, "-m", "pdmesh.cli", "up", "--model", str(folder), "--port", str(port)]
@@ -87,13 +107,16 @@ def mesh(folder: Path, layout: str, log: Path) -> Iterator[str]:
         assert proc.stdout is not None
         try:
             start = time.monotonic()
+            metrics: dict[str, str] = {}
             for line in proc.stdout:
-                if line.startswith("pdmesh is up"):
+                if m := re.match(r"\s+((?:prefill|decode)-\d+): .* metrics (\S+)", line):
+                    metrics[m.group(1)] = m.group(2)
+                if line.startswith("Ctrl-C stops everything"):
                     break
             else:
                 raise RuntimeError(f"{layout}: the mesh did not come up; see {log}")
             print(f"{layout}: up in {time.monotonic() - start:.0f} s", flush=True)
-            yield f"127.0.0.1:{port}"
+            yield Mesh(f"127.0.0.1:{port}", metrics)
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -152,14 +175,36 @@ async def _server_timings(target: str, n: int, seed: int) -> list[dict[str, floa
     return out
 
 
-def ttft_stage(target: str, layout: str, res: Results) -> None:
+# Histograms read around the TTFT runs: where a remote prefill's time goes.
+BREAKDOWN = {
+    "prefill_worker_ms": ("prefill-0", "pdmesh_prefill_time_seconds"),  # received -> 1st token
+    "prefill_queue_ms": ("prefill-0", "pdmesh_prefill_queue_time_seconds"),  # -> 1st forward
+    "kv_send_ms": ("prefill-0", "pdmesh_kv_transfer_duration_seconds"),  # first frame -> last
+    "kv_receive_ms": ("decode-0", "pdmesh_kv_transfer_duration_seconds"),
+}
+
+
+def ttft_stage(mesh: Mesh, layout: str, res: Results) -> None:
+    target = mesh.target
     warm(target, 4096, 900)
+    parts = {k: v for k, v in BREAKDOWN.items() if v[0] in mesh.metrics}
+    before = {k: mesh.scrape(*v) for k, v in parts.items()}
     records, duration = load(target, 8, 4096, 2, math.inf, 901, conc=1)
+    after = {k: mesh.scrape(*v) for k, v in parts.items()}
     s = summarize(records, duration, Slo())
     server = asyncio.run(_server_timings(target, 4, 902))
+    means = {}
+    for key in parts:
+        n = after[key][1] - before[key][1]
+        means[key] = round((after[key][0] - before[key][0]) / n * 1e3, 3) if n else None
     res.record(
         f"ttft_4096_{layout}",
-        {"ttft_ms": s["ttft_ms"], "completed": s["completed"], "server_timings": server},
+        {
+            "ttft_ms": s["ttft_ms"],
+            "completed": s["completed"],
+            "server_timings": server,
+            "worker_means": means,
+        },
     )
 
 
@@ -239,11 +284,11 @@ def main() -> None:
     for layout in args.layouts.split(","):
         if not stages & {"ttft", "load"}:
             break
-        with mesh(folder, layout, args.out / f"mesh-{layout}.log") as target:
+        with mesh(folder, layout, args.out / f"mesh-{layout}.log") as up:
             if "ttft" in stages:
-                ttft_stage(target, layout, res)
+                ttft_stage(up, layout, res)
             if "load" in stages:
-                load_stage(target, layout, args.requests, res)
+                load_stage(up.target, layout, args.requests, res)
     if "tp" in stages:
         tp_stage(folder, res)
 
