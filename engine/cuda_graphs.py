@@ -28,7 +28,12 @@ class DecodeGraphs:
         block_size: int,
         max_batch: int,
         max_model_len: int,
+        logits: bool = True,
     ) -> None:
+        """logits=False: the graphs end at the final hidden states and `run` applies the LM head
+        eagerly (tensor parallelism: its all-gather goes through NCCL, kept out of graphs)."""
+        self.model = model
+        self.with_logits = logits
         self.buckets = [b for b in BUCKETS if b <= max_batch] or [1]
         size = self.buckets[-1]
         max_blocks = -(-max_model_len // block_size)
@@ -40,7 +45,7 @@ class DecodeGraphs:
         self.context_lens = torch.ones(size, **i32)
         empty = torch.zeros(0, **i32)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.logits: dict[int, torch.Tensor] = {}  # each bucket's output
         pool = None
         with torch.inference_mode():
             for bs in reversed(self.buckets):  # largest first: the others reuse its memory
@@ -59,7 +64,7 @@ class DecodeGraphs:
 
                 def forward(bs: int = bs, meta: AttentionMetadata = meta) -> torch.Tensor:
                     hidden = model(self.input_ids[:bs], self.positions[:bs], meta)
-                    return model.compute_logits(hidden)
+                    return model.compute_logits(hidden) if logits else hidden
 
                 forward()  # compile kernels, create library handles: outside the capture
                 torch.cuda.synchronize(device)
@@ -88,4 +93,5 @@ class DecodeGraphs:
         self.context_lens[:n].copy_(meta.decode_context_lens)
         self.context_lens[n:bs].fill_(1)
         self.graphs[bs].replay()
-        return self.logits[bs][:n]
+        out = self.logits[bs][:n]  # logits, or hidden states when the LM head is not captured
+        return out if self.with_logits else self.model.compute_logits(out)

@@ -20,6 +20,7 @@ from pdmesh.engine.model_info import ModelInfo
 from pdmesh.engine.parallel import SINGLE, ParallelGroup
 from pdmesh.engine.sampler import Sampler, SamplingBatch
 from pdmesh.engine.scheduler import ScheduledBatch
+from pdmesh.engine.symm_all_reduce import symmetric_all_reduce
 from pdmesh.engine.weights import init_dummy_weights, load_named, load_weights
 
 
@@ -126,14 +127,23 @@ class ModelRunner:
         self.kv_cache = KVCache(self.kv_spec, num_blocks, device)
         self.kv_cache.bind(attn_layers)
         self.sampler = Sampler(config.seed)
-        # Decode steps replay CUDA graphs (one rank only: captures are not made across ranks).
+        # Decode steps replay CUDA graphs. With tensor parallelism every rank captures the same
+        # graphs, their all-reduces over symmetric memory (NCCL stays out of the graphs: its
+        # vocab all-gather for the logits runs after the replay).
         self.graphs: DecodeGraphs | None = None
         # The torch reference kernels sync with the host: only the Triton ones are captured.
         capturable = envs.kernel_backend() != "torch"
-        if device.type == "cuda" and capturable and not config.enforce_eager and tp.size == 1:
-            self.graphs = DecodeGraphs(
-                model, device, block_size, min(config.max_num_seqs, 512), max_model_len
-            )
+        max_batch = min(config.max_num_seqs, 512)
+        if device.type == "cuda" and capturable and not config.enforce_eager:
+            if tp.size > 1 and not tp.expert_parallel:
+                hidden = info.hf_config.hidden_size
+                fast = symmetric_all_reduce(tp.group, device, max_batch * hidden, dtype)
+                if fast is not None:
+                    tp.fast["all_reduce"] = fast
+            if tp.size == 1 or "all_reduce" in tp.fast:
+                self.graphs = DecodeGraphs(
+                    model, device, block_size, max_batch, max_model_len, logits=tp.size == 1
+                )
         self.tp = tp
         self._layer_hooks: list[LayerHook] = []
         self._planner: StepPlanner | None = None

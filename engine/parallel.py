@@ -24,6 +24,8 @@ class ParallelGroup:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     # Collectives that ran through all_to_all (the EP path), for tests and stats.
     counters: dict[str, int] = field(default_factory=lambda: {"all_to_all": 0}, compare=False)
+    # The symmetric-memory all-reduce for small tensors (set by the model runner on GPUs).
+    fast: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
     def comm_device(self) -> torch.device:
@@ -37,7 +39,11 @@ class ParallelGroup:
         return total // self.size
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the group (callers use the result: it may be a new tensor)."""
         if self.size > 1:
+            fast = self.fast.get("all_reduce")
+            if fast is not None and fast.fits(x):
+                return fast(x)
             dist.all_reduce(x, group=self.group)
         return x
 

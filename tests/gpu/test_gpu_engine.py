@@ -36,6 +36,21 @@ def test_cuda_graphs_equal_eager(tiny_model) -> None:
     assert a == b
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp2_decode_graphs_equal_one_gpu(tiny_model) -> None:
+    """TP=2 on two GPUs replays decode graphs on both ranks (all-reduces over symmetric memory)
+    and gives the single GPU's greedy tokens."""
+    folder = str(tiny_model("llama"))
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([7, 33, 64, 90, 5])]
+    one = LLM(folder, dtype="float32", kv_cache_tokens=4096)
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY)]
+    del one
+    tp = LLM(folder, dtype="float32", kv_cache_tokens=4096, tensor_parallel_size=2)
+    assert tp.engine.runner.graphs is not None
+    assert "all_reduce" in tp.engine.runner.tp.fast
+    assert [o.outputs[0].token_ids for o in tp.generate(prompts, GREEDY)] == want
+
+
 def test_bf16_default_model_answers(default_model_folder) -> None:
     llm = LLM(kv_cache_tokens=16384)  # dtype auto: bfloat16 on CUDA
     assert llm.engine.runner.dtype is torch.bfloat16
