@@ -238,10 +238,10 @@ def load_stage(target: str, layout: str, n: int, res: Results) -> None:
         )
 
 
-def tp_stage(folder: Path, res: Results) -> None:
+def tp_stage(folder: Path, res: Results, profile: bool = False) -> None:
     """Batch-1 decode time per token, TP=1 against TP=2 over NCCL (dummy weights, bf16)."""
     from pdmesh import LLM
-    from pdmesh.bench.gpu_workloads import decode_step_time
+    from pdmesh.bench.gpu_workloads import decode_step_time, profile_decode
 
     kw = dict(
         load_format="dummy",
@@ -255,6 +255,9 @@ def tp_stage(folder: Path, res: Results) -> None:
         with LLM(str(folder), tensor_parallel_size=tp, **kw) as llm:
             out[f"tp{tp}_step_ms_b1"] = decode_step_time(llm.engine, 1, 256) * 1e3
             out[f"tp{tp}_graphs"] = llm.engine.runner.graphs is not None
+            if profile:
+                text = profile_decode(llm.engine, 1, 256)
+                (res.out / f"tp{tp}_decode_profile.txt").write_text(text)
         gc.collect()
     out["tp2_over_tp1"] = out["tp2_step_ms_b1"] / out["tp1_step_ms_b1"]
     res.record("tp2_vs_tp1_decode_b1", out)
@@ -266,6 +269,9 @@ def main() -> None:
     parser.add_argument("--stages", default="ttft,load,tp")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--requests", type=int, default=32, help="requests per load run")
+    parser.add_argument(
+        "--profile", action="store_true", help="tp stage: profile decode steps (OUT/tp*.txt)"
+    )
     parser.add_argument(
         "--rates", default=None, help='req/s per workload, e.g. "prefill_heavy=6,8;chat=16"'
     )
@@ -290,7 +296,7 @@ def main() -> None:
             if "load" in stages:
                 load_stage(up.target, layout, args.requests, res)
     if "tp" in stages:
-        tp_stage(folder, res)
+        tp_stage(folder, res, profile=args.profile)
 
 
 if __name__ == "__main__":

@@ -69,6 +69,29 @@ def decode_step_time(engine: Any, batch: int, ctx: int, steps: int = 24) -> floa
     return statistics.median(times[4:])
 
 
+def profile_decode(engine: Any, batch: int, ctx: int, steps: int = 8) -> str:
+    """torch.profiler tables (GPU kernels by total time, host ops by self time) of `steps`
+    decode steps, after warm-up ones: where a step's time goes on this process's rank."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = _admit(engine, batch, ctx, max_tokens=steps + 12)
+    for _ in range(4):
+        engine.step()
+    _sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        _sync()
+    _drain(engine, ids)
+    table = prof.key_averages()
+    return (
+        f"{steps} decode steps, batch {batch}\n"
+        + table.table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60)
+        + "\n"
+        + table.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
+    )
+
+
 def prefill_time(engine: Any, tokens: int) -> tuple[float, float]:
     """(median seconds, FLOPs) of prefilling one prompt of `tokens` tokens in one step."""
     info = engine.info
