@@ -71,12 +71,23 @@ def check_tp_size(size: int, num_heads: int, num_kv_heads: int) -> None:
         )
 
 
+def _to_comm_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the group's device, without making the host wait for the GPU (rank 0
+    does this every step: a blocking copy would cost it a stream sync each time)."""
+    if device.type != "cuda" or t.device == device:
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def broadcast_ints(values: list[int] | None, n: int, group: ParallelGroup) -> list[int]:
-    """Rank 0's `n` ints to every rank."""
-    t = torch.zeros(n, dtype=torch.int64, device=group.comm_device)
+    """Rank 0's `n` ints to every rank (zero-padded)."""
     if group.rank == 0:
         assert values is not None and len(values) <= n
-        t[: len(values)] = torch.tensor(values, dtype=torch.int64)
+        padded = [*values, *[0] * (n - len(values))]
+        t = _to_comm_device(torch.tensor(padded, dtype=torch.int64), group.comm_device)
+        dist.broadcast(t, 0, group=group.group)
+        return padded
+    t = torch.zeros(n, dtype=torch.int64, device=group.comm_device)
     dist.broadcast(t, 0, group=group.group)
     return t.tolist()
 
@@ -87,7 +98,7 @@ def broadcast_tensor(
     """Rank 0's flat tensor to every rank (the others allocate `numel` of `dtype`)."""
     if group.rank == 0:
         assert t is not None
-        buf = t.to(group.comm_device).contiguous()
+        buf = _to_comm_device(t.contiguous(), group.comm_device)
     else:
         buf = torch.empty(numel, dtype=dtype, device=group.comm_device)
     if numel:

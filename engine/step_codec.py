@@ -60,7 +60,14 @@ def encode(
         m.max_prefill_context_len,
         extra.numel() if extra is not None else 0,
     ]
-    flat = torch.cat([p.to(torch.int64).flatten().cpu() for p in parts])
+    # Joined where the inputs already are (the GPU): copying each part back to the host would
+    # cost rank 0 a stream sync per part, every step.
+    device = inputs.input_ids.device
+    if extra is not None and extra.device != device:
+        parts[-1] = (
+            extra.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else extra
+        )
+    flat = torch.cat([p.to(torch.int64).flatten() for p in parts])
     return header, flat
 
 

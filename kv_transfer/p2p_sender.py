@@ -44,7 +44,7 @@ from pdmesh.kv_transfer.p2p_pairs import (
 from pdmesh.logger import get_logger
 
 log = get_logger(__name__)
-POLL_S = 0.001
+POLL_S = 0.0002  # NCCL send completion, polled: a prefill reply waits on it
 GIL_SWITCH_S = 0.0005
 
 
