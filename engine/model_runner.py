@@ -14,6 +14,7 @@ import torch
 from pdmesh import envs
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.cuda_graphs import DecodeGraphs
+from pdmesh.engine.distributed import all_reduce_min
 from pdmesh.engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
 from pdmesh.engine.layers.attention import AttentionMetadata
 from pdmesh.engine.model_info import ModelInfo
@@ -121,8 +122,6 @@ class ModelRunner:
             self.kv_spec, device, kv_cache_tokens, kv_cache_memory_fraction
         )
         if tp.size > 1:  # every rank must hold the same blocks
-            from pdmesh.engine.distributed import all_reduce_min
-
             num_blocks = all_reduce_min(num_blocks, tp)
         self.kv_cache = KVCache(self.kv_spec, num_blocks, device)
         self.kv_cache.bind(attn_layers)
@@ -138,7 +137,9 @@ class ModelRunner:
             if tp.size > 1 and not tp.expert_parallel:
                 hidden = info.hf_config.hidden_size
                 fast = symmetric_all_reduce(tp.group, device, max_batch * hidden, dtype)
-                if fast is not None:
+                # Every rank replays graphs or none does: a rank stepping eagerly would wait
+                # forever in an all-reduce its peers run inside their graphs.
+                if all_reduce_min(int(fast is not None), tp) and fast is not None:
                     tp.fast["all_reduce"] = fast
             if tp.size == 1 or "all_reduce" in tp.fast:
                 self.graphs = DecodeGraphs(
