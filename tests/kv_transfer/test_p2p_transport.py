@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from pdmesh.kv_transfer import (
+    KVReceiver,
+    KVSender,
     PageGeometry,
     TransferError,
     TransferSpec,
@@ -26,6 +28,19 @@ def _pair(heads: int = 2, head_start: int = 0):
     cache = torch.full(geo.cache_shape(8), -1.0)
     rx = create_receiver("gloo", cache, geo, "tcp://127.0.0.1:0")
     return geo, cache, rx
+
+
+def _send_one_block(tx, rx, cache, src, src_block: int, dst_block: int) -> None:
+    """Block `src_block` of every layer of `src` into the receiver's `dst_block`, checked."""
+    spec = TransferSpec.new([dst_block], 0, 2)
+    done = rx.expect(spec, timeout=30)
+    h = tx.start(rx.endpoint, spec.transfer_id, spec.token, 1)
+    block = slice(src_block, src_block + 1)
+    for layer in range(src.shape[0]):
+        tx.send_layer(h, layer, 0, src[layer, 0, block], src[layer, 1, block])
+    tx.finish(h, timeout=30)
+    done.result(timeout=30)
+    assert torch.equal(cache[:, :, dst_block], src[:, :, src_block])
 
 
 @pytest.mark.timeout(60)
@@ -44,15 +59,7 @@ def test_layers_land_in_the_announced_blocks() -> None:
         assert got.bytes == sent.bytes == 3 * 2 * 3 * 4 * 2 * 8 * 4
         assert torch.equal(cache[:, :, [5, 1, 6]], src[:, :, 2:5])
         assert (cache[:, :, [0, 2, 3, 4, 7]] == -1).all()  # nothing else touched
-        # A second transfer reuses the pair.
-        spec2 = TransferSpec.new([0], 0, 2)
-        done2 = rx.expect(spec2, timeout=30)
-        h2 = tx.start(rx.endpoint, spec2.transfer_id, spec2.token, 1)
-        for layer in range(geo.num_layers):
-            tx.send_layer(h2, layer, 0, src[layer, 0, 7:8], src[layer, 1, 7:8])
-        tx.finish(h2, timeout=30)
-        done2.result(timeout=30)
-        assert torch.equal(cache[:, :, 0], src[:, :, 7])
+        _send_one_block(tx, rx, cache, src, 7, 0)  # a second transfer reuses the pair
     finally:
         tx.close()
         rx.close()
@@ -174,14 +181,7 @@ def test_headers_that_do_not_add_up_end_only_that_pair() -> None:
         while rx.stats.dropped_malformed == 0 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert rx.stats.dropped_malformed == 1
-        spec = TransferSpec.new([4], 0, 2)
-        done = rx.expect(spec, timeout=30)
-        h = tx.start(rx.endpoint, spec.transfer_id, spec.token, 1)
-        for layer in range(geo.num_layers):
-            tx.send_layer(h, layer, 0, src[layer, 0, :1], src[layer, 1, :1])
-        tx.finish(h, timeout=30)
-        done.result(timeout=30)
-        assert torch.equal(cache[:, :, 4], src[:, :, 0])
+        _send_one_block(tx, rx, cache, src, 0, 4)
     finally:
         tx.close()
         rx.close()
@@ -221,14 +221,7 @@ def test_a_killed_receiver_fails_finish_in_time_and_a_new_one_is_served() -> Non
         assert tx.stats.transfers_failed == 1
         _, cache, rx = _pair()
         try:
-            spec = TransferSpec.new([2], 0, 2)
-            done = rx.expect(spec, timeout=30)
-            h = tx.start(rx.endpoint, spec.transfer_id, spec.token, 1)
-            for layer in range(geo.num_layers):
-                tx.send_layer(h, layer, 0, src[layer, 0, 5:6], src[layer, 1, 5:6])
-            tx.finish(h, timeout=30)
-            done.result(timeout=30)
-            assert torch.equal(cache[:, :, 2], src[:, :, 5])
+            _send_one_block(tx, rx, cache, src, 5, 2)
         finally:
             rx.close()
     finally:
