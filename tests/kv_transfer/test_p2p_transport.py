@@ -30,7 +30,14 @@ def _pair(heads: int = 2, head_start: int = 0):
     return geo, cache, rx
 
 
-def _send_one_block(tx, rx, cache, src, src_block: int, dst_block: int) -> None:
+def _send_one_block(
+    tx: KVSender,
+    rx: KVReceiver,
+    cache: torch.Tensor,
+    src: torch.Tensor,
+    src_block: int,
+    dst_block: int,
+) -> None:
     """Block `src_block` of every layer of `src` into the receiver's `dst_block`, checked."""
     spec = TransferSpec.new([dst_block], 0, 2)
     done = rx.expect(spec, timeout=30)
