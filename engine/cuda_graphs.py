@@ -45,7 +45,7 @@ class DecodeGraphs:
         self.context_lens = torch.ones(size, **i32)
         empty = torch.zeros(0, **i32)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}  # each bucket's output
+        self.outputs: dict[int, torch.Tensor] = {}  # each bucket's logits (or hidden states)
         pool = None
         with torch.inference_mode():
             for bs in reversed(self.buckets):  # largest first: the others reuse its memory
@@ -70,7 +70,7 @@ class DecodeGraphs:
                 torch.cuda.synchronize(device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.logits[bs] = forward()
+                    self.outputs[bs] = forward()
                 pool = graph.pool()
                 self.graphs[bs] = graph
         log.info("captured CUDA graphs for decode batches %s", self.buckets)
@@ -93,5 +93,5 @@ class DecodeGraphs:
         self.context_lens[:n].copy_(meta.decode_context_lens)
         self.context_lens[n:bs].fill_(1)
         self.graphs[bs].replay()
-        out = self.logits[bs][:n]  # logits, or hidden states when the LM head is not captured
+        out = self.outputs[bs][:n]
         return out if self.with_logits else self.model.compute_logits(out)

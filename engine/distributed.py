@@ -71,9 +71,10 @@ def check_tp_size(size: int, num_heads: int, num_kv_heads: int) -> None:
         )
 
 
-def _to_comm_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on the group's device, without making the host wait for the GPU (rank 0
-    does this every step: a blocking copy would cost it a stream sync each time)."""
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device` without making the host wait for the GPU: a blocking host-to-device copy
+    costs a stream sync, which on a per-step or per-layer path keeps the host from running
+    ahead (pinned staging, then a non-blocking copy)."""
     if device.type != "cuda" or t.device == device:
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
@@ -84,7 +85,7 @@ def broadcast_ints(values: list[int] | None, n: int, group: ParallelGroup) -> li
     if group.rank == 0:
         assert values is not None and len(values) <= n
         padded = [*values, *[0] * (n - len(values))]
-        t = _to_comm_device(torch.tensor(padded, dtype=torch.int64), group.comm_device)
+        t = host_to_device(torch.tensor(padded, dtype=torch.int64), group.comm_device)
         dist.broadcast(t, 0, group=group.group)
         return padded
     t = torch.zeros(n, dtype=torch.int64, device=group.comm_device)
@@ -98,7 +99,7 @@ def broadcast_tensor(
     """Rank 0's flat tensor to every rank (the others allocate `numel` of `dtype`)."""
     if group.rank == 0:
         assert t is not None
-        buf = _to_comm_device(t.contiguous(), group.comm_device)
+        buf = host_to_device(t.contiguous(), group.comm_device)
     else:
         buf = torch.empty(numel, dtype=dtype, device=group.comm_device)
     if numel:

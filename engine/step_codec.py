@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from pdmesh.engine.distributed import broadcast_ints, broadcast_tensor
+from pdmesh.engine.distributed import broadcast_ints, broadcast_tensor, host_to_device
 from pdmesh.engine.layers.attention import AttentionMetadata
 from pdmesh.engine.model_runner import StepInputs
 from pdmesh.engine.parallel import ParallelGroup
@@ -63,10 +63,8 @@ def encode(
     # Joined where the inputs already are (the GPU): copying each part back to the host would
     # cost rank 0 a stream sync per part, every step.
     device = inputs.input_ids.device
-    if extra is not None and extra.device != device:
-        parts[-1] = (
-            extra.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else extra
-        )
+    if extra is not None:
+        parts[-1] = host_to_device(extra, device)
     flat = torch.cat([p.to(torch.int64).flatten() for p in parts])
     return header, flat
 

@@ -7,9 +7,9 @@ pair id to the store; both sides then build a 2-rank process group under that id
 Frames travel in batches: the fixed-size headers of a batch go through the store as one message
 (a queue per pair: one round trip to push, one to pop); the batch's payloads follow, back to back,
 as one send / recv over the group. The receiver posts a recv only once headers have told it a
-payload is on its way: an NCCL recv left pending while idle would hold
-a kernel on the decode GPU, and anything there that waits for the whole device (an allocation
-that has to synchronise, a checksum over the cache) would wait for the next transfer.
+payload is on its way: an NCCL recv left pending while idle would hold a kernel on the decode GPU,
+and anything there that waits for the whole device (an allocation that has to synchronise, a
+checksum over the cache) would wait for the next transfer.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdmesh.engine.distributed import host_to_device
 from pdmesh.engine.kv_layout import kv_heads
 from pdmesh.engine.model_runner import ModelRunner
 from pdmesh.kv_transfer import PageGeometry, SendHandle, TransferError, TransferStats, create_sender
@@ -102,9 +103,7 @@ class KVPusher:
             job = self.jobs.get(job_id)
             if job is None or job.broken or not job.handles:
                 continue
-            if self.cache.is_cuda:
-                ids = ids.pin_memory().to(self.cache.device, non_blocking=True)
-            pushes.append((job, offset, ids))
+            pushes.append((job, offset, host_to_device(ids, self.cache.device)))
         self._plan, self._pushes = plan, pushes
         return pushes
 
