@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pdmesh.engine.config import EngineConfig
@@ -12,8 +13,11 @@ PREFILL_FAILURE_POLICIES = ("recompute", "fail")
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """bind: gRPC host:port. kv_bind: where the KV data plane listens; kv_advertise: the address
-    prefill workers are told to push to (default: the bound one). prefill_failure_policy:
+    """bind: gRPC host:port. kv_transport: the KV transport of pairs with prefill workers not in
+    kv_transport_for (prefill worker host:port -> transport); `auto` is nccl for a GPU cache, tcp
+    for a CPU one. kv_bind: where the KV data plane listens (the default transport's; the others
+    bind a free port on its host); kv_advertise: the address prefill workers are told to push to
+    (default: the bound one). prefill_failure_policy:
     'recompute' prefills here when a remote prefill or its transfer fails, 'fail' ends the
     request with UNAVAILABLE. prefill_timeout_s: how long a remote prefill (queueing, compute
     and the KV push) may take before that policy applies; kv_timeout_s: how long the last KV
@@ -24,7 +28,8 @@ class DecodeConfig:
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     bind: str = "127.0.0.1:50061"
-    kv_transport: str = "tcp"
+    kv_transport: str = "auto"
+    kv_transport_for: Mapping[str, str] = field(default_factory=dict)
     kv_bind: str = "tcp://127.0.0.1:0"
     kv_advertise: str | None = None
     prefill_failure_policy: str = "recompute"

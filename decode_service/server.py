@@ -41,7 +41,8 @@ async def serve(config: DecodeConfig, on_ready: Callable[[int], None] | None = N
         tls=config.tls,
     )
     await server.start()
-    log.info("decode worker on port %d, KV data plane at %s", port, worker.kv_address)
+    planes = ", ".join(f"{name} at {a}" for name, a in worker.kv.addresses.items())
+    log.info("decode worker on port %d, KV data plane: %s", port, planes)
     if on_ready is not None:
         on_ready(port)
 

@@ -101,13 +101,14 @@ class DecodeTraces:
 
     # -- the KV transfer of a remote prefill (inside the request's span) -------------------------
     @staticmethod
-    def transfer_started(spec: TransferSpec, geometry: PageGeometry) -> Span | None:
+    def transfer_started(spec: TransferSpec, geometry: PageGeometry, transport: str) -> Span | None:
         if not tracing.enabled():
             return None
         return tracing.start_span(
             "kv.receive",
             attributes={
                 "pdmesh.kv.transfer_id": spec.transfer_id,
+                "pdmesh.kv.transport": transport,
                 "pdmesh.kv.blocks": spec.num_blocks,
                 "pdmesh.kv.layers": geometry.num_layers,
             },

@@ -53,11 +53,9 @@ class DecodeWorker:
     def __init__(self, config: DecodeConfig, engine: LLMEngine) -> None:
         self.config = config
         self.engine = engine
-        # One receiver per tensor-parallel rank; rank 0's is `self.receiver`.
+        # Receivers per tensor-parallel rank and transport; rank 0's are `self.kv.receivers`.
         self.kv = KVReceivers(engine, config)
         self.geometry = self.kv.geometry
-        self.receiver = self.kv.receiver
-        self.kv_address = self.kv.address
         self.loop = EngineLoop(engine, self._on_engine_deltas, self._on_tick, self._on_fatal)
         if engine.tp_driver is not None:
             engine.tp_driver.on_rank_death = self.loop.fail
@@ -147,6 +145,7 @@ class DecodeWorker:
             with tracing.use(span):  # the prefill call and the transfer join the request's trace
                 task = asyncio.create_task(self._remote_prefill(sub, plan))
             self._remote[sub.request_id] = task
+            await asyncio.sleep(0)  # the Prefill call goes out before this reply: TTFT
 
     async def abort(self, request_ids: list[str]) -> int:
         for rid in request_ids:
@@ -163,21 +162,25 @@ class DecodeWorker:
         # The prefill worker replies only once its frames were acknowledged, so the transfer's own
         # clock must cover the queueing and compute on the prefill worker too.
         rx_timeout = timeout + self.config.kv_timeout_s
-        spec, arrived = self.kv.expect(plan.block_ids, rx_timeout)
-        rx_span = self.traces.transfer_started(spec, self.geometry)
+        address = sub.prefill_address or ""
+        transport = self.kv.transport_for(address)
+        spec, arrived = self.kv.expect(transport, plan.block_ids, rx_timeout)
+        rx_span = self.traces.transfer_started(spec, self.geometry, transport)
         try:
             if self.kv.followers:
-                await self.loop.acall(lambda e: self.kv.expect_followers(spec, rx_timeout))
+                await self.loop.acall(
+                    lambda e: self.kv.expect_followers(transport, spec, rx_timeout)
+                )
             result = await self._prefill.prefill(
-                sub.prefill_address or "",
+                address,
                 rid,
                 sub.prompt,
                 sub.params,
                 spec,
                 plan.first_block,
                 self.geometry.block_size,
-                self.kv.destinations,
-                self.config.kv_transport,
+                self.kv.destinations[transport],
+                transport,
                 timeout,
                 tracing.inject(rx_span) if rx_span is not None else {},
             )
@@ -186,12 +189,12 @@ class DecodeWorker:
                 kv_timeout = self.config.kv_timeout_s
                 await self.loop.acall(lambda e: self.kv.await_followers(spec, kv_timeout))
         except asyncio.CancelledError as exc:
-            self.receiver.cancel(spec.transfer_id)
+            self.kv.cancel(transport, spec.transfer_id)
             self._cancel_followers(spec)
             self.traces.transfer_ended(rx_span, None, exc)
             raise
         except Exception as exc:
-            self.receiver.cancel(spec.transfer_id)
+            self.kv.cancel(transport, spec.transfer_id)
             self._cancel_followers(spec)
             self.traces.transfer_ended(rx_span, None, exc)
             log.warning("remote prefill of %s failed: %s", rid, exc)
@@ -343,18 +346,21 @@ class DecodeWorker:
         """State for a Prometheus scrape, read from the scraping thread: plain counters, and the
         receiver's (thread-safe) stats; no wait for the engine thread."""
         e = self.engine.stats()
-        rx = self.receiver.stats
         c = self.counters
         return WorkerSnapshot(
             **worker_stat_fields(e),
-            transfer=TransferTotals(
-                "receive",
-                rx.bytes_received,
-                rx.seconds_receiving,
-                rx.transfers_completed,
-                rx.transfers_failed,
-                rx.frames_dropped,
-            ),
+            transfers=[
+                TransferTotals(
+                    "receive",
+                    name,
+                    rx.bytes_received,
+                    rx.seconds_receiving,
+                    rx.transfers_completed,
+                    rx.transfers_failed,
+                    rx.frames_dropped,
+                )
+                for name, rx in self.kv.stats_by_transport().items()
+            ],
             expert_token_counts=self.engine.runner.expert_counts() or (),
             prefills={
                 "local": c.local_prefills,
@@ -367,7 +373,7 @@ class DecodeWorker:
         engine_stats = await self.loop.acall(lambda e: e.stats())
         experts = await self.loop.acall(lambda e: e.expert_counts())
         received = await self.loop.acall(lambda e: self.kv.bytes_received())  # every rank's
-        rx = self.receiver.stats
+        rx = self.kv.stats
         return {
             "engine": engine_stats,
             "kv_bytes_received": received,

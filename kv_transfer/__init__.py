@@ -13,16 +13,21 @@ from pdmesh.kv_transfer.base import (
     TransferError,
     TransferSpec,
     TransferStats,
+    total_stats,
 )
 from pdmesh.kv_transfer.frame import MAX_FRAME_PAYLOAD, FrameHeader, Verdict
 from pdmesh.kv_transfer.registry import (
+    AUTO,
     available_transports,
+    check_transport,
     create_receiver,
     create_sender,
     register_transport,
+    resolve_transport,
 )
 
 __all__ = [
+    "AUTO",
     "MAX_FRAME_PAYLOAD",
     "FrameHeader",
     "KVReceiver",
@@ -36,7 +41,10 @@ __all__ = [
     "TransferStats",
     "Verdict",
     "available_transports",
+    "check_transport",
     "create_receiver",
     "create_sender",
     "register_transport",
+    "resolve_transport",
+    "total_stats",
 ]

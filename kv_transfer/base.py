@@ -15,10 +15,11 @@ import dataclasses
 import re
 import secrets
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import TypeVar
 
 import torch
 
@@ -215,6 +216,16 @@ class SendCounters:
         return SenderStats(**dataclasses.asdict(self))
 
 
+S = TypeVar("S", ReceiverStats, SenderStats)
+
+
+def total_stats(kind: type[S], parts: Iterable[S]) -> S:
+    """Counters of several receivers (or senders) added up: a worker's over its transports."""
+    parts = list(parts)
+    names = [f.name for f in dataclasses.fields(kind)]
+    return kind(**{name: sum(getattr(p, name) for p in parts) for name in names})
+
+
 def handle_heads(geometry: PageGeometry, heads: tuple[int, int] | None) -> tuple[int, int]:
     """The (start, count) of the sender's heads that a receiver holding `heads` needs."""
     if heads is None:
@@ -343,6 +354,21 @@ class KVSender(ABC):
         k, v: [n, block_size, num_kv_heads, head_dim] of this rank. They are copied before this
         returns (on CUDA: the copy is queued on the current stream), so the caller may reuse them.
         """
+
+    def send_blocks(
+        self,
+        handle: SendHandle,
+        layer: int,
+        first_block: int,
+        pages: torch.Tensor,
+        block_ids: torch.Tensor,
+    ) -> None:
+        """`send_layer` of blocks gathered from one layer of a cache: pages [2 (k, v),
+        num_blocks, block_size, num_kv_heads, head_dim], block_ids (int64, on pages' device)
+        the blocks to send as [first_block, first_block + len(block_ids)). A transport may
+        gather straight into its frame (one copy rather than two)."""
+        kv = pages.index_select(1, block_ids)
+        self.send_layer(handle, layer, first_block, kv[0], kv[1])
 
     @abstractmethod
     def finish(self, handle: SendHandle, timeout: float) -> TransferStats:

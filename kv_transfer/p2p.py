@@ -14,6 +14,7 @@ from pdmesh.kv_transfer.registry import register_transport
 class GlooTransport:
     receiver = P2PReceiver
     sender = P2PSender
+    devices = ("cpu",)
 
 
 class NcclReceiver(P2PReceiver):
@@ -28,3 +29,4 @@ class NcclSender(P2PSender):
 class NcclTransport:
     receiver = NcclReceiver
     sender = NcclSender
+    devices = ("cuda",)

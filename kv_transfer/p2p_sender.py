@@ -223,24 +223,66 @@ class P2PSender(KVSender):
     def send_layer(
         self, handle: SendHandle, layer: int, first_block: int, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        h = self._own(handle)
         geo = self.geometry
         n = k.shape[0]
-        if h.ended:
-            raise ValueError(f"{h!r}: send_layer after finish() or abort()")
+        h = self._checked(handle, "send_layer", layer, first_block, n)
         if k.shape != v.shape or tuple(k.shape[1:]) != (
             geo.block_size,
             geo.num_kv_heads,
             geo.head_dim,
         ):
             raise ValueError(f"k {list(k.shape)} / v {list(v.shape)} do not fit {geo}")
-        if not 0 <= layer < geo.num_layers or first_block < 0 or first_block + n > h.num_blocks:
+        lo = h.head_start - geo.head_start
+        payload = torch.stack((k[:, :, lo : lo + h.num_heads], v[:, :, lo : lo + h.num_heads]))
+        self._queue(h, layer, first_block, n, payload)
+
+    def send_blocks(
+        self,
+        handle: SendHandle,
+        layer: int,
+        first_block: int,
+        pages: torch.Tensor,
+        block_ids: torch.Tensor,
+    ) -> None:
+        """One gather, from the cache straight into the frame's payload (see KVSender)."""
+        geo = self.geometry
+        n = block_ids.numel()
+        h = self._checked(handle, "send_blocks", layer, first_block, n)
+        if (
+            pages.dim() != 5
+            or pages.shape[0] != 2
+            or tuple(pages.shape[2:])
+            != (
+                geo.block_size,
+                geo.num_kv_heads,
+                geo.head_dim,
+            )
+        ):
+            raise ValueError(f"pages {list(pages.shape)} do not fit {geo}")
+        lo = h.head_start - geo.head_start
+        payload = pages[:, :, :, lo : lo + h.num_heads].index_select(1, block_ids)
+        self._queue(h, layer, first_block, n, payload)
+
+    def _checked(
+        self, handle: SendHandle, op: str, layer: int, first_block: int, n: int
+    ) -> _Handle:
+        h = self._own(handle)
+        if h.ended:
+            raise ValueError(f"{h!r}: {op} after finish() or abort()")
+        if (
+            not 0 <= layer < self.geometry.num_layers
+            or first_block < 0
+            or first_block + n > (h.num_blocks)
+        ):
             raise ValueError(
                 f"layer {layer}, blocks [{first_block}, {first_block + n}) out of range"
             )
-        lo = h.head_start - geo.head_start
-        payload = torch.stack((k[:, :, lo : lo + h.num_heads], v[:, :, lo : lo + h.num_heads]))
-        payload = payload.contiguous().view(-1).view(torch.uint8)
+        return h
+
+    def _queue(self, h: _Handle, layer: int, first_block: int, n: int, kv: torch.Tensor) -> None:
+        """Queue one frame; `kv` ([2, n, block_size, heads, head_dim]) is this frame's own."""
+        geo = self.geometry
+        payload = kv.contiguous().view(-1).view(torch.uint8)
         nbytes = payload_nbytes(n, geo.block_size, h.num_heads, geo.head_dim, geo.dtype.itemsize)
         header = FrameHeader(
             transfer_id=h.raw_id,

@@ -74,7 +74,10 @@ def add_up(sub: Any) -> None:
     u.add_argument("--prefill", type=int, default=1, help="prefill workers")
     u.add_argument("--decode", type=int, default=1, help="decode workers")
     u.add_argument(
-        "--kv-transport", default="tcp", help="KV data plane: tcp | nccl (GPUs) | gloo (CPUs)"
+        "--kv-transport",
+        default="auto",
+        help="KV data plane: auto (per pair: nccl between different GPUs, else tcp) | tcp | "
+        "nccl (GPUs) | gloo (CPUs)",
     )
     u.add_argument(
         "--prefill-tp",
@@ -144,7 +147,19 @@ def add_services(sub: Any) -> None:
     d = sub.add_parser("decode", help="run a decode worker")
     d.add_argument("--host", default="127.0.0.1")
     d.add_argument("--port", type=int, default=50061)
-    d.add_argument("--kv-transport", default="tcp")
+    d.add_argument(
+        "--kv-transport",
+        default="auto",
+        help="KV data plane of pairs not named by --kv-transport-for: tcp | nccl (GPUs) | gloo "
+        "(CPUs) | auto (nccl for a GPU cache, else tcp)",
+    )
+    d.add_argument(
+        "--kv-transport-for",
+        action="append",
+        default=[],
+        metavar="PREFILL=TRANSPORT",
+        help="the transport of the pair with one prefill worker (its host:port); repeatable",
+    )
     d.add_argument("--kv-host", default=None, help="KV data plane bind host (default: --host)")
     d.add_argument("--kv-port", type=int, default=0)
     d.add_argument(
@@ -163,7 +178,6 @@ def add_services(sub: Any) -> None:
     p = sub.add_parser("prefill", help="run a prefill worker")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50071)
-    p.add_argument("--kv-transport", default="tcp")
     p.add_argument("--kv-send-timeout", type=float, default=30.0)
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics; 0: off")
     engine_args(p)
@@ -239,6 +253,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
         engine=EngineConfig(**engine_options(args)),
         bind=f"{args.host}:{args.port}",
         kv_transport=args.kv_transport,
+        kv_transport_for=_transport_for(args.kv_transport_for),
         kv_bind=f"tcp://{args.kv_host or args.host}:{args.kv_port}",
         kv_advertise=args.kv_advertise,
         prefill_failure_policy=args.prefill_failure_policy,
@@ -252,6 +267,17 @@ def cmd_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def _transport_for(pairs: list[str]) -> dict[str, str]:
+    """PREFILL=TRANSPORT flags as a mapping (SystemExit naming a malformed one)."""
+    out: dict[str, str] = {}
+    for pair in pairs:
+        address, sep, transport = pair.rpartition("=")
+        if not sep or not address or not transport:
+            raise SystemExit(f"--kv-transport-for wants PREFILL_HOST:PORT=TRANSPORT, got {pair!r}")
+        out[address] = transport
+    return out
+
+
 def cmd_prefill(args: argparse.Namespace) -> int:
     from pdmesh.engine.config import EngineConfig
     from pdmesh.prefill_service.config import PrefillConfig
@@ -260,7 +286,6 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     config = PrefillConfig(
         engine=EngineConfig(**engine_options(args)),
         bind=f"{args.host}:{args.port}",
-        kv_transport=args.kv_transport,
         kv_send_timeout_s=args.kv_send_timeout,
         metrics_bind=_metrics_bind(args),
         tls=tls_config(args),

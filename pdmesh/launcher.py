@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import grpc
@@ -103,15 +104,38 @@ class GpuPlacement:
                 self.first = int(device.split(":", 1)[1])
         self.next = self.first
 
-    def flags(self, tp: int) -> list[str]:
-        """The device flag for the next worker ([] on the CPU)."""
+    def take(self, tp: int) -> range | None:
+        """The GPUs of the next worker (None on the CPU)."""
         if self.count == 0:
-            return []
+            return None
         if self.next + tp > self.count:
             self.next = self.first
-        device = self.next
+        devices = range(self.next, self.next + tp)
         self.next += tp
-        return ["--device", f"cuda:{device}"]
+        return devices
+
+
+def device_flags(devices: range | None) -> list[str]:
+    return ["--device", f"cuda:{devices.start}"] if devices is not None else []
+
+
+def pair_transports(name: str, prefill: dict[str, range | None], decode: range | None) -> list[str]:
+    """A decode worker's --kv-transport flags. `auto` picks per prefill worker: nccl between
+    workers on different GPUs, tcp otherwise (CPU workers, or two sharing a GPU, which NCCL
+    cannot pair); the commonest choice is the default, the others `--kv-transport-for`."""
+    if name != "auto":
+        return ["--kv-transport", name]
+    chosen = {
+        address: "nccl" if devices and decode and not set(devices) & set(decode) else "tcp"
+        for address, devices in prefill.items()
+    }
+    counts = Counter(chosen.values())
+    default = max(counts, key=counts.__getitem__) if counts else "tcp"
+    flags = ["--kv-transport", default]
+    for address, transport in chosen.items():
+        if transport != default:
+            flags += ["--kv-transport-for", f"{address}={transport}"]
+    return flags
 
 
 def _with_tp(engine: list[str], size: int | None) -> list[str]:
@@ -189,7 +213,7 @@ def spawn_worker(role: str, index: int, host: str, engine: list[str]) -> Child:
 
 def start_mesh(args: argparse.Namespace) -> list[Child]:
     host = args.host
-    engine = [*_engine_flags(args), *_tls_flags(args), "--kv-transport", args.kv_transport]
+    engine = [*_engine_flags(args), *_tls_flags(args)]
     decode_flags = [
         "--max-waiting-requests",
         str(args.max_waiting_requests),
@@ -197,17 +221,22 @@ def start_mesh(args: argparse.Namespace) -> list[Child]:
         str(args.prefill_timeout),
     ]
     children: list[Child] = []
-    prefill: list[str] = []
+    prefill: dict[str, range | None] = {}  # address -> GPUs
     decode: list[str] = []
     gpus = GpuPlacement(args.device)
     for i in range(0 if args.colocated else args.prefill):
-        tp = args.prefill_tp or args.tensor_parallel_size
-        flags = [*_with_tp(engine, args.prefill_tp), *gpus.flags(tp)]
+        devices = gpus.take(args.prefill_tp or args.tensor_parallel_size)
+        flags = [*_with_tp(engine, args.prefill_tp), *device_flags(devices)]
         children.append(spawn_worker("prefill", i, host, flags))
-        prefill.append(children[-1].address)
+        prefill[children[-1].address] = devices
     for i in range(args.decode):
-        tp = args.decode_tp or args.tensor_parallel_size
-        flags = [*decode_flags, *_with_tp(engine, args.decode_tp), *gpus.flags(tp)]
+        devices = gpus.take(args.decode_tp or args.tensor_parallel_size)
+        flags = [
+            *decode_flags,
+            *_with_tp(engine, args.decode_tp),
+            *device_flags(devices),
+            *pair_transports(args.kv_transport, prefill, devices),
+        ]
         children.append(spawn_worker("decode", i, host, flags))
         decode.append(children[-1].address)
     router = [

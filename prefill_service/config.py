@@ -10,14 +10,13 @@ from pdmesh.serving.tls import TLSConfig
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """bind: gRPC host:port. kv_transport: how KV blocks are pushed (must match the decode
-    workers'). kv_send_timeout_s: how long pushing one prompt's KV may take. metrics_bind:
+    """bind: gRPC host:port. kv_send_timeout_s: how long pushing one prompt's KV may take (over
+    the transport the decode worker names: any that moves this worker's cache). metrics_bind:
     host:port of the Prometheus `/metrics` endpoint (None: no endpoint). tls: certificate and
     CA of the gRPC server (None: plaintext)."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     bind: str = "127.0.0.1:50071"
-    kv_transport: str = "tcp"
     kv_send_timeout_s: float = 30.0
     metrics_bind: str | None = None
     tls: TLSConfig | None = None

@@ -4,6 +4,9 @@ Rank 0 plans each step: for every prompt in the batch with a transfer, the promp
 K/V this step completes. The plan (flat int64: job, first transfer block, n, then n block ids,
 repeated) travels with the step to every rank; after each layer, each rank sends its own KV
 heads of those blocks to the decode ranks that hold them.
+
+The decode worker names the transport of each transfer (it is chosen per pair); the pusher keeps
+one sender per transport it was asked for, made on first use.
 """
 
 from __future__ import annotations
@@ -15,7 +18,17 @@ import torch
 from pdmesh.engine.distributed import host_to_device
 from pdmesh.engine.kv_layout import kv_heads
 from pdmesh.engine.model_runner import ModelRunner
-from pdmesh.kv_transfer import PageGeometry, SendHandle, TransferError, TransferStats, create_sender
+from pdmesh.kv_transfer import (
+    KVSender,
+    PageGeometry,
+    SenderStats,
+    SendHandle,
+    TransferError,
+    TransferStats,
+    check_transport,
+    create_sender,
+    total_stats,
+)
 from pdmesh.logger import get_logger
 
 log = get_logger(__name__)
@@ -31,13 +44,14 @@ class Endpoint:
 @dataclass
 class Job:
     job_id: int
+    sender: KVSender
     handles: list[SendHandle]
     broken: bool = False
     stats: list[TransferStats] = field(default_factory=list)
 
 
 class KVPusher:
-    def __init__(self, runner: ModelRunner, transport: str) -> None:
+    def __init__(self, runner: ModelRunner) -> None:
         spec = runner.kv_spec
         self.heads = kv_heads(runner)
         self.geometry = PageGeometry(
@@ -49,39 +63,57 @@ class KVPusher:
             dtype=spec.dtype,
         )
         self.cache = runner.kv_cache.data  # [L, 2, NB, BS, Hkv_local, D]
-        self.sender = create_sender(transport, self.geometry)
+        self.senders: dict[str, KVSender] = {}
         self.jobs: dict[int, Job] = {}
         self._plan: torch.Tensor | None = None  # the plan last parsed, and what it said
         self._pushes: list[tuple[Job, int, torch.Tensor]] = []
         runner.add_layer_hook(self.push_layer)
 
+    def check(self, transport: str) -> None:
+        """ValueError unless this worker can push over `transport`."""
+        check_transport(transport, self.cache.device)
+
+    def sender(self, transport: str) -> KVSender:
+        sender = self.senders.get(transport)
+        if sender is None:
+            self.check(transport)
+            sender = self.senders[transport] = create_sender(transport, self.geometry)
+        return sender
+
+    @property
+    def stats(self) -> SenderStats:
+        return total_stats(SenderStats, self.stats_by_transport().values())
+
+    def stats_by_transport(self) -> dict[str, SenderStats]:
+        """Any thread: a sender made meanwhile on the engine thread is counted next time."""
+        return {name: s.stats for name, s in list(self.senders.items())}
+
     def start(
         self,
         job_id: int,
+        transport: str,
         transfer_id: str,
         token: bytes,
         num_blocks: int,
         endpoints: list[Endpoint],
     ) -> None:
+        sender = self.sender(transport)
         handles: list[SendHandle] = []
         if self.heads.sends:
             lo, hi = self.heads.start, self.heads.start + self.heads.count
             for e in endpoints:
                 if e.head_start < hi and lo < e.head_start + e.num_heads:
                     heads = (e.head_start, e.num_heads)
-                    handles.append(
-                        self.sender.start(e.address, transfer_id, token, num_blocks, heads)
-                    )
-        self.jobs[job_id] = Job(job_id, handles)
+                    handles.append(sender.start(e.address, transfer_id, token, num_blocks, heads))
+        self.jobs[job_id] = Job(job_id, sender, handles)
 
     def push_layer(self, layer: int, plan: torch.Tensor) -> None:
         for job, offset, ids in self._parse(plan):
             if job.broken:
                 continue
-            kv = self.cache[layer].index_select(1, ids)  # [2, n, BS, Hkv_local, D]
             try:
                 for handle in job.handles:
-                    self.sender.send_layer(handle, layer, offset, kv[0], kv[1])
+                    job.sender.send_blocks(handle, layer, offset, self.cache[layer], ids)
             except (TransferError, ValueError) as e:
                 # A broken transfer must never stop the forward; finish() reports it.
                 log.warning("KV push of job %d stopped: %s", job.job_id, e)
@@ -109,14 +141,15 @@ class KVPusher:
 
     def finish(self, job_id: int, timeout_s: float) -> list[TransferStats]:
         job = self.jobs.pop(job_id)
-        return [self.sender.finish(h, timeout_s) for h in job.handles]
+        return [job.sender.finish(h, timeout_s) for h in job.handles]
 
     def abort(self, job_id: int) -> None:
         job = self.jobs.pop(job_id, None)
         for h in job.handles if job is not None else ():
-            self.sender.abort(h)
+            job.sender.abort(h)
 
     def close(self) -> None:
         for job_id in list(self.jobs):
             self.abort(job_id)
-        self.sender.close()
+        for sender in self.senders.values():
+            sender.close()

@@ -16,13 +16,14 @@ log = get_logger(__name__)
 
 class PrefillRankExtension:
     def __init__(self, runner: ModelRunner, group: ParallelGroup, options: dict[str, Any]) -> None:
-        self.pusher = KVPusher(runner, options["transport"])
+        self.pusher = KVPusher(runner)
 
     def handle(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
         if op == "kv.push_start":
             endpoints = [Endpoint(**e) for e in args["endpoints"]]
             self.pusher.start(
                 args["job_id"],
+                args["transport"],
                 args["transfer_id"],
                 bytes.fromhex(args["token"]),
                 args["num_blocks"],
@@ -36,7 +37,7 @@ class PrefillRankExtension:
         elif op == "kv.push_abort":
             self.pusher.abort(args["job_id"])
         elif op == "kv.stats":
-            return {"bytes_sent": self.pusher.sender.stats.bytes_sent}
+            return {"bytes_sent": self.pusher.stats.bytes_sent}
         else:
             raise RuntimeError(f"unknown prefill control op {op!r}")
         return {}

@@ -22,9 +22,7 @@ SERVICE = "pdmesh.v1.PrefillWorker"
 
 async def serve(config: PrefillConfig, on_ready: Callable[[int], None] | None = None) -> None:
     tracing.setup("pdmesh-prefill")
-    engine = await asyncio.to_thread(
-        LLMEngine, config.engine, PrefillWorker.RANK_EXTENSION, {"transport": config.kv_transport}
-    )
+    engine = await asyncio.to_thread(LLMEngine, config.engine, PrefillWorker.RANK_EXTENSION, {})
     worker = PrefillWorker(config, engine)
     worker.start(asyncio.get_running_loop())
     metrics = (

@@ -82,7 +82,7 @@ class PrefillWorker:
     def __init__(self, config: PrefillConfig, engine: LLMEngine) -> None:
         self.config = config
         self.engine = engine
-        self.pusher = KVPusher(engine.runner, config.kv_transport)
+        self.pusher = KVPusher(engine.runner)
         self.geometry = self.pusher.geometry
         engine.runner.set_step_planner(self._plan_step)
         self.loop = EngineLoop(engine, self._on_engine_deltas, on_fatal=self._on_fatal)
@@ -112,11 +112,10 @@ class PrefillWorker:
 
     def check(self, task: PrefillTask) -> None:
         """Reject a task this worker cannot serve (ValueError naming the field)."""
-        if task.transport != self.config.kv_transport:
-            raise ValueError(
-                f"kv_target.transport {task.transport!r} is not this worker's "
-                f"{self.config.kv_transport!r}."
-            )
+        try:
+            self.pusher.check(task.transport)
+        except ValueError as e:
+            raise ValueError(f"kv_target.transport: {e}") from None
         if task.block_size != self.geometry.block_size:
             raise ValueError(
                 f"kv_target.block_size {task.block_size} differs from this worker's "
@@ -187,6 +186,7 @@ class PrefillWorker:
         args: dict[str, object] = {"job_id": push.job_id, "timeout_s": task.timeout_s}
         if op == "kv.push_start":
             args.update(
+                transport=task.transport,
                 transfer_id=task.transfer_id,
                 token=task.token.hex(),
                 num_blocks=task.num_blocks,
@@ -198,7 +198,9 @@ class PrefillWorker:
         self, engine: LLMEngine, task: PrefillTask, params: SamplingParams, push: _Push
     ) -> None:
         endpoints = [Endpoint(d.address, d.head_start, d.num_heads) for d in task.destinations]
-        self.pusher.start(push.job_id, task.transfer_id, task.token, task.num_blocks, endpoints)
+        self.pusher.start(
+            push.job_id, task.transport, task.transfer_id, task.token, task.num_blocks, endpoints
+        )
         try:
             self._followers(engine, "kv.push_start", push, task)
             engine.add_request(task.request_id, task.prompt, params)
@@ -249,12 +251,19 @@ class PrefillWorker:
     def metrics_snapshot(self) -> WorkerSnapshot:
         """State for a Prometheus scrape, read from the scraping thread (no engine wait)."""
         e = self.engine.stats()
-        tx = self.pusher.sender.stats
         return WorkerSnapshot(
             **worker_stat_fields(e),
-            transfer=TransferTotals(
-                "send", tx.bytes_sent, tx.seconds_sending, tx.transfers, tx.transfers_failed
-            ),
+            transfers=[
+                TransferTotals(
+                    "send",
+                    name,
+                    tx.bytes_sent,
+                    tx.seconds_sending,
+                    tx.transfers,
+                    tx.transfers_failed,
+                )
+                for name, tx in self.pusher.stats_by_transport().items()
+            ],
             expert_token_counts=self.engine.runner.expert_counts() or (),
             prefills={"remote": self.prefills},
         )
@@ -262,11 +271,11 @@ class PrefillWorker:
     async def stats(self) -> dict[str, object]:
         engine_stats = await self.loop.acall(lambda e: e.stats())
         experts = await self.loop.acall(lambda e: e.expert_counts())
-        sent = [self.pusher.sender.stats.bytes_sent]
+        sent = [self.pusher.stats.bytes_sent]
         if self.engine.tp_driver is not None:
             replies = await self.loop.acall(lambda e: e.tp_driver.control("kv.stats", {}))
             sent += [r["bytes_sent"] for r in replies]
-        tx = self.pusher.sender.stats
+        tx = self.pusher.stats
         return {
             "engine": engine_stats,
             "kv_bytes_sent": sum(sent),

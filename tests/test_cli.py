@@ -62,3 +62,21 @@ def test_bad_input_is_a_clear_error_not_a_traceback(tmp_path) -> None:
     assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
     proc = _run("generate", "--offline", "--prompt", "x", "--max-tokens", "0")
     assert proc.returncode == 2 and "max_tokens must be an integer >= 1" in proc.stderr
+
+
+def test_up_picks_the_kv_transport_per_pair_from_gpu_placement() -> None:
+    from pdmesh.launcher import pair_transports
+
+    cpu = {"h:1": None, "h:2": None}
+    assert pair_transports("auto", cpu, None) == ["--kv-transport", "tcp"]
+    # Different GPUs: nccl. A prefill worker sharing the decode worker's GPU (GPUs ran out and
+    # placement wrapped around) cannot be paired by NCCL: tcp, named for that pair only.
+    gpus = {"h:1": range(0, 1), "h:2": range(1, 2), "h:3": range(2, 3)}
+    assert pair_transports("auto", gpus, range(2, 3)) == [
+        "--kv-transport",
+        "nccl",
+        "--kv-transport-for",
+        "h:3=tcp",
+    ]
+    assert pair_transports("auto", {"h:1": range(0, 2)}, range(1, 3)) == ["--kv-transport", "tcp"]
+    assert pair_transports("gloo", cpu, None) == ["--kv-transport", "gloo"]

@@ -16,9 +16,10 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 
 @dataclass(frozen=True)
 class TransferTotals:
-    """KV-transfer counters since start, from the worker's sender or receiver."""
+    """KV-transfer counters since start, from one of the worker's senders or receivers."""
 
     direction: str  # "send" (prefill) or "receive" (decode)
+    transport: str  # "tcp", "nccl", ...
     bytes: int
     seconds: float  # summed over transfers, first frame to last
     transfers: int
@@ -36,7 +37,7 @@ class WorkerSnapshot:
     prefix_queried_tokens: int
     prefix_hit_tokens: int
     num_preemptions: int
-    transfer: TransferTotals
+    transfers: Sequence[TransferTotals]  # one per transport in use
     expert_token_counts: Sequence[int] = ()
     prefills: Mapping[str, int] = field(default_factory=dict)  # by mode: local, remote, fallback
 
@@ -94,7 +95,7 @@ class WorkerCollector:
         yield counter(
             "pdmesh_preemptions", "Requests preempted (recomputed later).", s and s.num_preemptions
         )
-        yield from _transfer_families(s.transfer if s else None)
+        yield from _transfer_families(s.transfers if s else ())
         experts = CounterMetricFamily(
             "pdmesh_expert_tokens", "Tokens routed to each MoE expert.", labels=["role", "expert"]
         )
@@ -110,24 +111,24 @@ class WorkerCollector:
         yield prefills
 
 
-def _transfer_families(t: TransferTotals | None) -> Iterator[Metric]:
-    specs: list[tuple[str, str, float | None]] = [
-        ("pdmesh_kv_transfer_bytes", "KV-transfer payload bytes.", t and t.bytes),
+def _transfer_families(totals: Sequence[TransferTotals]) -> Iterator[Metric]:
+    specs: list[tuple[str, str, Callable[[TransferTotals], float]]] = [
+        ("pdmesh_kv_transfer_bytes", "KV-transfer payload bytes.", lambda t: t.bytes),
         (
             "pdmesh_kv_transfer_seconds",
             "Seconds KV transfers took, first frame to last (bytes / seconds: bandwidth).",
-            t and t.seconds,
+            lambda t: t.seconds,
         ),
-        ("pdmesh_kv_transfers", "KV transfers completed.", t and t.transfers),
-        ("pdmesh_kv_transfer_failures", "KV transfers that failed.", t and t.failed),
+        ("pdmesh_kv_transfers", "KV transfers completed.", lambda t: t.transfers),
+        ("pdmesh_kv_transfer_failures", "KV transfers that failed.", lambda t: t.failed),
         (
             "pdmesh_kv_transfer_frames_dropped",
             "KV frames refused by the receiver (unknown transfer, bad token or size).",
-            t and t.frames_dropped,
+            lambda t: t.frames_dropped,
         ),
     ]
     for name, doc, value in specs:
-        family = CounterMetricFamily(name, doc, labels=["direction"])
-        if t is not None and value is not None:
-            family.add_metric([t.direction], value)
+        family = CounterMetricFamily(name, doc, labels=["direction", "transport"])
+        for t in totals:
+            family.add_metric([t.direction, t.transport], value(t))
         yield family

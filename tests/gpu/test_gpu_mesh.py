@@ -1,20 +1,23 @@
-"""The mesh on two GPUs with the `nccl` KV transport: prefill worker on cuda:0, decode worker on
-cuda:1, the KV pages going GPU to GPU. Outputs equal the single-GPU engine's; every byte is
-counted on both ends; a decode worker killed mid-stream leaves the prefill worker serving, and
-once `pdmesh up` has restarted it, the pair to the new decode worker carries KV again."""
+"""The mesh on two GPUs with the default KV transport (`auto`: `nccl` between workers on
+different GPUs): prefill worker on cuda:0, decode worker on cuda:1, the KV pages going GPU to
+GPU. Outputs equal the single-GPU engine's; every byte is counted on both ends; a decode worker
+killed mid-stream leaves the prefill worker serving, and once `pdmesh up` has restarted it, the
+pair to the new decode worker carries KV again."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import random
+import re
 import signal
 import time
+import urllib.request
 
 import grpc
 import pytest
 import torch
-from mesh_support import greedy_tokens, start_mesh
+from mesh_support import Mesh, greedy_tokens, start_mesh
 from service_support import wait_workers
 
 from pdmesh import LLM, SamplingParams
@@ -31,6 +34,18 @@ PARAMS = dict(max_tokens=24, temperature=0, ignore_eos=True)
 def _prompts(seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(512) for _ in range(rng.randint(20, 150))] for _ in range(8)]
+
+
+def _kv_bytes_by_transport(mesh: Mesh, worker: str) -> dict[str, float]:
+    """pdmesh_kv_transfer_bytes_total by transport, from the worker's /metrics."""
+    url = next(
+        m.group(1)
+        for line in mesh.output
+        if (m := re.match(rf"\s+{worker}: .* metrics (\S+)", line))
+    )
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    found = re.findall(r'pdmesh_kv_transfer_bytes_total\{.*transport="(\w+)"\} (\S+)', text)
+    return {transport: float(value) for transport, value in found}
 
 
 def test_nccl_mesh_equals_one_gpu_and_survives_a_dead_decode_worker(tiny_model) -> None:
@@ -52,8 +67,6 @@ def test_nccl_mesh_equals_one_gpu_and_survives_a_dead_decode_worker(tiny_model) 
         "8192",
         "--disagg-min-tokens",
         "16",
-        "--kv-transport",
-        "nccl",
     )
     try:
         prompts = _prompts(1)
@@ -64,6 +77,7 @@ def test_nccl_mesh_equals_one_gpu_and_survives_a_dead_decode_worker(tiny_model) 
         blocks = sum(-(-len(x) // 16) for x in prompts)
         assert d.kv_bytes_received == p.kv_bytes_sent == blocks * block_bytes
         assert d.kv_blocks_used == 0
+        assert _kv_bytes_by_transport(mesh, "decode-0") == {"nccl": blocks * block_bytes}
 
         # Kill the decode worker while it streams long outputs.
         victim = mesh.decode[0]

@@ -12,9 +12,11 @@ from pdmesh.kv_transfer import (
     KVSender,
     PageGeometry,
     available_transports,
+    check_transport,
     create_receiver,
     create_sender,
     register_transport,
+    resolve_transport,
 )
 from pdmesh.kv_transfer.tcp import TcpReceiver, TcpSender
 
@@ -63,3 +65,17 @@ def test_bad_bind_address_is_a_clear_error() -> None:
         create_receiver("tcp", cache, GEOMETRY, "127.0.0.1:5555")
     with pytest.raises(ValueError, match="cannot bind"):
         create_receiver("tcp", cache, GEOMETRY, "tcp://192.0.2.1:0")  # not our address
+
+
+def test_auto_and_device_checks_pick_a_transport_per_cache() -> None:
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 1)
+    assert resolve_transport("auto", cpu) == "tcp"
+    assert resolve_transport("auto", gpu) == "nccl"
+    assert resolve_transport("gloo", cpu) == "gloo"
+    assert resolve_transport("tcp", gpu) == "tcp"  # staged through host memory, any host
+    with pytest.raises(ValueError, match="the nccl KV transport moves caches on cuda; this "):
+        check_transport("nccl", cpu)
+    with pytest.raises(ValueError, match="the gloo KV transport moves caches on cpu"):
+        check_transport("gloo", gpu)
+    with pytest.raises(ValueError, match="unknown KV transport 'auto'"):
+        check_transport("auto", cpu)  # a choice, resolved first; never a transport
