@@ -1,7 +1,7 @@
 """Disaggregated (1 prefill + 1 decode worker) against colocated (2 workers that both prefill and
 decode) serving on the same two GPUs, the same engine, the Llama-3.1-8B shape (random weights).
 
-    python -m pdmesh.bench.disagg_gpu --out DIR [--stages ttft,load,tp] [--requests 32]
+    python -m pdmesh.bench.disagg_gpu --out DIR [--stages ttft,load,tp] [--requests 32] [--trace]
 
 Stages, each writing its figures to DIR/disagg.json as it ends:
 - ttft: one 4,096-token prompt at a time (concurrency 1), the time to its first token, on each
@@ -12,6 +12,9 @@ Stages, each writing its figures to DIR/disagg.json as it ends:
   fraction of requests within the SLO (TTFT <= 1.5 s and TPOT <= 40 ms). Goodput is the highest
   rate run whose attainment is >= 90%, and also reported as good requests per second. Every
   request's TTFT and inter-token latencies go to DIR/disagg_samples.json for the CDF plots.
+  With --trace, the mesh exports its spans (OTEL_TRACES_EXPORTER=console) and the stage records
+  where a request's first token went: each span's median start and end, in ms from the router's
+  root span, over the TTFT requests (DIR/spans-LAYOUT.txt holds the spans).
 - tp: decode time per token at batch 1 for TP=1 and TP=2 over NCCL (CUDA graphs on both).
 
 Each layout is a real `pdmesh up` on the two GPUs (workers placed on cuda:0 and cuda:1), driven by
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import datetime
 import gc
 import json
 import math
@@ -30,9 +34,11 @@ import os
 import re
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -96,13 +102,16 @@ class Mesh:
 
 
 @contextlib.contextmanager
-def mesh(folder: Path, layout: str, log: Path) -> Iterator[Mesh]:
-    """`pdmesh up` with this layout; yields the router's address once it is up."""
+def mesh(folder: Path, layout: str, log: Path, spans: Path | None = None) -> Iterator[Mesh]:
+    """`pdmesh up` with this layout; yields the router's address once it is up. With `spans`,
+    every process prints its spans, and they are written there."""
     port = _free_port()
     cmd = [sys.executable, "-m", "pdmesh.cli", "up", "--model", str(folder), "--port", str(port)]
     cmd += ["--http-port", "0", "--ask", "", *ENGINE, *LAYOUTS[layout]]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PDMESH_LOG_LEVEL": "WARNING"}
-    with log.open("w") as sink:
+    if spans is not None:
+        env |= {"OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY_MILLIS": "200"}
+    with log.open("w") as sink, (spans or Path(os.devnull)).open("w") as span_sink:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=sink, text=True, env=env)
         assert proc.stdout is not None
         try:
@@ -116,6 +125,8 @@ def mesh(folder: Path, layout: str, log: Path) -> Iterator[Mesh]:
             else:
                 raise RuntimeError(f"{layout}: the mesh did not come up; see {log}")
             print(f"{layout}: up in {time.monotonic() - start:.0f} s", flush=True)
+            # The workers print to this pipe too (spans): keep it drained.
+            threading.Thread(target=span_sink.writelines, args=(proc.stdout,), daemon=True).start()
             yield Mesh(f"127.0.0.1:{port}", metrics)
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -184,7 +195,51 @@ BREAKDOWN = {
 }
 
 
-def ttft_stage(mesh: Mesh, layout: str, res: Results) -> None:
+def read_spans(path: Path) -> list[dict[str, Any]]:
+    """The spans in a file of console-exported ones (JSON objects among other lines)."""
+    text, decoder, i, found = path.read_text(), json.JSONDecoder(), 0, []
+    while (i := text.find("{\n", i)) != -1:
+        try:
+            obj, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            i += 1
+            continue
+        if isinstance(obj, dict) and "context" in obj and "start_time" in obj:
+            found.append(obj)
+    return found
+
+
+def _unix_ms(stamp: str) -> float:
+    return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp() * 1e3
+
+
+def span_timeline(spans: list[dict[str, Any]], since_ms: float) -> dict[str, list[float]]:
+    """Over the traces whose root started after `since_ms` (unix ms): each span's median [start,
+    end] in ms from its trace's root, keyed `service/name`, in order of start."""
+    traces: dict[str, list[dict[str, Any]]] = {}
+    for span in spans:
+        traces.setdefault(span["context"]["trace_id"], []).append(span)
+    roots = [
+        (t0, tid)
+        for tid, t in traces.items()
+        for s in t
+        if not s["parent_id"] and (t0 := _unix_ms(s["start_time"])) >= since_ms
+    ]
+    offsets: dict[str, list[tuple[float, float]]] = {}
+    for t0, tid in roots:
+        for s in traces[tid]:
+            key = f"{s['resource']['attributes'].get('service.name', '?')}/{s['name']}"
+            offsets.setdefault(key, []).append(
+                (_unix_ms(s["start_time"]) - t0, _unix_ms(s["end_time"]) - t0)
+            )
+    table = {
+        key: [round(statistics.median(x[i] for x in v), 2) for i in (0, 1)]
+        for key, v in offsets.items()
+    }
+    return dict(sorted(table.items(), key=lambda kv: kv[1]))
+
+
+def ttft_stage(mesh: Mesh, layout: str, res: Results, spans: Path | None = None) -> None:
     target = mesh.target
     warm(target, 4096, 900)
     parts = {k: v for k, v in BREAKDOWN.items() if v[0] in mesh.metrics}
@@ -192,6 +247,7 @@ def ttft_stage(mesh: Mesh, layout: str, res: Results) -> None:
     records, duration = load(target, 8, 4096, 2, math.inf, 901, conc=1)
     after = {k: mesh.scrape(*v) for k, v in parts.items()}
     s = summarize(records, duration, Slo())
+    since_ms = time.time() * 1e3
     server = asyncio.run(_server_timings(target, 4, 902))
     means = {}
     for key in parts:
@@ -206,6 +262,9 @@ def ttft_stage(mesh: Mesh, layout: str, res: Results) -> None:
             "worker_means": means,
         },
     )
+    if spans is not None:
+        time.sleep(3.0)  # the last spans are exported in batches
+        res.record(f"ttft_spans_{layout}", span_timeline(read_spans(spans), since_ms))
 
 
 def load_stage(target: str, layout: str, n: int, res: Results) -> None:
@@ -273,6 +332,9 @@ def main() -> None:
         "--profile", action="store_true", help="tp stage: profile decode steps (OUT/tp*.txt)"
     )
     parser.add_argument(
+        "--trace", action="store_true", help="ttft stage: a span timeline of the first token"
+    )
+    parser.add_argument(
         "--rates", default=None, help='req/s per workload, e.g. "prefill_heavy=6,8;chat=16"'
     )
     args = parser.parse_args()
@@ -290,9 +352,10 @@ def main() -> None:
     for layout in args.layouts.split(","):
         if not stages & {"ttft", "load"}:
             break
-        with mesh(folder, layout, args.out / f"mesh-{layout}.log") as up:
+        spans = args.out / f"spans-{layout}.txt" if args.trace else None
+        with mesh(folder, layout, args.out / f"mesh-{layout}.log", spans) as up:
             if "ttft" in stages:
-                ttft_stage(up, layout, res)
+                ttft_stage(up, layout, res, spans)
             if "load" in stages:
                 load_stage(up.target, layout, args.requests, res)
     if "tp" in stages:
