@@ -158,36 +158,29 @@ def peer_copy(source: torch.Tensor) -> float:
     """GB/s of copying 512 MiB from this GPU to the other inside this process (copy engines over
     NVLink, peer access on): the most a same-host `ipc` transport could reach."""
     local = source.view(-1).view(torch.uint8)[: 512 << 20]
-    peer = torch.empty_like(local, device="cuda:1")
-    times = []
-    for _ in range(REPEATS + 2):
-        torch.cuda.synchronize()
-        torch.cuda.synchronize(peer.device)
-        start = time.perf_counter()
-        peer.copy_(local, non_blocking=True)
-        torch.cuda.synchronize(peer.device)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    ok = bool(torch.equal(peer[:4096].cpu(), local[:4096].cpu()))
-    del peer
-    return local.numel() / statistics.median(times[2:]) / 1e9 if ok else float("nan")
+    return _copy_rate(torch.empty_like(local, device="cuda:1"), local)
 
 
 def ipc_copy(source: torch.Tensor, fields: list[Any]) -> float:
     """GB/s of copying 512 MiB from this GPU into the receiver's buffer through CUDA IPC."""
     peer = open_shared(fields)
-    local = source.view(-1).view(torch.uint8)[: peer.numel()]
+    return _copy_rate(peer, source.view(-1).view(torch.uint8)[: peer.numel()])
+
+
+def _copy_rate(dst: torch.Tensor, src: torch.Tensor) -> float:
+    """GB/s of dst.copy_(src) across two GPUs, median of REPEATS after two warm-ups (NaN if the
+    bytes do not arrive)."""
     times = []
     for _ in range(REPEATS + 2):
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(src.device)
+        torch.cuda.synchronize(dst.device)
         start = time.perf_counter()
-        peer.copy_(local, non_blocking=True)
-        torch.cuda.synchronize(peer.device)
-        torch.cuda.synchronize()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(dst.device)
+        torch.cuda.synchronize(src.device)
         times.append(time.perf_counter() - start)
-    ok = bool(torch.equal(peer[:4096].cpu(), local[:4096].cpu()))
-    del peer
-    return local.numel() / statistics.median(times[2:]) / 1e9 if ok else float("nan")
+    ok = bool(torch.equal(dst[:4096].cpu(), src[:4096].cpu()))
+    return src.numel() / statistics.median(times[2:]) / 1e9 if ok else float("nan")
 
 
 def _close(a: float, b: float) -> bool:
