@@ -357,18 +357,20 @@ class KVSender(ABC):
 
     def send_blocks(
         self,
-        handle: SendHandle,
+        handles: Sequence[SendHandle],
         layer: int,
         first_block: int,
         pages: torch.Tensor,
         block_ids: torch.Tensor,
     ) -> None:
-        """`send_layer` of blocks gathered from one layer of a cache: pages [2 (k, v),
-        num_blocks, block_size, num_kv_heads, head_dim], block_ids (int64, on pages' device)
-        the blocks to send as [first_block, first_block + len(block_ids)). A transport may
-        gather straight into its frame (one copy rather than two)."""
+        """`send_layer` to each handle of blocks gathered from one layer of a cache: pages
+        [2 (k, v), num_blocks, block_size, num_kv_heads, head_dim], block_ids (int64, on pages'
+        device) the blocks to send as [first_block, first_block + len(block_ids)). Gathers once
+        for all handles; a transport may instead gather each handle's heads straight into its
+        frame."""
         kv = pages.index_select(1, block_ids)
-        self.send_layer(handle, layer, first_block, kv[0], kv[1])
+        for handle in handles:
+            self.send_layer(handle, layer, first_block, kv[0], kv[1])
 
     @abstractmethod
     def finish(self, handle: SendHandle, timeout: float) -> TransferStats:

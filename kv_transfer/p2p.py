@@ -1,7 +1,8 @@
 """Transports `nccl` and `gloo`: KV frames over a two-rank process group per (sender, receiver)
 pair. `nccl` moves GPU pages device to device (NCCL p2p, no host staging); `gloo` is the same
 protocol between CPU caches (CPU-only hosts, and the tests). See p2p_pairs.py for the
-rendezvous, p2p_receiver.py / p2p_sender.py for the two ends."""
+rendezvous, p2p_receiver.py / p2p_sender.py for the two ends (p2p_poster.py: the sending
+side's thread per pair)."""
 
 from __future__ import annotations
 

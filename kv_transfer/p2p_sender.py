@@ -1,23 +1,20 @@
 """Sending KV frames over two-rank process groups (transports `nccl` and `gloo`).
 
 `send_layer` copies the frame's payload on the tensors' device (the head slice the receiver
-holds, K and V side by side) and queues it; it never waits on the network. A thread per pair posts
-queued frames in order, in batches: the batch's headers go into the receiver's store as one
-message, its payloads follow as one send, device to device on the GPU (never through host
-memory). `finish` waits for every send of the transfer (with a timeout): then the receiver has the
-bytes; it checks and writes them itself and resolves its own future.
+holds, K and V side by side) and queues it; `send_blocks` gathers it straight from the cache.
+Neither waits on the network: a thread per pair (p2p_poster.py) posts queued frames in order, in
+batches, device to device on the GPU (never through host memory). `finish` waits for every send
+of the transfer (with a timeout): then the receiver has the bytes; it checks and writes them
+itself and resolves its own future.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import sys
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
@@ -33,14 +30,12 @@ from pdmesh.kv_transfer.base import (
 )
 from pdmesh.kv_transfer.frame import DTYPE_CODES, FrameHeader, payload_nbytes
 from pdmesh.kv_transfer.p2p_pairs import (
-    BATCH_BYTES,
-    FRAME_QUEUE,
-    MAX_BATCH_FRAMES,
     announce_pair,
     join_store,
     pair_group,
     pair_store,
 )
+from pdmesh.kv_transfer.p2p_poster import Frame, Pair, Send
 from pdmesh.logger import get_logger
 
 log = get_logger(__name__)
@@ -48,116 +43,10 @@ POLL_S = 0.0002  # NCCL send completion, polled: a prefill reply waits on it
 GIL_SWITCH_S = 0.0005
 
 
-@dataclass
-class _Send:
-    """One posted send (a batch of frames); `done` once a waiter saw it complete."""
-
-    work: Any
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    done: bool = False
-
-
-@dataclass
-class _Frame:
-    """One queued frame; `posted` is set once its send was posted (`sent`) or failed (`error`)."""
-
-    header: bytes
-    payload: torch.Tensor  # flat uint8, on the sender's device
-    ready: torch.cuda.Event | None  # the payload's copy is done (CUDA); None on the CPU
-    sent: _Send | None = None  # the batch's send, once posted
-    error: str | None = None
-    posted: threading.Event = field(default_factory=threading.Event)
-
-
-class _Pair:
-    """A two-rank group to one receiver and the thread that posts its frames, in queue order.
-
-    The thread takes every frame queued so far (up to BATCH_BYTES) as one batch: one store
-    message carries the batch's headers, one send its payloads back to back. The receiver then
-    pays one store round trip and one recv per batch, not per layer, when a whole prompt's KV is
-    ready at once (a prefix-cache hit, a benchmark); during a prefill, layers come one at a time.
-    """
-
-    def __init__(self, group: Any, headers: Any, name: str) -> None:
-        self.group = group
-        self.headers = headers  # the pair's store, where its FRAME_QUEUE is
-        self.broken: str | None = None
-        self._queue: deque[_Frame] = deque()
-        self._wake = threading.Condition()
-        self._closed = False
-        self._stream: torch.cuda.Stream | None = None  # made for the first CUDA payload
-        threading.Thread(target=self._post_frames, name=name, daemon=True).start()
-
-    def put(self, frame: _Frame) -> None:
-        with self._wake:
-            if self.broken is not None or self._closed:
-                raise TransferError(self.broken or "the KV sender is closed")
-            self._queue.append(frame)
-            self._wake.notify()
-
-    def close(self, reason: str) -> None:
-        with self._wake:
-            self._closed = True
-            self.broken = self.broken or reason
-            self._wake.notify()
-
-    def _next_batch(self) -> list[_Frame] | None:
-        with self._wake:
-            while not self._queue and not self._closed:
-                self._wake.wait()
-            if self._closed:
-                gone, self._queue = list(self._queue), deque()
-                _fail(gone, self.broken or "the KV sender is closed")
-                return None
-            batch = [self._queue.popleft()]
-            size = batch[0].payload.numel()
-            while (
-                self._queue
-                and len(batch) < MAX_BATCH_FRAMES
-                and size + self._queue[0].payload.numel() <= BATCH_BYTES
-            ):
-                size += self._queue[0].payload.numel()
-                batch.append(self._queue.popleft())
-            return batch
-
-    def _post_frames(self) -> None:
-        while (batch := self._next_batch()) is not None:
-            try:
-                self._post(batch)
-            except Exception as e:
-                with self._wake:
-                    self.broken = f"{e}"
-                    self._closed = True
-                _fail(batch, self.broken)
-
-    def _post(self, batch: list[_Frame]) -> None:
-        first = batch[0].payload
-        if first.is_cuda and self._stream is None:
-            self._stream = torch.cuda.Stream(first.device)
-        stream = self._stream if first.is_cuda else None
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for frame in batch:
-                if frame.ready is not None and stream is not None:
-                    stream.wait_event(frame.ready)  # the payload's copy, on the caller's stream
-            payload = first
-            if len(batch) > 1:
-                payload = torch.cat([f.payload for f in batch])
-                if stream is not None:  # the parts are freed once the cat, on this stream, ran
-                    for frame in batch:
-                        frame.payload.record_stream(stream)
-            self.headers.queue_push(FRAME_QUEUE, b"".join(f.header for f in batch))
-            work = self.group.send([payload], 1, 0)
-        sent = _Send(work)
-        for frame in batch:
-            frame.sent = sent
-            frame.payload = payload  # alive until the send is done
-            frame.posted.set()
-
-
 class _Handle(SendHandle):
     def __init__(
         self,
-        pair: _Pair,
+        pair: Pair,
         endpoint: str,
         transfer_id: str,
         token: bytes,
@@ -166,7 +55,7 @@ class _Handle(SendHandle):
     ) -> None:
         super().__init__(endpoint, transfer_id, token, num_blocks, *heads)
         self.pair = pair
-        self.frames: list[_Frame] = []  # queued, in order
+        self.frames: list[Frame] = []  # queued, in order
         self.bytes = 0
         self.first_sent_at: float | None = None
         self.ended = False
@@ -179,12 +68,6 @@ def _stuck(h: _Handle, timeout: float) -> TransferError:
     )
 
 
-def _fail(frames: list[_Frame], reason: str) -> None:
-    for frame in frames:
-        frame.error = reason
-        frame.posted.set()
-
-
 class P2PSender(KVSender):
     backend = "gloo"
 
@@ -194,18 +77,18 @@ class P2PSender(KVSender):
         # holds the GIL between kernel launches: by default a waiting thread gets it after 5 ms,
         # which would hold every batch back by as much. Half a millisecond keeps them flowing.
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
-        self._pairs: dict[str, _Pair] = {}
+        self._pairs: dict[str, Pair] = {}
         self._lock = threading.Lock()
         self._counts = SendCounters()
 
-    def _pair(self, endpoint: str) -> _Pair:
+    def _pair(self, endpoint: str) -> Pair:
         with self._lock:
             pair = self._pairs.get(endpoint)
             if pair is None or pair.broken is not None:
                 store = join_store(endpoint)
                 pair_id = announce_pair(store)
                 group = pair_group(store, pair_id, rank=0, backend=self.backend)
-                pair = _Pair(group, pair_store(store, pair_id), f"kv-send-{pair_id}")
+                pair = Pair(group, pair_store(store, pair_id), f"kv-send-{pair_id}")
                 self._pairs[endpoint] = pair
             return pair
 
@@ -238,30 +121,27 @@ class P2PSender(KVSender):
 
     def send_blocks(
         self,
-        handle: SendHandle,
+        handles: Sequence[SendHandle],
         layer: int,
         first_block: int,
         pages: torch.Tensor,
         block_ids: torch.Tensor,
     ) -> None:
-        """One gather, from the cache straight into the frame's payload (see KVSender)."""
+        """Each handle's heads gathered from the cache straight into its frame (one copy)."""
         geo = self.geometry
-        n = block_ids.numel()
-        h = self._checked(handle, "send_blocks", layer, first_block, n)
-        if (
-            pages.dim() != 5
-            or pages.shape[0] != 2
-            or tuple(pages.shape[2:])
-            != (
-                geo.block_size,
-                geo.num_kv_heads,
-                geo.head_dim,
-            )
+        if pages.dim() != 5 or (pages.shape[0], *pages.shape[2:]) != (
+            2,
+            geo.block_size,
+            geo.num_kv_heads,
+            geo.head_dim,
         ):
             raise ValueError(f"pages {list(pages.shape)} do not fit {geo}")
-        lo = h.head_start - geo.head_start
-        payload = pages[:, :, :, lo : lo + h.num_heads].index_select(1, block_ids)
-        self._queue(h, layer, first_block, n, payload)
+        n = block_ids.numel()
+        for handle in handles:
+            h = self._checked(handle, "send_blocks", layer, first_block, n)
+            lo = h.head_start - geo.head_start
+            payload = pages[:, :, :, lo : lo + h.num_heads].index_select(1, block_ids)
+            self._queue(h, layer, first_block, n, payload)
 
     def _checked(
         self, handle: SendHandle, op: str, layer: int, first_block: int, n: int
@@ -269,11 +149,7 @@ class P2PSender(KVSender):
         h = self._own(handle)
         if h.ended:
             raise ValueError(f"{h!r}: {op} after finish() or abort()")
-        if (
-            not 0 <= layer < self.geometry.num_layers
-            or first_block < 0
-            or first_block + n > (h.num_blocks)
-        ):
+        if not 0 <= layer < self.geometry.num_layers or not 0 <= first_block <= h.num_blocks - n:
             raise ValueError(
                 f"layer {layer}, blocks [{first_block}, {first_block + n}) out of range"
             )
@@ -301,7 +177,7 @@ class P2PSender(KVSender):
         if payload.is_cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(payload.device))
-        frame = _Frame(header, payload, ready)
+        frame = Frame(header, payload, ready)
         try:
             h.pair.put(frame)
         except TransferError as e:
@@ -338,14 +214,14 @@ class P2PSender(KVSender):
             self._counts.seconds_sending += seconds
         return TransferStats(bytes=h.bytes, seconds=seconds, frames=frames)
 
-    def _wait(self, frame: _Frame, deadline: float, h: _Handle, timeout: float) -> None:
+    def _wait(self, frame: Frame, deadline: float, h: _Handle, timeout: float) -> None:
         """Until the frame's send was posted; TransferError if that failed or took too long."""
         if not frame.posted.wait(max(0.0, deadline - time.monotonic())):
             raise _stuck(h, timeout)
         if frame.error is not None:
             raise TransferError(f"transfer {h.transfer_id} to {h.endpoint}: {frame.error}")
 
-    def _wait_sent(self, sent: _Send, deadline: float, h: _Handle, timeout: float) -> None:
+    def _wait_sent(self, sent: Send, deadline: float, h: _Handle, timeout: float) -> None:
         """Until one send is done; TransferError past the deadline, or the send's own error.
         Frames of several transfers may share a send, but a gloo send can be waited for only
         once: the first caller waits, the others wait for it."""

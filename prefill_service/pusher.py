@@ -112,8 +112,7 @@ class KVPusher:
             if job.broken:
                 continue
             try:
-                for handle in job.handles:
-                    job.sender.send_blocks(handle, layer, offset, self.cache[layer], ids)
+                job.sender.send_blocks(job.handles, layer, offset, self.cache[layer], ids)
             except (TransferError, ValueError) as e:
                 # A broken transfer must never stop the forward; finish() reports it.
                 log.warning("KV push of job %d stopped: %s", job.job_id, e)
