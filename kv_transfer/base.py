@@ -372,6 +372,22 @@ class KVSender(ABC):
         for handle in handles:
             self.send_layer(handle, layer, first_block, kv[0], kv[1])
 
+    def send_layers(
+        self,
+        handles: Sequence[SendHandle],
+        first_block: int,
+        cache: torch.Tensor,
+        block_ids: torch.Tensor,
+    ) -> None:
+        """`send_blocks` of every layer at once, for blocks already complete in `cache`
+        [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] (a prompt prefix this
+        worker had cached). By default one layer after the other; a transport may gather several
+        layers at a time and send them as one message."""
+        if cache.dim() != 6 or cache.shape[0] != self.geometry.num_layers:
+            raise ValueError(f"cache {list(cache.shape)} does not fit {self.geometry}")
+        for layer in range(self.geometry.num_layers):
+            self.send_blocks(handles, layer, first_block, cache[layer], block_ids)
+
     @abstractmethod
     def finish(self, handle: SendHandle, timeout: float) -> TransferStats:
         """Wait until every queued frame was accepted by the receiver; TransferError when one

@@ -5,6 +5,7 @@ over the pair's group (device to device on the GPU). Used by p2p_sender.py."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -41,7 +42,8 @@ class Pair:
     """A two-rank group to one receiver and the thread that posts its frames, in queue order.
 
     The thread takes every frame queued so far (up to BATCH_BYTES) as one batch: one store
-    message carries the batch's headers, one send its payloads back to back. The receiver then
+    message carries the batch's headers, one send its payloads back to back (straight from their
+    buffer when they already lie so, as layers gathered together do; else joined). The receiver then
     pays one store round trip and one recv per batch, not per layer, when a whole prompt's KV is
     ready at once (a prefix-cache hit, a benchmark); during a prefill, layers come one at a time.
     """
@@ -56,11 +58,12 @@ class Pair:
         self._stream: torch.cuda.Stream | None = None  # made for the first CUDA payload
         threading.Thread(target=self._post_frames, name=name, daemon=True).start()
 
-    def put(self, frame: Frame) -> None:
+    def put(self, frames: list[Frame]) -> None:
+        """Queue frames together (the thread sees all of them at once)."""
         with self._wake:
             if self.broken is not None or self._closed:
                 raise TransferError(self.broken or "the KV sender is closed")
-            self._queue.append(frame)
+            self._queue.extend(frames)
             self._wake.notify()
 
     def close(self, reason: str) -> None:
@@ -79,11 +82,17 @@ class Pair:
                 return None
             batch = [self._queue.popleft()]
             size = batch[0].payload.numel()
+            joined = False  # the batch so far lies back to back in one buffer: keep it so
             while (
                 self._queue
                 and len(batch) < MAX_BATCH_FRAMES
                 and size + self._queue[0].payload.numel() <= BATCH_BYTES
             ):
+                follows = _follows(batch[-1].payload, self._queue[0].payload)
+                if len(batch) == 1:
+                    joined = follows
+                elif joined and not follows:
+                    break
                 size += self._queue[0].payload.numel()
                 batch.append(self._queue.popleft())
             return batch
@@ -104,11 +113,13 @@ class Pair:
             self._stream = torch.cuda.Stream(first.device)
         stream = self._stream if first.is_cuda else None
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            waited = None
             for frame in batch:
-                if frame.ready is not None and stream is not None:
+                if frame.ready is not None and stream is not None and frame.ready is not waited:
                     stream.wait_event(frame.ready)  # the payload's copy, on the caller's stream
-            payload = first
-            if len(batch) > 1:
+                    waited = frame.ready
+            payload = _back_to_back(batch)
+            if payload is None:
                 payload = torch.cat([f.payload for f in batch])
                 if stream is not None:  # the parts are freed once the cat, on this stream, ran
                     for frame in batch:
@@ -120,6 +131,25 @@ class Pair:
             frame.sent = sent
             frame.payload = payload  # alive until the send is done
             frame.posted.set()
+
+
+def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Flat payload `b` starts where `a` ends, in the same buffer."""
+    return (
+        b.data_ptr() == a.data_ptr() + a.numel()
+        and b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+    )
+
+
+def _back_to_back(batch: list[Frame]) -> torch.Tensor | None:
+    """The batch's payloads as one tensor when they lie back to back in one buffer (layers
+    gathered together by `send_layers`, or a single frame); None when they must be joined."""
+    first = batch[0].payload
+    if len(batch) == 1:
+        return first
+    if not all(_follows(a.payload, b.payload) for a, b in itertools.pairwise(batch)):
+        return None
+    return first.as_strided((sum(f.payload.numel() for f in batch),), (1,))
 
 
 def _fail(frames: list[Frame], reason: str) -> None:

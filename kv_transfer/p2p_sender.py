@@ -30,6 +30,7 @@ from pdmesh.kv_transfer.base import (
 )
 from pdmesh.kv_transfer.frame import DTYPE_CODES, FrameHeader, payload_nbytes
 from pdmesh.kv_transfer.p2p_pairs import (
+    BATCH_BYTES,
     announce_pair,
     join_store,
     pair_group,
@@ -143,6 +144,43 @@ class P2PSender(KVSender):
             payload = pages[:, :, :, lo : lo + h.num_heads].index_select(1, block_ids)
             self._queue(h, layer, first_block, n, payload)
 
+    def send_layers(
+        self,
+        handles: Sequence[SendHandle],
+        first_block: int,
+        cache: torch.Tensor,
+        block_ids: torch.Tensor,
+    ) -> None:
+        """Each handle's heads of as many layers as fit in one batch, gathered into one buffer
+        at a time and queued together as a frame per layer: the pair thread then sends each
+        such run as one message straight from that buffer."""
+        geo = self.geometry
+        if cache.dim() != 6 or (cache.shape[0], cache.shape[1], *cache.shape[3:]) != (
+            geo.num_layers,
+            2,
+            geo.block_size,
+            geo.num_kv_heads,
+            geo.head_dim,
+        ):
+            raise ValueError(f"cache {list(cache.shape)} does not fit {geo}")
+        n = block_ids.numel()
+        for handle in handles:
+            h = self._checked(handle, "send_layers", 0, first_block, n)
+            lo = h.head_start - geo.head_start
+            heads = cache[..., lo : lo + h.num_heads, :]
+            layer_bytes = payload_nbytes(
+                n, geo.block_size, h.num_heads, geo.head_dim, geo.dtype.itemsize
+            )
+            step = max(1, BATCH_BYTES // layer_bytes)
+            for start in range(0, geo.num_layers, step):
+                chunk = heads[start : start + step].index_select(2, block_ids)
+                ready = _recorded(chunk)
+                frames = [
+                    self._frame(h, start + i, first_block, n, kv, ready)
+                    for i, kv in enumerate(chunk)
+                ]
+                self._put(h, frames)
+
     def _checked(
         self, handle: SendHandle, op: str, layer: int, first_block: int, n: int
     ) -> _Handle:
@@ -157,6 +195,17 @@ class P2PSender(KVSender):
 
     def _queue(self, h: _Handle, layer: int, first_block: int, n: int, kv: torch.Tensor) -> None:
         """Queue one frame; `kv` ([2, n, block_size, heads, head_dim]) is this frame's own."""
+        self._put(h, [self._frame(h, layer, first_block, n, kv, _recorded(kv))])
+
+    def _frame(
+        self,
+        h: _Handle,
+        layer: int,
+        first_block: int,
+        n: int,
+        kv: torch.Tensor,
+        ready: torch.cuda.Event | None,
+    ) -> Frame:
         geo = self.geometry
         payload = kv.contiguous().view(-1).view(torch.uint8)
         nbytes = payload_nbytes(n, geo.block_size, h.num_heads, geo.head_dim, geo.dtype.itemsize)
@@ -173,17 +222,15 @@ class P2PSender(KVSender):
             dtype_code=DTYPE_CODES[geo.dtype],
             payload_nbytes=nbytes,
         ).pack()
-        ready = None
-        if payload.is_cuda:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(payload.device))
-        frame = Frame(header, payload, ready)
+        return Frame(header, payload, ready)
+
+    def _put(self, h: _Handle, frames: list[Frame]) -> None:
         try:
-            h.pair.put(frame)
+            h.pair.put(frames)
         except TransferError as e:
             raise TransferError(f"transfer {h.transfer_id} to {h.endpoint}: {e}") from None
-        h.frames.append(frame)
-        h.bytes += nbytes
+        h.frames += frames
+        h.bytes += sum(f.payload.numel() for f in frames)
         if h.first_sent_at is None:
             h.first_sent_at = time.monotonic()
 
@@ -280,3 +327,12 @@ class P2PSender(KVSender):
         if not isinstance(handle, _Handle):
             raise ValueError(f"{handle!r} does not belong to this sender")
         return handle
+
+
+def _recorded(t: torch.Tensor) -> torch.cuda.Event | None:
+    """An event after the copy that made `t` (on the current stream); None on the CPU."""
+    if not t.is_cuda:
+        return None
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(t.device))
+    return ready

@@ -1,9 +1,12 @@
 """Pushing a prompt's KV blocks layer by layer, on every rank of a prefill worker.
 
 Rank 0 plans each step: for every prompt in the batch with a transfer, the prompt blocks whose
-K/V this step completes. The plan (flat int64: job, first transfer block, n, then n block ids,
-repeated) travels with the step to every rank; after each layer, each rank sends its own KV
-heads of those blocks to the decode ranks that hold them.
+K/V this step completes. The plan (flat int64: job, first transfer block, n, layers, then n block
+ids, repeated) travels with the step to every rank; after each layer, each rank sends its own KV
+heads of those blocks to the decode ranks that hold them. Blocks complete before the step (a
+prompt prefix this worker had cached) are planned with layers = ALL_LAYERS and go at once, every
+layer, right after the first layer (`KVSender.send_layers`: a transport may send several layers
+as one message), rather than at the pace of a short forward.
 
 The decode worker names the transport of each transfer (it is chosen per pair); the pusher keeps
 one sender per transport it was asked for, made on first use.
@@ -32,6 +35,9 @@ from pdmesh.kv_transfer import (
 from pdmesh.logger import get_logger
 
 log = get_logger(__name__)
+# A plan item's `layers`: ONE_LAYER = blocks this step completes, pushed after each layer;
+# ALL_LAYERS = blocks complete before it, every layer pushed at once after the first.
+ONE_LAYER, ALL_LAYERS = 1, 0
 
 
 @dataclass(frozen=True)
@@ -66,7 +72,7 @@ class KVPusher:
         self.senders: dict[str, KVSender] = {}
         self.jobs: dict[int, Job] = {}
         self._plan: torch.Tensor | None = None  # the plan last parsed, and what it said
-        self._pushes: list[tuple[Job, int, torch.Tensor]] = []
+        self._pushes: list[tuple[Job, int, int, torch.Tensor]] = []
         runner.add_layer_hook(self.push_layer)
 
     def check(self, transport: str) -> None:
@@ -108,33 +114,37 @@ class KVPusher:
         self.jobs[job_id] = Job(job_id, sender, handles)
 
     def push_layer(self, layer: int, plan: torch.Tensor) -> None:
-        for job, offset, ids in self._parse(plan):
-            if job.broken:
+        for job, offset, layers, ids in self._parse(plan):
+            if job.broken or (layers == ALL_LAYERS and layer != 0):
                 continue
             try:
-                job.sender.send_blocks(job.handles, layer, offset, self.cache[layer], ids)
+                if layers == ALL_LAYERS:
+                    job.sender.send_layers(job.handles, offset, self.cache, ids)
+                else:
+                    job.sender.send_blocks(job.handles, layer, offset, self.cache[layer], ids)
             except (TransferError, ValueError) as e:
                 # A broken transfer must never stop the forward; finish() reports it.
                 log.warning("KV push of job %d stopped: %s", job.job_id, e)
                 job.broken = True
 
-    def _parse(self, plan: torch.Tensor) -> list[tuple[Job, int, torch.Tensor]]:
-        """The step's plan as (job, first transfer block, block ids on the cache's device), read
-        once per step. The ids are copied without a sync: a blocking copy (or indexing with a
-        list) in a layer hook would make the host wait for the GPU at every layer."""
+    def _parse(self, plan: torch.Tensor) -> list[tuple[Job, int, int, torch.Tensor]]:
+        """The step's plan as (job, first transfer block, layers, block ids on the cache's
+        device), read once per step. The ids are copied without a sync: a blocking copy (or
+        indexing with a list) in a layer hook would make the host wait for the GPU at every
+        layer."""
         if plan is self._plan:
             return self._pushes
         items = plan.tolist() if plan.numel() else []
         pushes = []
         i = 0
         while i < len(items):
-            job_id, offset, n = items[i], items[i + 1], items[i + 2]
-            ids = torch.tensor(items[i + 3 : i + 3 + n], dtype=torch.int64)
-            i += 3 + n
+            job_id, offset, n, layers = items[i : i + 4]
+            ids = torch.tensor(items[i + 4 : i + 4 + n], dtype=torch.int64)
+            i += 4 + n
             job = self.jobs.get(job_id)
             if job is None or job.broken or not job.handles:
                 continue
-            pushes.append((job, offset, host_to_device(ids, self.cache.device)))
+            pushes.append((job, offset, layers, host_to_device(ids, self.cache.device)))
         self._plan, self._pushes = plan, pushes
         return pushes
 

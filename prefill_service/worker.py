@@ -24,7 +24,7 @@ from pdmesh.logger import get_logger
 from pdmesh.observability.worker_collector import TransferTotals, WorkerSnapshot
 from pdmesh.prefill_service.config import PrefillConfig
 from pdmesh.prefill_service.metrics import PrefillMetrics
-from pdmesh.prefill_service.pusher import Endpoint, KVPusher
+from pdmesh.prefill_service.pusher import ALL_LAYERS, ONE_LAYER, Endpoint, KVPusher
 from pdmesh.prefill_service.tracing import record_prefill
 from pdmesh.serving.convert import worker_stat_fields
 from pdmesh.serving.engine_loop import EngineLoop
@@ -225,6 +225,12 @@ class PrefillWorker:
                 continue
             if not push.forward_ns:
                 push.forward_ns = time.time_ns()
+            # Blocks complete before this step (cached here): every layer at once.
+            cached = min(seq.num_computed_tokens // bs, push.end_block)
+            if cached > push.sent:
+                ids = seq.block_table[push.sent : cached]
+                items += [push.job_id, push.sent - push.first_block, len(ids), ALL_LAYERS, *ids]
+                push.sent = cached
             end = seq.num_computed_tokens + n
             # Blocks whose K/V this step completes; the prompt's last one may be partial.
             upto = (
@@ -233,7 +239,7 @@ class PrefillWorker:
             if upto <= push.sent:
                 continue
             ids = seq.block_table[push.sent : upto]
-            items += [push.job_id, push.sent - push.first_block, len(ids), *ids]
+            items += [push.job_id, push.sent - push.first_block, len(ids), ONE_LAYER, *ids]
             push.sent = upto
         return torch.tensor(items, dtype=torch.int64) if items else None
 

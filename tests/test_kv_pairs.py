@@ -199,3 +199,60 @@ def test_a_decode_worker_refuses_a_transport_its_cache_cannot_use(
     assert "the nccl KV transport moves caches on cuda; this worker's cache is on cpu" in (
         log.read_text()
     )
+
+
+def test_a_prefix_cached_on_the_prefill_worker_is_pushed_whole(tiny_model, pairs: Pairs) -> None:
+    """The prefill worker holds a prompt's first 64 tokens in its prefix cache (an earlier
+    Prefill call pushed that prompt to a receiver of this test); the decode worker does not. The
+    cached blocks go every layer at once (`send_layers`) to both decode ranks, the rest layer by
+    layer: the tokens match the offline engine and each block is sent exactly once."""
+    import torch
+
+    from pdmesh.kv_transfer import PageGeometry, TransferSpec, create_receiver
+
+    geo = PageGeometry(
+        num_layers=2, block_size=16, num_kv_heads=2, head_start=0, head_dim=16, dtype=torch.float32
+    )
+    warm = _prompt(4)  # 5 blocks
+    rx = create_receiver("gloo", torch.zeros(geo.cache_shape(8)), geo, "tcp://127.0.0.1:0")
+    try:
+        spec = TransferSpec.new(list(range(5)), 0, 2)
+        done = rx.expect(spec, timeout=60)
+        target = worker_pb2.KVTarget(
+            transport="gloo",
+            transfer_id=spec.transfer_id,
+            token=spec.token,
+            first_block=0,
+            block_ids=spec.block_ids,
+            block_size=16,
+            endpoints=[worker_pb2.KVEndpoint(address=rx.endpoint, head_start=0, num_heads=2)],
+            timeout_ms=30000,
+        )
+        with grpc.insecure_channel(pairs.gloo.address) as ch:
+            worker_pb2_grpc.PrefillWorkerStub(ch).Prefill(
+                worker_pb2.PrefillRequest(
+                    request_id="warm",
+                    prompt_token_ids=warm,
+                    sampling=gen_pb.SamplingParams(**PARAMS),
+                    kv_target=target,
+                ),
+                timeout=60,
+            )
+        done.result(timeout=30)
+    finally:
+        rx.close()
+    prompt = warm[:64] + _prompt(5, 30)  # 6 blocks, the first 4 cached on the prefill worker
+    expected = (
+        pairs.reference.generate([{"prompt_token_ids": prompt}], SamplingParams(**PARAMS))[0]
+        .outputs[0]
+        .token_ids
+    )
+    hits = pairs.gloo.stats().prefix_hit_tokens
+    sent = _kv_bytes(pairs.metrics["gloo"])[("send", "gloo")]
+    received = pairs.decode.stats().kv_bytes_received
+    assert _decode_via(pairs.decode, pairs.gloo, "cached-there", prompt) == expected
+    assert pairs.gloo.stats().prefix_hit_tokens - hits == 64
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4
+    assert _kv_bytes(pairs.metrics["gloo"])[("send", "gloo")] - sent == 6 * block_bytes
+    assert pairs.decode.stats().kv_bytes_received - received == 6 * block_bytes
+    wait_until(lambda: pairs.decode.stats().kv_blocks_used == 0, 5, "blocks are free")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import threading
@@ -310,3 +311,86 @@ def test_consecutive_layers_are_written_with_one_delivery() -> None:
     assert done.result(timeout=5).frames == 3
     assert torch.equal(cache[:, :, [6, 2]], src)
     assert inbox.stats.frames_received == 3 and inbox.stats.dropped_bad_size == 2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["gloo", "tcp"])
+def test_send_layers_pushes_every_layer_of_blocks_to_each_receivers_heads(
+    transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks complete in a cache (a prefix cached on the prefill worker) go every layer at once;
+    with gloo two layers per gathered run here (batches made small), with tcp layer by layer
+    (the default). Each of two receivers of one head gets exactly its head of every layer."""
+    from pdmesh.kv_transfer import p2p_sender
+
+    geo = PageGeometry(num_kv_heads=2, head_start=0, **GEO)
+    layer_bytes = 2 * 3 * 4 * 1 * 8 * 4  # k/v x 3 blocks x block_size x 1 head x dim x fp32
+    monkeypatch.setattr(p2p_sender, "BATCH_BYTES", 2 * layer_bytes)
+    halves = [PageGeometry(num_kv_heads=1, head_start=h, **GEO) for h in (0, 1)]
+    caches = [torch.full(g.cache_shape(8), -1.0) for g in halves]
+    receivers = [
+        create_receiver(transport, c, g, "tcp://127.0.0.1:0")
+        for c, g in zip(caches, halves, strict=True)
+    ]
+    tx = create_sender(transport, geo)
+    src = torch.randn(geo.cache_shape(8))
+    try:
+        spec = TransferSpec.new([6, 0, 3], 0, 1)
+        futures = []
+        handles = []
+        for head, rx in enumerate(receivers):
+            part = dataclasses.replace(spec, head_start=head)
+            futures.append(rx.expect(part, timeout=30))
+            handles.append(tx.start(rx.endpoint, spec.transfer_id, spec.token, 3, (head, 1)))
+        tx.send_layers(handles, 0, src, torch.tensor([5, 1, 2]))
+        for h in handles:
+            assert tx.finish(h, timeout=30).frames == geo.num_layers
+        for head, (cache, done) in enumerate(zip(caches, futures, strict=True)):
+            assert done.result(timeout=30).bytes == geo.num_layers * layer_bytes
+            got = cache[:, :, [6, 0, 3]]
+            assert torch.equal(got, src[:, :, [5, 1, 2], :, head : head + 1])
+            assert (cache[:, :, [1, 2, 4, 5, 7]] == -1).all()
+        with pytest.raises(ValueError, match="does not fit"):
+            tx.send_layers(handles, 0, src[:2], torch.tensor([5]))
+    finally:
+        tx.close()
+        for rx in receivers:
+            rx.close()
+
+
+class _Recorder:
+    """A pair's group and header store that only record what the pair thread posts."""
+
+    def __init__(self) -> None:
+        self.payloads: list[torch.Tensor] = []
+        self.headers: list[bytes] = []
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> object:
+        self.payloads.append(tensors[0])
+        return None
+
+    def queue_push(self, key: str, value: bytes) -> None:
+        self.headers.append(value)
+
+
+def test_frames_back_to_back_in_one_buffer_are_sent_from_it() -> None:
+    """A run of frames lying back to back in one buffer (layers gathered together) is one send
+    straight from that buffer; frames elsewhere are joined into a send of their own."""
+    from pdmesh.kv_transfer.p2p_poster import Frame, Pair
+
+    gathered = torch.arange(64, dtype=torch.uint8)
+    loose = [torch.full((16,), 7, dtype=torch.uint8), torch.full((8,), 9, dtype=torch.uint8)]
+    frames = [Frame(bytes([i]), gathered[16 * i : 16 * (i + 1)], None) for i in range(4)]
+    frames += [Frame(b"x", loose[0], None), Frame(b"y", loose[1], None)]
+    rec = _Recorder()
+    pair = Pair(rec, rec, "test-pair")
+    try:
+        pair.put(frames)
+        for f in frames:
+            assert f.posted.wait(10) and f.error is None
+        first, second = rec.payloads
+        assert first.data_ptr() == gathered.data_ptr() and torch.equal(first, gathered)
+        assert torch.equal(second, torch.cat(loose))
+        assert rec.headers == [bytes([0, 1, 2, 3]), b"xy"]
+    finally:
+        pair.close("done")
