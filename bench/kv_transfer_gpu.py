@@ -9,9 +9,12 @@ buffer between the same two processes. So is the candidate for an `ipc` transpor
 handle (the handle's fields travel as JSON, never pickled), and the copy engines' own rate
 between the two GPUs: the same copy inside the sender's process (peer access on).
 Then a 4,096-token prompt of the Llama-3.1-8B shape (32 layers x 256 blocks of 16 tokens x 8
-KV heads x 128 dims, bf16: 512 MiB) is pushed layer by layer through the `nccl` transport into
-shuffled destination blocks, and checked byte for byte. The processes talk over stdin/stdout in
-JSON lines.
+KV heads x 128 dims, bf16: 512 MiB) goes through the `nccl` transport into shuffled destination
+blocks, from shuffled source blocks, checked byte for byte, two ways: "layers" (`send_blocks`
+after each layer, as a prefill pushes) and "whole" (`send_layers`, every layer at once, as blocks
+a prefill worker had cached go). Each transfer is timed end to end (the sender's first call ->
+the receiver's future resolved, on the host's one monotonic clock) and on the receiver's own
+span. The processes talk over stdin/stdout in JSON lines.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ import torch.distributed as dist
 
 LAYERS, HEADS, DIM, BS, BLOCKS = 32, 8, 128, 16, 256
 REPEATS = 10
+# "layers": send_blocks after each layer, as a prefill pushes; "whole": send_layers, every layer
+# at once, as blocks cached before the step go.
+MODES = ("layers", "whole")
 
 
 def geometry() -> Any:
@@ -46,8 +52,9 @@ def geometry() -> Any:
     )
 
 
-def raw_p2p(rank: int, init: str) -> float | None:
-    """GB/s of NCCL send/recv of 512 MiB (measured on the receiver, rank 1)."""
+def raw_p2p(rank: int, init: str) -> tuple[float, float]:
+    """GB/s of NCCL send/recv of 512 MiB (meaningful on the receiver, rank 1), and the host time
+    in µs of posting one small send or recv (median of 50)."""
     dist.init_process_group(
         "nccl", init_method=init, rank=rank, world_size=2, device_id=torch.device("cuda", rank)
     )
@@ -65,8 +72,17 @@ def raw_p2p(rank: int, init: str) -> float | None:
             dist.recv(buf, 0)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+    small = buf[: 1 << 19]  # 1 MiB
+    posts = []
+    for _ in range(50):
+        start = time.perf_counter()
+        work = dist.isend(small, 1) if rank == 0 else dist.irecv(small, 0)
+        posts.append(time.perf_counter() - start)
+        assert work is not None
+        work.wait()
+    torch.cuda.synchronize()
     dist.destroy_process_group()
-    return buf.numel() * 2 / statistics.median(times[2:]) / 1e9 if rank == 1 else None
+    return buf.numel() * 2 / statistics.median(times[2:]) / 1e9, statistics.median(posts) * 1e6
 
 
 def emit(obj: dict[str, Any]) -> None:
@@ -96,24 +112,28 @@ def receiver(init: str) -> None:
 
     torch.cuda.set_device(1)
     progress("receiver", "raw p2p")
-    gbps = raw_p2p(1, init)
+    gbps, post_us = raw_p2p(1, init)
     progress("receiver", f"raw p2p done: {gbps:.0f} GB/s")
     geo = geometry()
     cache = torch.zeros(geo.cache_shape(BLOCKS + 64), dtype=geo.dtype, device="cuda")
     ipc_target = torch.zeros(512 << 20, dtype=torch.uint8, device="cuda")
     rx = create_receiver("nccl", cache, geo, "tcp://127.0.0.1:0")
-    emit({"raw_p2p_gb_s": gbps, "endpoint": rx.endpoint, "ipc": share(ipc_target)})
+    hello = {"raw_p2p_gb_s": gbps, "recv_post_us": post_us, "endpoint": rx.endpoint}
+    emit({**hello, "ipc": share(ipc_target)})
     gen = torch.Generator().manual_seed(0)
-    for _ in range(REPEATS + 1):
+    for _ in range(len(MODES) * (REPEATS + 1)):
         blocks = (torch.randperm(BLOCKS + 64, generator=gen)[:BLOCKS]).tolist()
         spec = TransferSpec.new(blocks, 0, HEADS)
         done = rx.expect(spec, timeout=120)
         emit({"transfer_id": spec.transfer_id, "token": spec.token.hex(), "blocks": blocks})
         progress("receiver", f"expecting {spec.transfer_id}")
         stats = done.result(timeout=120)
+        done_at = time.monotonic()  # one clock for both processes (CLOCK_MONOTONIC)
         progress("receiver", f"received {stats.bytes} bytes in {stats.seconds:.3f} s")
         checksum = float(cache[:, :, blocks].float().sum())
-        emit({"bytes": stats.bytes, "seconds": stats.seconds, "checksum": checksum})
+        emit(
+            {"bytes": stats.bytes, "seconds": stats.seconds, "done_at": done_at, "checksum": checksum}
+        )
     rx.close()
 
 
@@ -122,28 +142,35 @@ def sender(init: str) -> None:
 
     torch.cuda.set_device(0)
     progress("sender", "raw p2p")
-    raw_p2p(0, init)
+    _, post_us = raw_p2p(0, init)
     progress("sender", "raw p2p done")
     geo = geometry()
-    source = torch.randn(geo.cache_shape(BLOCKS), device="cuda").to(geo.dtype)
-    expected = float(source.float().sum())
+    source = torch.randn(geo.cache_shape(BLOCKS + 64), device="cuda").to(geo.dtype)
+    ids = torch.randperm(BLOCKS + 64, generator=torch.Generator().manual_seed(1))[:BLOCKS]
+    expected = float(source[:, :, ids].float().sum())
+    ids = ids.cuda()
     tx = create_sender("nccl", geo)
     hello = json.loads(sys.stdin.readline())
     endpoint = hello["endpoint"]
-    emit({"ipc_copy_gb_s": ipc_copy(source, hello["ipc"])})
-    for _ in range(REPEATS + 1):
+    emit({"ipc_copy_gb_s": ipc_copy(source, hello["ipc"]), "send_post_us": post_us})
+    for _ in range(len(MODES) * (REPEATS + 1)):
         job = json.loads(sys.stdin.readline())
-        progress("sender", f"starting {job['transfer_id']} to {endpoint}")
+        progress("sender", f"starting {job['transfer_id']} to {endpoint} ({job['mode']})")
         h = tx.start(endpoint, job["transfer_id"], bytes.fromhex(job["token"]), BLOCKS)
         progress("sender", "pair ready; sending")
         torch.cuda.synchronize()
+        started_at = time.monotonic()
         start = time.perf_counter()
-        for layer in range(LAYERS):  # as a prefill pushes it: one layer at a time
-            tx.send_layer(h, layer, 0, source[layer, 0], source[layer, 1])
+        if job["mode"] == "layers":  # as a prefill pushes it: after each layer, its blocks
+            for layer in range(LAYERS):
+                tx.send_blocks([h], layer, 0, source[layer], ids)
+        else:  # blocks cached before the step: every layer at once
+            tx.send_layers([h], 0, source, ids)
         stats = tx.finish(h, timeout=120)
         emit(
             {
                 "send_seconds": time.perf_counter() - start,
+                "started_at": started_at,
                 "bytes": stats.bytes,
                 "expected_checksum": expected,
             }
@@ -183,6 +210,25 @@ def _copy_rate(dst: torch.Tensor, src: torch.Tensor) -> float:
     return src.numel() / statistics.median(times[2:]) / 1e9 if ok else float("nan")
 
 
+def _summary(timed: list[dict[str, Any]], raw: float) -> dict[str, Any]:
+    """GB/s of a mode's transfers: end to end (the sender's first call -> the receiver's future
+    resolved, one host clock) and on the receiver's own span (its first payload handled -> last
+    block written); medians with min and max, and ratios to raw NCCL."""
+    gb = timed[0]["bytes"] / 1e9
+    e2e = [r["done_at"] - r["started_at"] for r in timed]
+    span = [r["seconds"] for r in timed]
+    return {
+        "e2e_seconds": statistics.median(e2e),
+        "e2e_gb_s": gb / statistics.median(e2e),
+        "e2e_gb_s_min_max": [gb / max(e2e), gb / min(e2e)],
+        "e2e_ratio_to_raw": gb / statistics.median(e2e) / raw,
+        "receiver_gb_s": gb / statistics.median(span),
+        "receiver_gb_s_min_max": [gb / max(span), gb / min(span)],
+        "receiver_ratio_to_raw": gb / statistics.median(span) / raw,
+        "sender_seconds": statistics.median(r["send_seconds"] for r in timed),
+    }
+
+
 def _close(a: float, b: float) -> bool:
     """Sums of the same bf16 values in another order agree to float rounding."""
     return abs(a - b) <= 1e-3 * abs(b) + 1.0
@@ -217,37 +263,33 @@ def main() -> None:
     hello = from_rx()
     tx.stdin.write(json.dumps({"endpoint": hello["endpoint"], "ipc": hello["ipc"]}) + "\n")
     tx.stdin.flush()
-    ipc_gb_s = json.loads(tx.stdout.readline())["ipc_copy_gb_s"]
-    runs = []
-    for _ in range(REPEATS + 1):
-        job = from_rx()
-        tx.stdin.write(json.dumps(job) + "\n")
-        tx.stdin.flush()
-        sent = json.loads(tx.stdout.readline())
-        got = from_rx()
-        runs.append({**sent, **got})
+    sender_hello = json.loads(tx.stdout.readline())
+    ipc_gb_s = sender_hello["ipc_copy_gb_s"]
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+    for mode in MODES:
+        for _ in range(REPEATS + 1):
+            job = from_rx()
+            tx.stdin.write(json.dumps({**job, "mode": mode}) + "\n")
+            tx.stdin.flush()
+            sent = json.loads(tx.stdout.readline())
+            got = from_rx()
+            runs[mode].append({**sent, **got})
     copies = json.loads(tx.stdout.readline())
     rx.wait(60)
     tx.wait(60)
-    timed = runs[1:]  # the first builds the pair's communicator
-    seconds = statistics.median(r["seconds"] for r in timed)
-    send_seconds = statistics.median(r["send_seconds"] for r in timed)
-    gb = timed[0]["bytes"] / 1e9
-    result = {
-        "raw_nccl_p2p_gb_s": hello["raw_p2p_gb_s"],
-        "kv_bytes": timed[0]["bytes"],
-        "kv_receiver_seconds": seconds,
-        "kv_gb_s": gb / seconds,
-        # Run to run, the receiver's span moves with how fast the sending process's Python
-        # queues the 32 layers (its thread and the pair thread share one GIL).
-        "kv_gb_s_min_max": [
-            gb / max(r["seconds"] for r in timed),
-            gb / min(r["seconds"] for r in timed),
-        ],
-        "kv_sender_seconds": send_seconds,
-        "ratio_to_raw": gb / seconds / hello["raw_p2p_gb_s"],
-        "bytes_checked": all(_close(r["checksum"], r["expected_checksum"]) for r in runs),
-        "first_transfer_seconds": runs[0]["seconds"],
+    raw = hello["raw_p2p_gb_s"]
+    result: dict[str, Any] = {
+        "raw_nccl_p2p_gb_s": raw,
+        "nccl_post_us": {"send": sender_hello["send_post_us"], "recv": hello["recv_post_us"]},
+        "kv_bytes": runs[MODES[0]][1]["bytes"],
+        "bytes_checked": all(
+            _close(r["checksum"], r["expected_checksum"]) for rs in runs.values() for r in rs
+        ),
+        "first_transfer_seconds": runs[MODES[0]][0]["seconds"],
+    }
+    for mode, rs in runs.items():
+        result[mode] = _summary(rs[1:], raw)  # the very first builds the pair's communicator
+    result |= {
         "ipc_copy_gb_s": ipc_gb_s,
         "ipc_over_raw_nccl": ipc_gb_s / hello["raw_p2p_gb_s"],
         "peer_copy_gb_s": copies["peer_copy_gb_s"],
