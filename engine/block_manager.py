@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 
-from pdmesh.engine.prefix_hash import ROOT_HASH, hash_block
+from pdmesh.engine.prefix_hash import ROOT_HASH, hash_block, hash_chain
 from pdmesh.engine.sequence import Sequence
 
 
@@ -161,15 +161,19 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
-            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
-            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            h = hash_block(parent, tokens)
-            seq.block_hashes.append(h)
+        first, end = len(seq.block_hashes), seq.num_computed_tokens // bs
+        if end <= first:
+            return
+        parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+        hashes = hash_chain(parent, seq.token_ids[first * bs : end * bs], bs)
+        for i, h in enumerate(hashes, first):
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and h not in self._cached:
+                tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
                 block.hash, block.parent_hash, block.token_ids = h, parent, tokens
                 self._cached[h] = block.block_id
+            parent = h
+        seq.block_hashes += hashes
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix held by a free block (used blocks keep theirs)."""

@@ -160,6 +160,7 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None,
         num_output_tokens: int = 0,
+        validated: bool = False,
     ) -> Sequence:
         if request_id in self._seqs:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -169,7 +170,8 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer; this engine runs without one.")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        self.validate_prompt(token_ids)
+        if not validated:
+            self.validate_prompt(token_ids)
         if not 0 <= num_output_tokens < min(len(token_ids), params.max_tokens):
             raise ValueError(
                 f"num_output_tokens_sent must be in [0, {min(len(token_ids), params.max_tokens)})"
@@ -217,7 +219,9 @@ class LLMEngine:
             or not self.block_manager.can_allocate(probe, new_tokens, prefix, queued_blocks)
         ):
             return None
-        seq = self._new_sequence(request_id, prompt, params, arrival_time, num_output_tokens)
+        seq = self._new_sequence(
+            request_id, prompt, params, arrival_time, num_output_tokens, validated=True
+        )
         self.block_manager.allocate(seq, new_tokens, prefix)
         seq.num_cached_tokens = seq.num_computed_tokens
         seq.status = SequenceStatus.PREFILLING

@@ -43,6 +43,7 @@ class _Pending:
     future: Future[TransferStats]
     deadline: float  # time.monotonic()
     block_index: torch.Tensor  # [num_blocks] int64 receiver block ids, on the cache's device
+    index_ready: torch.cuda.Event | None  # block_index's copy to the GPU is done (None: CPU)
     cover_start: int  # global heads expected: spec range ∩ this rank's range
     coverage: torch.Tensor  # [L, num_blocks, cover_heads] bool, on the CPU
     covered: int = 0  # True entries of `coverage`
@@ -65,6 +66,21 @@ class TransferInbox:
         self._frames = 0
         self._seconds = 0.0
         self._dropped = dict.fromkeys(Verdict, 0)
+        self._copies = torch.cuda.Stream(cache.device) if cache.is_cuda else None
+
+    def _device_ids(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """The receiver's block ids on the cache's device, and an event the writers wait for.
+        On a GPU the copy is queued on a stream of its own from pinned memory: `expect` is often
+        called from an event loop, and a copy from pageable memory would wait for whatever the
+        device is running."""
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        if self._copies is None:
+            return ids, None
+        with torch.cuda.stream(self._copies):
+            index = ids.pin_memory().to(self.cache.device, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self._copies)
+        return index, ready
 
     # -- control plane ------------------------------------------------------------------------
     def expect(self, spec: TransferSpec, timeout: float) -> Future[TransferStats]:
@@ -84,11 +100,13 @@ class TransferInbox:
                 f"{geo.head_end})"
             )
         future: Future[TransferStats] = Future()
+        index, ready = self._device_ids(spec.block_ids)
         pending = _Pending(
             spec=spec,
             future=future,
             deadline=time.monotonic() + timeout,
-            block_index=torch.tensor(spec.block_ids, dtype=torch.int64, device=self.cache.device),
+            block_index=index,
+            index_ready=ready,
             cover_start=lo,
             coverage=torch.zeros((geo.num_layers, spec.num_blocks, hi - lo), dtype=torch.bool),
         )
@@ -258,6 +276,8 @@ class TransferInbox:
         # dst: [layers, 2, num_blocks, block_size, hi - lo, head_dim], a strided view
         end = h.layer + layers
         dst = self.cache[h.layer : end, :, :, :, lo - geo.head_start : hi - geo.head_start]
+        if pending.index_ready is not None:
+            torch.cuda.current_stream(self.cache.device).wait_event(pending.index_ready)
         index = pending.block_index[h.first_block : h.first_block + h.num_blocks]
         dst.index_copy_(2, index, src)
 

@@ -30,6 +30,9 @@ CONNECT_TIMEOUT = datetime.timedelta(seconds=5)
 # A pair waits in recv for as long as no prompt is sent its way: its group must not time out.
 IDLE_TIMEOUT = datetime.timedelta(days=7)
 PAIR_COUNT_KEY = "pdmesh/kv/pairs"
+# Python's GIL switch interval in a process with a KV pair (default 5 ms): its threads post
+# sends and recvs while another thread runs a forward pass in Python.
+GIL_SWITCH_S = 0.0005
 
 
 def host_port(endpoint: str) -> tuple[str, int]:

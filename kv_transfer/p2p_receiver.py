@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import threading
 
 import torch
@@ -35,6 +36,7 @@ from pdmesh.kv_transfer.inbox import TransferInbox
 from pdmesh.kv_transfer.p2p_pairs import (
     BATCH_BYTES,
     FRAME_QUEUE,
+    GIL_SWITCH_S,
     HEADER_WAIT,
     MAX_BATCH_FRAMES,
     RENDEZVOUS_TIMEOUT,
@@ -60,6 +62,9 @@ class P2PReceiver(KVReceiver):
                 f"the {self.backend} KV transport needs a cache on "
                 f"{'the GPU' if self.backend == 'nccl' else 'the CPU'}, got {cache.device}"
             )
+        # As on the sending side (p2p_sender.py): a pair thread waiting for the GIL behind a
+        # thread running Python would hold the next recv back by up to the switch interval.
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
         self._cache = cache
         self._inbox = TransferInbox(cache, geometry)
         self._store = serve_store(bind)

@@ -31,6 +31,7 @@ from pdmesh.kv_transfer.base import (
 from pdmesh.kv_transfer.frame import DTYPE_CODES, FrameHeader, payload_nbytes
 from pdmesh.kv_transfer.p2p_pairs import (
     BATCH_BYTES,
+    GIL_SWITCH_S,
     announce_pair,
     join_store,
     pair_group,
@@ -41,7 +42,6 @@ from pdmesh.logger import get_logger
 
 log = get_logger(__name__)
 POLL_S = 0.0002  # NCCL send completion, polled: a prefill reply waits on it
-GIL_SWITCH_S = 0.0005
 
 
 class _Handle(SendHandle):

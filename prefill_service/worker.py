@@ -158,7 +158,8 @@ class PrefillWorker:
             first_token, cached = await push.done
             prefill_ns = time.perf_counter_ns() - started
             stats = await asyncio.to_thread(self.pusher.finish, push.job_id, task.timeout_s)
-            await self.loop.acall(lambda e: self._followers(e, "kv.push_end", push, task))
+            if self.engine.tp_driver is not None:  # no hop to the engine thread without them
+                await self.loop.acall(lambda e: self._followers(e, "kv.push_end", push, task))
         except BaseException as exc:
             # Off the engine thread's books first, so no layer hook sends on an aborted handle.
             await self.loop.acall(lambda e: self._cancel(e, task, push))
