@@ -24,6 +24,7 @@ from typing import TypeVar
 import torch
 
 from pdmesh.kv_transfer.frame import DTYPE_CODES, ID_NBYTES, TOKEN_NBYTES
+from pdmesh.kv_transfer.pages import gather_blocks
 
 _TRANSFER_ID = re.compile(r"[0-9a-f]{32}")
 _U32 = 1 << 32  # frame header fields are u32
@@ -368,7 +369,7 @@ class KVSender(ABC):
         device) the blocks to send as [first_block, first_block + len(block_ids)). Gathers once
         for all handles; a transport may instead gather each handle's heads straight into its
         frame."""
-        kv = pages.index_select(1, block_ids)
+        kv = gather_blocks(pages, 1, block_ids)
         for handle in handles:
             self.send_layer(handle, layer, first_block, kv[0], kv[1])
 

@@ -32,6 +32,7 @@ from pdmesh.kv_transfer.frame import (
     Verdict,
     payload_nbytes,
 )
+from pdmesh.kv_transfer.pages import scatter_blocks
 from pdmesh.logger import get_logger
 
 log = get_logger(__name__)
@@ -279,7 +280,7 @@ class TransferInbox:
         if pending.index_ready is not None:
             torch.cuda.current_stream(self.cache.device).wait_event(pending.index_ready)
         index = pending.block_index[h.first_block : h.first_block + h.num_blocks]
-        dst.index_copy_(2, index, src)
+        scatter_blocks(dst, 2, index, src)
 
         cover = pending.coverage[
             h.layer : end,

@@ -38,6 +38,7 @@ from pdmesh.kv_transfer.p2p_pairs import (
     pair_store,
 )
 from pdmesh.kv_transfer.p2p_poster import Frame, Pair, Send
+from pdmesh.kv_transfer.pages import gather_blocks
 from pdmesh.logger import get_logger
 
 log = get_logger(__name__)
@@ -141,7 +142,7 @@ class P2PSender(KVSender):
         for handle in handles:
             h = self._checked(handle, "send_blocks", layer, first_block, n)
             lo = h.head_start - geo.head_start
-            payload = pages[:, :, :, lo : lo + h.num_heads].index_select(1, block_ids)
+            payload = gather_blocks(pages[:, :, :, lo : lo + h.num_heads], 1, block_ids)
             self._queue(h, layer, first_block, n, payload)
 
     def send_layers(
@@ -173,7 +174,7 @@ class P2PSender(KVSender):
             )
             step = max(1, BATCH_BYTES // layer_bytes)
             for start in range(0, geo.num_layers, step):
-                chunk = heads[start : start + step].index_select(2, block_ids)
+                chunk = gather_blocks(heads[start : start + step], 2, block_ids)
                 ready = _recorded(chunk)
                 frames = [
                     self._frame(h, start + i, first_block, n, kv, ready)
