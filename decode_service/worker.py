@@ -249,7 +249,8 @@ class DecodeWorker:
 
     def _prefill_done(self, engine: LLMEngine, rid: str, first_token: int) -> None:
         if engine.is_reserved(rid):  # else aborted meanwhile
-            self.loop.publish([engine.commit_prefill(rid, first_token)])
+            # The prompt's blocks join the prefix cache after the next step: TTFT.
+            self.loop.publish([engine.commit_prefill(rid, first_token, defer_caching=True)])
 
     def _prefill_failed(self, engine: LLMEngine, rid: str, exc: BaseException) -> None:
         if not engine.is_reserved(rid):

@@ -233,11 +233,16 @@ class LLMEngine:
         probe = Sequence("", list(prompt), SamplingParams())
         return len(self.block_manager.match_prefix(probe)) * self.block_manager.block_size
 
-    def commit_prefill(self, request_id: str, first_token: int) -> StepDelta:
-        """The prompt's KV is in its blocks and `first_token` was sampled: start decoding."""
+    def commit_prefill(
+        self, request_id: str, first_token: int, defer_caching: bool = False
+    ) -> StepDelta:
+        """The prompt's KV is in its blocks and `first_token` was sampled: start decoding.
+        defer_caching: publish the prompt's blocks in the prefix cache after the next step (or
+        when it finishes), so hashing a long prompt does not hold back its first token."""
         seq = self._reserved.pop(request_id)
         seq.num_computed_tokens = seq.num_tokens
-        self.block_manager.cache_full_blocks(seq)
+        if not defer_caching:
+            self.block_manager.cache_full_blocks(seq)
         if seq.generator is not None and not seq.params.greedy:
             # The prefill worker drew the first token from this seed: skip that draw here so
             # the rest matches a single-worker run.
@@ -322,6 +327,7 @@ class LLMEngine:
         return StepDelta(seq.request_id, [token], delta.text, None)
 
     def _finish(self, seq: Sequence, token: int, text: str, reason: str) -> StepDelta:
+        self.block_manager.cache_full_blocks(seq)  # any left (commit_prefill may defer them)
         self.scheduler.finish(seq, reason)
         seq.finished_time = time.monotonic()
         self._texts[seq.request_id] += text

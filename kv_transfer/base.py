@@ -389,6 +389,11 @@ class KVSender(ABC):
         for layer in range(self.geometry.num_layers):
             self.send_blocks(handles, layer, first_block, cache[layer], block_ids)
 
+    def done(self, handle: SendHandle) -> bool:
+        """True when every frame was sent and `finish` would return at once, so a caller on an
+        event loop may call it there; False when not, or not known without waiting."""
+        return False
+
     @abstractmethod
     def finish(self, handle: SendHandle, timeout: float) -> TransferStats:
         """Wait until every queued frame was accepted by the receiver; TransferError when one

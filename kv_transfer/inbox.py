@@ -192,7 +192,7 @@ class TransferInbox:
         if payload is None:
             return self._drop(Verdict.MALFORMED, layers), header
         arrived = time.monotonic()
-        done: tuple[_Pending, float] | None = None  # (transfer, seconds) when this frame ends it
+        done: _Pending | None = None  # the transfer, when this frame ends it
         with self._lock:
             pending = self._pending.get(header.transfer_id)
             verdict = self._check(header, payload, pending, layers)
@@ -207,13 +207,17 @@ class TransferInbox:
                 return Verdict.BAD_SIZE, header
             if pending.covered == pending.coverage.numel():
                 del self._pending[header.transfer_id]
-                done = pending, time.monotonic() - (pending.first_frame_at or arrived)
+                done = pending
                 self._completed += 1
-                self._seconds += done[1]
         if done is not None:
-            pending, seconds = done
+            pending = done
             if self.cache.is_cuda:  # writes were queued on this thread's stream
                 torch.cuda.current_stream(self.cache.device).synchronize()
+            # From the first payload in hand (on a GPU: its receive posted) to the last block
+            # written on the device.
+            seconds = time.monotonic() - (pending.first_frame_at or arrived)
+            with self._lock:
+                self._seconds += seconds
             stats = TransferStats(bytes=pending.bytes, seconds=seconds, frames=pending.frames)
             with contextlib.suppress(InvalidStateError):  # cancelled by its owner meanwhile
                 pending.future.set_result(stats)

@@ -235,6 +235,16 @@ class P2PSender(KVSender):
         if h.first_sent_at is None:
             h.first_sent_at = time.monotonic()
 
+    def done(self, handle: SendHandle) -> bool:
+        h = self._own(handle)
+        for frame in h.frames:
+            sent = frame.sent
+            if not frame.posted.is_set() or frame.error is not None or sent is None:
+                return False
+            if not sent.done and not (self.backend == "nccl" and sent.work.is_completed()):
+                return False
+        return not h.ended
+
     def finish(self, handle: SendHandle, timeout: float) -> TransferStats:
         h = self._own(handle)
         if h.ended:

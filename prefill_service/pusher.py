@@ -148,6 +148,11 @@ class KVPusher:
         self._plan, self._pushes = plan, pushes
         return pushes
 
+    def done(self, job_id: int) -> bool:
+        """Every send of the job is done: `finish` returns at once."""
+        job = self.jobs.get(job_id)
+        return job is not None and not job.broken and all(job.sender.done(h) for h in job.handles)
+
     def finish(self, job_id: int, timeout_s: float) -> list[TransferStats]:
         job = self.jobs.pop(job_id)
         return [job.sender.finish(h, timeout_s) for h in job.handles]

@@ -157,7 +157,10 @@ class PrefillWorker:
             await self.loop.acall(lambda e: self._begin(e, task, params, push))
             first_token, cached = await push.done
             prefill_ns = time.perf_counter_ns() - started
-            stats = await asyncio.to_thread(self.pusher.finish, push.job_id, task.timeout_s)
+            if self.pusher.done(push.job_id):  # usually, by the time the first token is out
+                stats = self.pusher.finish(push.job_id, task.timeout_s)
+            else:
+                stats = await asyncio.to_thread(self.pusher.finish, push.job_id, task.timeout_s)
             if self.engine.tp_driver is not None:  # no hop to the engine thread without them
                 await self.loop.acall(lambda e: self._followers(e, "kv.push_end", push, task))
         except BaseException as exc:
