@@ -7,13 +7,9 @@ from pdmesh.kv_transfer.base import (
     KVReceiver,
     KVSender,
     PageGeometry,
-    ReceiverStats,
-    SenderStats,
     SendHandle,
     TransferError,
     TransferSpec,
-    TransferStats,
-    total_stats,
 )
 from pdmesh.kv_transfer.frame import MAX_FRAME_PAYLOAD, FrameHeader, Verdict
 from pdmesh.kv_transfer.registry import (
@@ -24,6 +20,12 @@ from pdmesh.kv_transfer.registry import (
     create_sender,
     register_transport,
     resolve_transport,
+)
+from pdmesh.kv_transfer.stats import (
+    ReceiverStats,
+    SenderStats,
+    TransferStats,
+    total_stats,
 )
 
 __all__ = [

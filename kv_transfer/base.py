@@ -11,20 +11,19 @@ heads and the receiver writes the intersection with its own.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import secrets
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TypeVar
 
 import torch
 
 from pdmesh.kv_transfer.frame import DTYPE_CODES, ID_NBYTES, TOKEN_NBYTES
 from pdmesh.kv_transfer.pages import gather_blocks
+from pdmesh.kv_transfer.stats import ReceiverStats, SenderStats, TransferStats
 
 _TRANSFER_ID = re.compile(r"[0-9a-f]{32}")
 _U32 = 1 << 32  # frame header fields are u32
@@ -98,6 +97,18 @@ class PageGeometry:
             self.head_dim,
         )
 
+    def check_pages(self, pages: torch.Tensor, lead: tuple[int, ...], what: str) -> None:
+        """ValueError unless `pages` is [*lead, any number of blocks, block_size, num_kv_heads,
+        head_dim] (one layer's pages: lead (2,); a whole cache: (num_layers, 2))."""
+        n = len(lead)
+        if pages.dim() != n + 4 or (*pages.shape[:n], *pages.shape[n + 1 :]) != (
+            *lead,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+        ):
+            raise ValueError(f"{what} {list(pages.shape)} do not fit {self}")
+
     def check_cache(self, cache: torch.Tensor) -> int:
         """The cache's number of blocks; ValueError when it does not have this geometry."""
         if cache.dim() != 6 or tuple(cache.shape) != self.cache_shape(cache.shape[2]):
@@ -156,75 +167,6 @@ class TransferSpec:
             head_start=head_start,
             num_heads=num_heads,
         )
-
-
-@dataclass(frozen=True)
-class TransferStats:
-    """One finished transfer. `seconds` runs from its first frame to its last (receiver: written;
-    sender: acknowledged), so bytes / seconds is the rate it moved at, not how long it waited."""
-
-    bytes: int  # payload bytes of accepted frames
-    seconds: float
-    frames: int
-
-
-@dataclass(frozen=True)
-class ReceiverStats:
-    """Counters since the receiver started; a snapshot."""
-
-    transfers_completed: int
-    transfers_failed: int  # timed out, cancelled, or open when the receiver closed
-    bytes_received: int  # payload bytes of accepted frames
-    frames_received: int  # accepted frames
-    dropped_unknown_transfer: int
-    dropped_bad_token: int
-    dropped_bad_size: int
-    dropped_malformed: int
-    seconds_receiving: float  # sum of TransferStats.seconds of completed transfers
-
-    @property
-    def frames_dropped(self) -> int:
-        return (
-            self.dropped_unknown_transfer
-            + self.dropped_bad_token
-            + self.dropped_bad_size
-            + self.dropped_malformed
-        )
-
-
-@dataclass(frozen=True)
-class SenderStats:
-    """Counters since the sender started; a snapshot."""
-
-    bytes_sent: int  # payload bytes handed to the transport
-    frames_sent: int
-    seconds_sending: float  # sum of TransferStats.seconds of completed transfers
-    transfers: int  # completed (every frame acknowledged)
-    transfers_failed: int
-
-
-@dataclass
-class SendCounters:
-    """A sender's running counters, updated under the sender's lock; `snapshot` for `stats`."""
-
-    bytes_sent: int = 0
-    frames_sent: int = 0
-    seconds_sending: float = 0.0
-    transfers: int = 0
-    transfers_failed: int = 0
-
-    def snapshot(self) -> SenderStats:
-        return SenderStats(**dataclasses.asdict(self))
-
-
-S = TypeVar("S", ReceiverStats, SenderStats)
-
-
-def total_stats(kind: type[S], parts: Iterable[S]) -> S:
-    """Counters of several receivers (or senders) added up: a worker's over its transports."""
-    parts = list(parts)
-    names = [f.name for f in dataclasses.fields(kind)]
-    return kind(**{name: sum(getattr(p, name) for p in parts) for name in names})
 
 
 def handle_heads(geometry: PageGeometry, heads: tuple[int, int] | None) -> tuple[int, int]:
@@ -384,8 +326,7 @@ class KVSender(ABC):
         [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] (a prompt prefix this
         worker had cached). By default one layer after the other; a transport may gather several
         layers at a time and send them as one message."""
-        if cache.dim() != 6 or cache.shape[0] != self.geometry.num_layers:
-            raise ValueError(f"cache {list(cache.shape)} does not fit {self.geometry}")
+        self.geometry.check_pages(cache, (self.geometry.num_layers, 2), "cache")
         for layer in range(self.geometry.num_layers):
             self.send_blocks(handles, layer, first_block, cache[layer], block_ids)
 

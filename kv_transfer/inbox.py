@@ -20,10 +20,8 @@ import torch
 
 from pdmesh.kv_transfer.base import (
     PageGeometry,
-    ReceiverStats,
     TransferError,
     TransferSpec,
-    TransferStats,
     head_overlap,
 )
 from pdmesh.kv_transfer.frame import (
@@ -33,6 +31,10 @@ from pdmesh.kv_transfer.frame import (
     payload_nbytes,
 )
 from pdmesh.kv_transfer.pages import scatter_blocks
+from pdmesh.kv_transfer.stats import (
+    ReceiverStats,
+    TransferStats,
+)
 from pdmesh.logger import get_logger
 
 log = get_logger(__name__)

@@ -23,7 +23,6 @@ import torch.distributed as dist
 from pdmesh.kv_transfer.base import (
     KVReceiver,
     PageGeometry,
-    ReceiverStats,
     TransferSpec,
 )
 from pdmesh.kv_transfer.frame import (
@@ -45,6 +44,9 @@ from pdmesh.kv_transfer.p2p_pairs import (
     pair_group,
     pair_store,
     serve_store,
+)
+from pdmesh.kv_transfer.stats import (
+    ReceiverStats,
 )
 from pdmesh.logger import get_logger
 

@@ -21,11 +21,8 @@ import torch
 from pdmesh.kv_transfer.base import (
     KVSender,
     PageGeometry,
-    SendCounters,
-    SenderStats,
     SendHandle,
     TransferError,
-    TransferStats,
     handle_heads,
 )
 from pdmesh.kv_transfer.frame import DTYPE_CODES, FrameHeader, payload_nbytes
@@ -39,6 +36,11 @@ from pdmesh.kv_transfer.p2p_pairs import (
 )
 from pdmesh.kv_transfer.p2p_poster import Frame, Pair, Send
 from pdmesh.kv_transfer.pages import gather_blocks
+from pdmesh.kv_transfer.stats import (
+    SendCounters,
+    SenderStats,
+    TransferStats,
+)
 from pdmesh.logger import get_logger
 
 log = get_logger(__name__)
@@ -131,13 +133,7 @@ class P2PSender(KVSender):
     ) -> None:
         """Each handle's heads gathered from the cache straight into its frame (one copy)."""
         geo = self.geometry
-        if pages.dim() != 5 or (pages.shape[0], *pages.shape[2:]) != (
-            2,
-            geo.block_size,
-            geo.num_kv_heads,
-            geo.head_dim,
-        ):
-            raise ValueError(f"pages {list(pages.shape)} do not fit {geo}")
+        geo.check_pages(pages, (2,), "pages")
         n = block_ids.numel()
         for handle in handles:
             h = self._checked(handle, "send_blocks", layer, first_block, n)
@@ -156,14 +152,7 @@ class P2PSender(KVSender):
         at a time and queued together as a frame per layer: the pair thread then sends each
         such run as one message straight from that buffer."""
         geo = self.geometry
-        if cache.dim() != 6 or (cache.shape[0], cache.shape[1], *cache.shape[3:]) != (
-            geo.num_layers,
-            2,
-            geo.block_size,
-            geo.num_kv_heads,
-            geo.head_dim,
-        ):
-            raise ValueError(f"cache {list(cache.shape)} does not fit {geo}")
+        geo.check_pages(cache, (geo.num_layers, 2), "cache")
         n = block_ids.numel()
         for handle in handles:
             h = self._checked(handle, "send_layers", 0, first_block, n)

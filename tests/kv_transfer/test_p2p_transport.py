@@ -350,7 +350,7 @@ def test_send_layers_pushes_every_layer_of_blocks_to_each_receivers_heads(
             got = cache[:, :, [6, 0, 3]]
             assert torch.equal(got, src[:, :, [5, 1, 2], :, head : head + 1])
             assert (cache[:, :, [1, 2, 4, 5, 7]] == -1).all()
-        with pytest.raises(ValueError, match="does not fit"):
+        with pytest.raises(ValueError, match="do not fit"):
             tx.send_layers(handles, 0, src[:2], torch.tensor([5]))
     finally:
         tx.close()
