@@ -132,7 +132,12 @@ def receiver(init: str) -> None:
         progress("receiver", f"received {stats.bytes} bytes in {stats.seconds:.3f} s")
         checksum = float(cache[:, :, blocks].float().sum())
         emit(
-            {"bytes": stats.bytes, "seconds": stats.seconds, "done_at": done_at, "checksum": checksum}
+            {
+                "bytes": stats.bytes,
+                "seconds": stats.seconds,
+                "done_at": done_at,
+                "checksum": checksum,
+            }
         )
     rx.close()
 
