@@ -21,12 +21,7 @@ from pdmesh.kv_transfer.registry import (
     register_transport,
     resolve_transport,
 )
-from pdmesh.kv_transfer.stats import (
-    ReceiverStats,
-    SenderStats,
-    TransferStats,
-    total_stats,
-)
+from pdmesh.kv_transfer.stats import ReceiverStats, SenderStats, TransferStats, total_stats
 
 __all__ = [
     "AUTO",

@@ -18,12 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdmesh.kv_transfer.base import (
-    PageGeometry,
-    TransferError,
-    TransferSpec,
-    head_overlap,
-)
+from pdmesh.kv_transfer.base import PageGeometry, TransferError, TransferSpec, head_overlap
 from pdmesh.kv_transfer.frame import (
     FrameHeader,
     MalformedFrame,
@@ -31,10 +26,7 @@ from pdmesh.kv_transfer.frame import (
     payload_nbytes,
 )
 from pdmesh.kv_transfer.pages import scatter_blocks
-from pdmesh.kv_transfer.stats import (
-    ReceiverStats,
-    TransferStats,
-)
+from pdmesh.kv_transfer.stats import ReceiverStats, TransferStats
 from pdmesh.logger import get_logger
 
 log = get_logger(__name__)
@@ -194,7 +186,6 @@ class TransferInbox:
         if payload is None:
             return self._drop(Verdict.MALFORMED, layers), header
         arrived = time.monotonic()
-        done: _Pending | None = None  # the transfer, when this frame ends it
         with self._lock:
             pending = self._pending.get(header.transfer_id)
             verdict = self._check(header, payload, pending, layers)
@@ -207,12 +198,11 @@ class TransferInbox:
                 log.exception("writing a KV frame of transfer %s failed", header.transfer_id.hex())
                 self._dropped[Verdict.BAD_SIZE] += layers
                 return Verdict.BAD_SIZE, header
-            if pending.covered == pending.coverage.numel():
+            done = pending.covered == pending.coverage.numel()  # this frame ends the transfer
+            if done:
                 del self._pending[header.transfer_id]
-                done = pending
                 self._completed += 1
-        if done is not None:
-            pending = done
+        if done:
             if self.cache.is_cuda:  # writes were queued on this thread's stream
                 torch.cuda.current_stream(self.cache.device).synchronize()
             # From the first payload in hand (on a GPU: its receive posted) to the last block

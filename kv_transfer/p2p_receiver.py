@@ -20,11 +20,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from pdmesh.kv_transfer.base import (
-    KVReceiver,
-    PageGeometry,
-    TransferSpec,
-)
+from pdmesh.kv_transfer.base import KVReceiver, PageGeometry, TransferSpec
 from pdmesh.kv_transfer.frame import (
     HEADER_NBYTES,
     MAX_FRAME_PAYLOAD,
@@ -45,9 +41,7 @@ from pdmesh.kv_transfer.p2p_pairs import (
     pair_store,
     serve_store,
 )
-from pdmesh.kv_transfer.stats import (
-    ReceiverStats,
-)
+from pdmesh.kv_transfer.stats import ReceiverStats
 from pdmesh.logger import get_logger
 
 log = get_logger(__name__)

@@ -18,13 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pdmesh.kv_transfer.base import (
-    KVSender,
-    PageGeometry,
-    SendHandle,
-    TransferError,
-    handle_heads,
-)
+from pdmesh.kv_transfer.base import KVSender, PageGeometry, SendHandle, TransferError, handle_heads
 from pdmesh.kv_transfer.frame import DTYPE_CODES, FrameHeader, payload_nbytes
 from pdmesh.kv_transfer.p2p_pairs import (
     BATCH_BYTES,
@@ -36,11 +30,7 @@ from pdmesh.kv_transfer.p2p_pairs import (
 )
 from pdmesh.kv_transfer.p2p_poster import Frame, Pair, Send
 from pdmesh.kv_transfer.pages import gather_blocks
-from pdmesh.kv_transfer.stats import (
-    SendCounters,
-    SenderStats,
-    TransferStats,
-)
+from pdmesh.kv_transfer.stats import SendCounters, SenderStats, TransferStats
 from pdmesh.logger import get_logger
 
 log = get_logger(__name__)

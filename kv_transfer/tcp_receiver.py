@@ -15,17 +15,10 @@ from concurrent.futures import Future
 import torch
 import zmq
 
-from pdmesh.kv_transfer.base import (
-    KVReceiver,
-    PageGeometry,
-    TransferSpec,
-)
+from pdmesh.kv_transfer.base import KVReceiver, PageGeometry, TransferSpec
 from pdmesh.kv_transfer.frame import HEADER_NBYTES, MAX_FRAME_PAYLOAD, Ack
 from pdmesh.kv_transfer.inbox import TransferInbox
-from pdmesh.kv_transfer.stats import (
-    ReceiverStats,
-    TransferStats,
-)
+from pdmesh.kv_transfer.stats import ReceiverStats, TransferStats
 from pdmesh.kv_transfer.zmq_options import (
     ACK_HWM,
     FRAME_HWM,
