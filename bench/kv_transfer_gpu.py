@@ -15,6 +15,11 @@ after each layer, as a prefill pushes) and "whole" (`send_layers`, every layer a
 a prefill worker had cached go). Each transfer is timed end to end (the sender's first call ->
 the receiver's future resolved, on the host's one monotonic clock) and on the receiver's own
 span. The processes talk over stdin/stdout in JSON lines.
+
+With --timeline, both processes stamp (host monotonic clock) the steps of every transfer: the
+sender's calls, its pair thread taking and posting each batch, the receiver's pair thread getting
+each batch's headers and handing it over, and the future resolved; the result then holds one
+transfer's steps per mode, in ms from the sender's first call.
 """
 
 from __future__ import annotations
@@ -107,9 +112,94 @@ def open_shared(fields: list[Any]) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-def receiver(init: str) -> None:
+STAMPS: list[tuple[float, str]] = []
+
+
+def stamped(owner: Any, name: str, label: str, enter: bool = True) -> None:
+    """Wrap `owner.name` so that each call stamps `label` when entered (if `enter`) and when
+    it returns."""
+    inner = getattr(owner, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if enter:
+            STAMPS.append((time.monotonic(), f"{label}>"))
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            STAMPS.append((time.monotonic(), f"{label}<"))
+
+    setattr(owner, name, wrapper)
+
+
+class Stamped:
+    """A proxy stamping calls of the named methods of `inner` (a process group, a
+    work), the works they return stamped too."""
+
+    def __init__(self, inner: Any, label: str, methods: tuple[str, ...]) -> None:
+        self._inner, self._label, self._methods = inner, label, methods
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if name not in self._methods:
+            return attr
+        label = f"{self._label}.{name}"
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            STAMPS.append((time.monotonic(), f"{label}>"))
+            out = attr(*args, **kwargs)
+            STAMPS.append((time.monotonic(), f"{label}<"))
+            return Stamped(out, label, ("wait",)) if name in ("send", "recv") else out
+
+        return call
+
+
+def stamp_pairs(module: Any) -> None:
+    """Stamp the group calls a pair makes in `module` (p2p_sender / p2p_receiver)."""
+    group = module.pair_group
+    module.pair_group = lambda *a, **k: Stamped(group(*a, **k), "group", ("send", "recv"))
+
+
+def stamp_sender() -> None:
+    from pdmesh.kv_transfer import p2p_pairs, p2p_poster, p2p_sender
+
+    stamped(p2p_sender.P2PSender, "send_blocks", "send_blocks")
+    stamped(p2p_sender.P2PSender, "send_layers", "send_layers")
+    stamped(p2p_sender.P2PSender, "finish", "finish")
+    stamped(p2p_poster.Pair, "_next_batch", "batch taken", enter=False)
+    stamped(p2p_poster.Pair, "_post", "post")
+    stamped(p2p_pairs.HeaderOutbox, "push", "headers pushed", enter=False)
+    stamp_pairs(p2p_sender)
+
+
+def stamp_receiver() -> None:
+    from pdmesh.kv_transfer import inbox, p2p_pairs, p2p_receiver
+
+    stamped(p2p_receiver.P2PReceiver, "_post_batch", "post batch")
+    stamped(p2p_receiver.P2PReceiver, "_write_batch", "write")
+    stamped(inbox.TransferInbox, "deliver", "deliver", enter=False)
+    stamp_pairs(p2p_receiver)
+    take = p2p_pairs.HeaderInbox.next
+
+    def next_headers(self: Any, timeout_ms: int) -> bytes | None:
+        raw = take(self, timeout_ms)
+        if raw is not None:
+            STAMPS.append((time.monotonic(), "headers in"))
+        return raw
+
+    p2p_pairs.HeaderInbox.next = next_headers  # type: ignore[method-assign]
+
+
+def drain_stamps() -> list[tuple[float, str]]:
+    out = list(STAMPS)
+    STAMPS.clear()
+    return out
+
+
+def receiver(init: str, timeline: bool) -> None:
     from pdmesh.kv_transfer import TransferSpec, create_receiver
 
+    if timeline:
+        stamp_receiver()
     torch.cuda.set_device(1)
     progress("receiver", "raw p2p")
     gbps, post_us = raw_p2p(1, init)
@@ -129,6 +219,7 @@ def receiver(init: str) -> None:
         progress("receiver", f"expecting {spec.transfer_id}")
         stats = done.result(timeout=120)
         done_at = time.monotonic()  # one clock for both processes (CLOCK_MONOTONIC)
+        stamps = [*drain_stamps(), (done_at, "future resolved")]
         progress("receiver", f"received {stats.bytes} bytes in {stats.seconds:.3f} s")
         checksum = float(cache[:, :, blocks].float().sum())
         emit(
@@ -137,14 +228,17 @@ def receiver(init: str) -> None:
                 "seconds": stats.seconds,
                 "done_at": done_at,
                 "checksum": checksum,
+                "rx_stamps": stamps if timeline else [],
             }
         )
     rx.close()
 
 
-def sender(init: str) -> None:
+def sender(init: str, timeline: bool) -> None:
     from pdmesh.kv_transfer import create_sender
 
+    if timeline:
+        stamp_sender()
     torch.cuda.set_device(0)
     progress("sender", "raw p2p")
     _, post_us = raw_p2p(0, init)
@@ -164,6 +258,7 @@ def sender(init: str) -> None:
         h = tx.start(endpoint, job["transfer_id"], bytes.fromhex(job["token"]), BLOCKS)
         progress("sender", "pair ready; sending")
         torch.cuda.synchronize()
+        drain_stamps()
         started_at = time.monotonic()
         start = time.perf_counter()
         if job["mode"] == "layers":  # as a prefill pushes it: after each layer, its blocks
@@ -178,6 +273,7 @@ def sender(init: str) -> None:
                 "started_at": started_at,
                 "bytes": stats.bytes,
                 "expected_checksum": expected,
+                "tx_stamps": drain_stamps() if timeline else [],
             }
         )
     # Last: it makes a context on the other GPU in this process, which the transfers must not
@@ -234,6 +330,13 @@ def _summary(timed: list[dict[str, Any]], raw: float) -> dict[str, Any]:
     }
 
 
+def _timeline(timed: list[dict[str, Any]]) -> list[str]:
+    """The median transfer's stamps from both processes, in order, in ms from its start."""
+    r = sorted(timed, key=lambda r: r["done_at"] - r["started_at"])[len(timed) // 2]
+    stamps = sorted([*r["tx_stamps"], *r["rx_stamps"]])
+    return [f"{(t - r['started_at']) * 1e3:8.3f} {what}" for t, what in stamps]
+
+
 def _close(a: float, b: float) -> bool:
     """Sums of the same bf16 values in another order agree to float rounding."""
     return abs(a - b) <= 1e-3 * abs(b) + 1.0
@@ -244,17 +347,20 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--role", choices=["sender", "receiver"])
     parser.add_argument("--init")
+    parser.add_argument("--timeline", action="store_true", help="stamp each transfer's steps")
     args = parser.parse_args()
     if args.role == "receiver":
-        receiver(args.init)
+        receiver(args.init, args.timeline)
         return
     if args.role == "sender":
-        sender(args.init)
+        sender(args.init, args.timeline)
         return
     from pdmesh.engine.distributed import free_port
 
     init = f"tcp://127.0.0.1:{free_port()}"
     me = [sys.executable, "-m", "pdmesh.bench.kv_transfer_gpu", "--init", init]
+    if args.timeline:
+        me.append("--timeline")
     env = dict(os.environ)
     rx = subprocess.Popen([*me, "--role", "receiver"], stdout=subprocess.PIPE, text=True, env=env)
     tx = subprocess.Popen(
@@ -300,6 +406,8 @@ def main() -> None:
         "peer_copy_gb_s": copies["peer_copy_gb_s"],
         "peer_copy_over_raw_nccl": copies["peer_copy_gb_s"] / hello["raw_p2p_gb_s"],
     }
+    if args.timeline:  # the median transfer of each mode
+        result["timeline_ms"] = {mode: _timeline(rs[1:]) for mode, rs in runs.items()}
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -41,6 +41,8 @@ DTYPE_CODES: dict[torch.dtype, int] = {
 CODE_DTYPES: dict[int, torch.dtype] = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 _HEADER = struct.Struct("<4sH16s16sIIIIIIIBQ")
+_LAYER = struct.Struct("<I")
+_LAYER_OFFSET = 4 + 2 + 16 + 16  # magic, version, transfer id, token
 _ACK = struct.Struct("<4sH16sBII")
 HEADER_NBYTES = _HEADER.size
 ACK_NBYTES = _ACK.size
@@ -105,6 +107,16 @@ class FrameHeader:
             self.payload_nbytes,
         )
 
+    def pack_layers(self, count: int) -> list[bytes]:
+        """The packed headers of this frame and of the `count - 1` alike but for the layers
+        after it (a run of layers queued together), without a dataclass per layer."""
+        buf = bytearray(self.pack())
+        out = []
+        for layer in range(self.layer, self.layer + count):
+            _LAYER.pack_into(buf, _LAYER_OFFSET, layer)
+            out.append(bytes(buf))
+        return out
+
     @staticmethod
     def unpack(data: bytes | memoryview) -> FrameHeader:
         if len(data) != HEADER_NBYTES:
@@ -115,6 +127,12 @@ class FrameHeader:
         if version != VERSION:
             raise MalformedFrame(f"frame version {version}, this receiver speaks {VERSION}")
         return FrameHeader(*fields)
+
+
+def alike_but_layer(a: bytes, b: bytes) -> bool:
+    """Two packed headers that differ in nothing but their layer field."""
+    end = _LAYER_OFFSET + _LAYER.size
+    return a[:_LAYER_OFFSET] == b[:_LAYER_OFFSET] and a[end:] == b[end:]
 
 
 @dataclass(frozen=True)

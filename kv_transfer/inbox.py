@@ -169,23 +169,31 @@ class TransferInbox:
     # -- data plane ---------------------------------------------------------------------------
     def deliver(
         self,
-        header_bytes: bytes | memoryview,
+        header_bytes: bytes | memoryview | FrameHeader,
         payload: memoryview | torch.Tensor | None,
         layers: int = 1,
+        since: float | None = None,
     ) -> tuple[Verdict, FrameHeader | None]:
         """Check one message and write it. `payload` is None when the message had no second part
         (or extra parts); a tensor (flat uint8, possibly on the GPU) when the transport receives
-        into device memory. Returns the verdict and the parsed header (None when malformed).
+        into device memory. Returns the verdict and the parsed header (None when malformed). A
+        transport that parsed the header already passes it parsed, and one that posts receives
+        ahead of writes passes `since`, when this payload's receive was posted (monotonic): a
+        transfer's seconds then start there.
 
         layers > 1: the payloads of that many frames alike but for their layers (the header's
         layer and the ones after it), back to back, written at once."""
         try:
-            header = FrameHeader.unpack(header_bytes)
+            header = (
+                header_bytes
+                if isinstance(header_bytes, FrameHeader)
+                else FrameHeader.unpack(header_bytes)
+            )
         except MalformedFrame:
             return self._drop(Verdict.MALFORMED), None
         if payload is None:
             return self._drop(Verdict.MALFORMED, layers), header
-        arrived = time.monotonic()
+        arrived = time.monotonic() if since is None else since
         with self._lock:
             pending = self._pending.get(header.transfer_id)
             verdict = self._check(header, payload, pending, layers)

@@ -4,12 +4,14 @@ The receiver hosts a TCPStore at its endpoint. A sender announces a pair by appe
 pair id to the store; both sides then build a 2-rank process group under that id's prefix
 (receiver rank 1, sender rank 0): NCCL between GPUs, gloo between CPUs.
 
-Frames travel in batches: the fixed-size headers of a batch go through the store as one message
-(a queue per pair: one round trip to push, one to pop); the batch's payloads follow, back to back,
-as one send / recv over the group. The receiver posts a recv only once headers have told it a
-payload is on its way: an NCCL recv left pending while idle would hold a kernel on the decode GPU,
-and anything there that waits for the whole device (an allocation that has to synchronise, a
-checksum over the cache) would wait for the next transfer.
+Frames travel in batches: the fixed-size headers of a batch go to the receiver as one zmq message
+(PUSH to the PULL socket the receiver binds for the pair and names in the store); the batch's
+payloads follow, back to back, as one send / recv over the group. The receiver posts a recv only
+once headers have told it a payload is on its way: an NCCL recv left pending while idle would hold
+a kernel on the decode GPU, and anything there that waits for the whole device (an allocation that
+has to synchronise, a checksum over the cache) would wait for the next transfer. (The headers once
+went through the store's queues: a blocking pop answered 0.1-0.7 ms after the push on an H200
+host, which, paid per batch, set the pace of a transfer.)
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ import secrets
 import socket
 
 import torch.distributed as dist
+import zmq
 
 from pdmesh.kv_transfer.base import TransferError
+from pdmesh.kv_transfer.frame import HEADER_NBYTES
+from pdmesh.kv_transfer.zmq_options import tune
 
 RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=30)
-# A receiver waits this long for a pair's next header before it simply waits again.
-HEADER_WAIT = datetime.timedelta(hours=1)
 # A receiver that does not answer within this is gone (the store client retries until then).
 CONNECT_TIMEOUT = datetime.timedelta(seconds=5)
 # A pair waits in recv for as long as no prompt is sent its way: its group must not time out.
@@ -74,16 +77,65 @@ def announced_pairs(store: dist.TCPStore, seen: int) -> list[str]:
     return [store.get(f"pdmesh/kv/pair/{i}").decode() for i in range(seen, count)]
 
 
-FRAME_QUEUE = "frames"
-# One batch: at most this many frames and payload bytes (at least one frame). A receiver holds one
-# batch's payload in a buffer of its own until it is written into the cache.
+# One batch: at most this many frames and payload bytes (at least one frame). A receiver holds a
+# batch's payload in a buffer of its own until it is written into the cache, and posts the next
+# batch's recv before it writes one (at most RECV_DEPTH batches' buffers at a time).
 MAX_BATCH_FRAMES = 1024
-BATCH_BYTES = 128 << 20
+BATCH_BYTES = 256 << 20
+RECV_DEPTH = 2
+HEADERS_PORT_KEY = "headers_port"
+HEADERS_HWM = 10_000  # header messages queued per pair (tiny; a sender fails past it)
 
 
 def pair_store(store: dist.Store, pair_id: str) -> dist.PrefixStore:
-    """A pair's own keys: its group's rendezvous and its FRAME_QUEUE of headers, in send order."""
+    """A pair's own keys: its group's rendezvous and the port of its header socket."""
     return dist.PrefixStore(f"pdmesh/kv/{pair_id}/", store)
+
+
+class HeaderOutbox:
+    """The sending end of a pair's header channel: one message per batch, never blocking."""
+
+    def __init__(self, store: dist.Store, pair_id: str, host: str) -> None:
+        port = int(pair_store(store, pair_id).get(HEADERS_PORT_KEY))
+        endpoint = f"tcp://{host}:{port}"
+        self._sock = zmq.Context.instance().socket(zmq.PUSH)
+        tune(self._sock, endpoint)
+        self._sock.setsockopt(zmq.SNDHWM, HEADERS_HWM)
+        self._sock.connect(endpoint)
+
+    def push(self, headers: bytes) -> None:
+        try:
+            self._sock.send(headers, zmq.NOBLOCK)
+        except zmq.Again:
+            raise TransferError("the KV receiver takes no more headers") from None
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class HeaderInbox:
+    """The receiving end: a PULL socket bound for one pair, its port published in the store
+    before the pair's group is made (the sender reads it once the group is up)."""
+
+    def __init__(self, store: dist.Store, pair_id: str, host: str) -> None:
+        self._sock = zmq.Context.instance().socket(zmq.PULL)
+        tune(self._sock, f"tcp://{host}:0")
+        self._sock.setsockopt(zmq.RCVHWM, HEADERS_HWM)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_FRAMES * HEADER_NBYTES)
+        port = self._sock.bind_to_random_port(f"tcp://{host}")
+        pair_store(store, pair_id).set(HEADERS_PORT_KEY, str(port))
+
+    def next(self, timeout_ms: int) -> bytes | None:
+        """The next batch's headers, or None if none came within `timeout_ms` (0: no wait)."""
+        if timeout_ms and not self._sock.poll(timeout_ms):
+            return None
+        try:
+            return self._sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+
+    def close(self) -> None:
+        self._sock.close()
 
 
 def pair_group(store: dist.Store, pair_id: str, rank: int, backend: str) -> dist.ProcessGroup:

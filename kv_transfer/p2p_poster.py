@@ -1,6 +1,6 @@
 """The thread per (sender, receiver) pair that posts KV frames, in queue order and in batches:
-a batch's headers go into the receiver's store as one message, its payloads follow as one send
-over the pair's group (device to device on the GPU). Used by p2p_sender.py."""
+a batch's headers go to the receiver as one message on the pair's header channel, its payloads
+follow as one send over the pair's group (device to device on the GPU). Used by p2p_sender.py."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from pdmesh.kv_transfer.base import TransferError
-from pdmesh.kv_transfer.p2p_pairs import BATCH_BYTES, FRAME_QUEUE, MAX_BATCH_FRAMES
+from pdmesh.kv_transfer.p2p_pairs import BATCH_BYTES, MAX_BATCH_FRAMES
 
 
 @dataclass
@@ -41,16 +41,16 @@ class Frame:
 class Pair:
     """A two-rank group to one receiver and the thread that posts its frames, in queue order.
 
-    The thread takes every frame queued so far (up to BATCH_BYTES) as one batch: one store
+    The thread takes every frame queued so far (up to BATCH_BYTES) as one batch: one header
     message carries the batch's headers, one send its payloads back to back (straight from their
     buffer when they already lie so, as layers gathered together do; else joined). The receiver then
-    pays one store round trip and one recv per batch, not per layer, when a whole prompt's KV is
-    ready at once (a prefix-cache hit, a benchmark); during a prefill, layers come one at a time.
+    takes one header message and posts one recv per batch, not per layer, when a whole prompt's KV
+    is ready at once (a prefix-cache hit, a benchmark); during a prefill, layers come one at a time.
     """
 
     def __init__(self, group: Any, headers: Any, name: str) -> None:
         self.group = group
-        self.headers = headers  # the pair's store, where its FRAME_QUEUE is
+        self.headers = headers  # the pair's HeaderOutbox (push, close), used by its thread only
         self.broken: str | None = None
         self._queue: deque[Frame] = deque()
         self._wake = threading.Condition()
@@ -106,6 +106,7 @@ class Pair:
                     self.broken = f"{e}"
                     self._closed = True
                 _fail(batch, self.broken)
+        self.headers.close()
 
     def _post(self, batch: list[Frame]) -> None:
         first = batch[0].payload
@@ -124,7 +125,7 @@ class Pair:
                 if stream is not None:  # the parts are freed once the cat, on this stream, ran
                     for frame in batch:
                         frame.payload.record_stream(stream)
-            self.headers.queue_push(FRAME_QUEUE, b"".join(f.header for f in batch))
+            self.headers.push(b"".join(f.header for f in batch))
             work = self.group.send([payload], 1, 0)
         sent = Send(work)
         for frame in batch:

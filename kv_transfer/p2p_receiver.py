@@ -1,10 +1,12 @@
 """Receiving KV frames over two-rank process groups (transports `nccl` and `gloo`).
 
 One thread accepts pairs (a sender announcing itself in the store) and runs the deadline clock;
-one thread per pair receives frames in order: it waits in the store for the next batch of
-headers, then receives the payloads they announce over the group in one recv, straight into
-device memory. On the GPU a pair thread works on a CUDA stream of its own, so the model's stream
-never waits on a recv.
+one thread per pair receives frames in order: it waits on the pair's header socket for the next
+batch of headers, then receives the payloads they announce over the group in one recv, straight
+into device memory. It posts the next batch's recv (when its headers are in) before it writes a
+batch into the cache, so the link stays busy while the host checks and writes. On the GPU a pair
+thread posts recvs on a CUDA stream of its own and writes on another, so the model's stream never
+waits on a recv and a write never holds back the next recv.
 Every frame is checked and written by the shared `TransferInbox`. A frame for an unknown
 transfer or with a wrong token is still received (the stream must stay in step) and then
 dropped; a malformed header ends that pair.
@@ -13,9 +15,12 @@ dropped; a malformed header ends that pair.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import sys
 import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,19 +31,19 @@ from pdmesh.kv_transfer.frame import (
     MAX_FRAME_PAYLOAD,
     FrameHeader,
     MalformedFrame,
+    alike_but_layer,
 )
 from pdmesh.kv_transfer.inbox import TransferInbox
 from pdmesh.kv_transfer.p2p_pairs import (
     BATCH_BYTES,
-    FRAME_QUEUE,
     GIL_SWITCH_S,
-    HEADER_WAIT,
     MAX_BATCH_FRAMES,
+    RECV_DEPTH,
     RENDEZVOUS_TIMEOUT,
+    HeaderInbox,
     announced_pairs,
     host_port,
     pair_group,
-    pair_store,
     serve_store,
 )
 from pdmesh.kv_transfer.stats import ReceiverStats
@@ -46,6 +51,18 @@ from pdmesh.logger import get_logger
 
 log = get_logger(__name__)
 TICK_S = 0.05
+IDLE_POLL_MS = 50  # an idle pair thread looks at the stop flag this often
+
+
+@dataclass
+class _Posted:
+    """One batch whose recv is posted: its raw headers, their parsed sizes, and the buffer."""
+
+    headers: list[bytes]
+    parsed: list[FrameHeader]
+    payload: torch.Tensor
+    work: Any
+    posted_at: float  # time.monotonic()
 
 
 class P2PReceiver(KVReceiver):
@@ -103,34 +120,41 @@ class P2PReceiver(KVReceiver):
                 ).start()
 
     def _serve_pair(self, pair_id: str) -> None:
-        device = self._cache.device
-        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            self._receive_frames(pair_id, device)
-
-    def _receive_frames(self, pair_id: str, device: torch.device) -> None:
         host, port = host_port(self._endpoint)
+        inbox: HeaderInbox | None = None
         try:
             # A client of its own: its waits must not hold up the accept thread's store calls.
             client = dist.TCPStore(host, port, is_master=False, timeout=RENDEZVOUS_TIMEOUT)
+            inbox = HeaderInbox(client, pair_id, host)
             group = pair_group(client, pair_id, rank=1, backend=self.backend)
-            client.set_timeout(HEADER_WAIT)  # the group is made: now only headers are awaited
-            headers = pair_store(client, pair_id)
-            while not self._stop.is_set():
-                try:
-                    raw = headers.queue_pop(FRAME_QUEUE, block=True)
-                except dist.DistStoreError as e:
-                    if "timeout" in str(e):
-                        continue  # an idle pair
-                    raise
-                self._receive_batch(raw, group, device)
+            self._receive_frames(inbox, group)
         except Exception as e:
             if not self._stop.is_set():
                 log.warning("KV pair %s closed: %s", pair_id, e)
+        finally:
+            if inbox is not None:
+                inbox.close()
 
-    def _receive_batch(self, raw: bytes, group: dist.ProcessGroup, device: torch.device) -> None:
-        """One batch: its headers, then its payloads in one recv, then each frame's checks and
-        writes. Headers that do not add up end the pair (its stream would be out of step)."""
+    def _receive_frames(self, inbox: HeaderInbox, group: dist.ProcessGroup) -> None:
+        device = self._cache.device
+        cuda = device.type == "cuda"
+        recvs = torch.cuda.Stream(device) if cuda else None
+        writes = torch.cuda.Stream(device) if cuda else None
+        posted: deque[_Posted] = deque()
+        while not self._stop.is_set():
+            raw = inbox.next(0 if posted else IDLE_POLL_MS)
+            if raw is not None:
+                with torch.cuda.stream(recvs) if cuda else contextlib.nullcontext():
+                    posted.append(self._post_batch(raw, group, device))
+                if len(posted) < RECV_DEPTH:
+                    continue  # the next batch's headers may be in already: post its recv first
+            if posted:
+                with torch.cuda.stream(writes) if cuda else contextlib.nullcontext():
+                    self._write_batch(posted.popleft())
+
+    def _post_batch(self, raw: bytes, group: dist.ProcessGroup, device: torch.device) -> _Posted:
+        """A batch's headers checked and its one recv posted. Headers that do not add up end
+        the pair (its stream would be out of step)."""
         count, rest = divmod(len(raw), HEADER_NBYTES)
         if rest or not 0 < count <= MAX_BATCH_FRAMES:
             self._inbox.deliver(raw, None)  # counted as malformed
@@ -148,23 +172,31 @@ class P2PReceiver(KVReceiver):
             self._inbox.deliver(headers[0], None)
             raise MalformedFrame(f"a batch announces {sum(sizes)} bytes, over the limit")
         payload = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-        group.recv([payload], 0, 0).wait()
+        posted_at = time.monotonic()
+        return _Posted(headers, parsed, payload, group.recv([payload], 0, 0), posted_at)
+
+    def _write_batch(self, batch: _Posted) -> None:
+        """Each run of frames checked and written (on the GPU: queued on the current stream,
+        after the recv)."""
+        batch.work.wait()  # NCCL: the current stream waits for the recv; gloo: the host does
+        if batch.payload.is_cuda:  # written on this stream, allocated on the recvs' one
+            batch.payload.record_stream(torch.cuda.current_stream(batch.payload.device))
         offset = 0
-        for first, layers in _runs(parsed):
-            size = sizes[first] * layers
-            self._inbox.deliver(headers[first], payload[offset : offset + size], layers)
+        for first, layers in _runs(batch.headers, batch.parsed):
+            size = batch.parsed[first].payload_nbytes * layers
+            part = batch.payload[offset : offset + size]
+            self._inbox.deliver(batch.parsed[first], part, layers, since=batch.posted_at)
             offset += size
 
 
-def _runs(headers: list[FrameHeader]) -> list[tuple[int, int]]:
+def _runs(raw: list[bytes], headers: list[FrameHeader]) -> list[tuple[int, int]]:
     """(first index, count) of runs of frames alike but for consecutive layers: a prompt's
     layers pushed together are written into the cache with one copy, not one per layer."""
     runs: list[tuple[int, int]] = []
     for i, h in enumerate(headers):
         if runs:
             first, count = runs[-1]
-            prev = headers[first]
-            if h.layer == prev.layer + count and dataclasses.replace(h, layer=prev.layer) == prev:
+            if h.layer == headers[first].layer + count and alike_but_layer(raw[first], raw[i]):
                 runs[-1] = (first, count + 1)
                 continue
         runs.append((i, 1))

@@ -23,10 +23,11 @@ from pdmesh.kv_transfer.frame import DTYPE_CODES, FrameHeader, payload_nbytes
 from pdmesh.kv_transfer.p2p_pairs import (
     BATCH_BYTES,
     GIL_SWITCH_S,
+    HeaderOutbox,
     announce_pair,
+    host_port,
     join_store,
     pair_group,
-    pair_store,
 )
 from pdmesh.kv_transfer.p2p_poster import Frame, Pair, Send
 from pdmesh.kv_transfer.pages import gather_blocks
@@ -82,7 +83,8 @@ class P2PSender(KVSender):
                 store = join_store(endpoint)
                 pair_id = announce_pair(store)
                 group = pair_group(store, pair_id, rank=0, backend=self.backend)
-                pair = Pair(group, pair_store(store, pair_id), f"kv-send-{pair_id}")
+                headers = HeaderOutbox(store, pair_id, host_port(endpoint)[0])
+                pair = Pair(group, headers, f"kv-send-{pair_id}")
                 self._pairs[endpoint] = pair
             return pair
 
@@ -155,9 +157,11 @@ class P2PSender(KVSender):
             for start in range(0, geo.num_layers, step):
                 chunk = gather_blocks(heads[start : start + step], 2, block_ids)
                 ready = _recorded(chunk)
+                flat = chunk.view(-1).view(torch.uint8)
+                header = self._header(h, start, first_block, n)
                 frames = [
-                    self._frame(h, start + i, first_block, n, kv, ready)
-                    for i, kv in enumerate(chunk)
+                    Frame(packed, flat[i * layer_bytes : (i + 1) * layer_bytes], ready)
+                    for i, packed in enumerate(header.pack_layers(chunk.shape[0]))
                 ]
                 self._put(h, frames)
 
@@ -186,10 +190,12 @@ class P2PSender(KVSender):
         kv: torch.Tensor,
         ready: torch.cuda.Event | None,
     ) -> Frame:
-        geo = self.geometry
         payload = kv.contiguous().view(-1).view(torch.uint8)
-        nbytes = payload_nbytes(n, geo.block_size, h.num_heads, geo.head_dim, geo.dtype.itemsize)
-        header = FrameHeader(
+        return Frame(self._header(h, layer, first_block, n).pack(), payload, ready)
+
+    def _header(self, h: _Handle, layer: int, first_block: int, n: int) -> FrameHeader:
+        geo = self.geometry
+        return FrameHeader(
             transfer_id=h.raw_id,
             token=h.token,
             layer=layer,
@@ -200,9 +206,10 @@ class P2PSender(KVSender):
             block_size=geo.block_size,
             head_dim=geo.head_dim,
             dtype_code=DTYPE_CODES[geo.dtype],
-            payload_nbytes=nbytes,
-        ).pack()
-        return Frame(header, payload, ready)
+            payload_nbytes=payload_nbytes(
+                n, geo.block_size, h.num_heads, geo.head_dim, geo.dtype.itemsize
+            ),
+        )
 
     def _put(self, h: _Handle, frames: list[Frame]) -> None:
         try:

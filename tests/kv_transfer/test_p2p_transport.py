@@ -167,21 +167,21 @@ def test_frames_queued_together_all_land_and_are_counted() -> None:
 
 @pytest.mark.timeout(60)
 def test_headers_that_do_not_add_up_end_only_that_pair() -> None:
-    """A peer that puts bytes other than whole headers in its queue loses its pair; the receiver
-    counts it and goes on serving other senders."""
+    """A peer that sends bytes other than whole headers on its header channel loses its pair;
+    the receiver counts it and goes on serving other senders."""
     from pdmesh.kv_transfer.p2p_pairs import (
-        FRAME_QUEUE,
+        HeaderOutbox,
         announce_pair,
+        host_port,
         join_store,
         pair_group,
-        pair_store,
     )
 
     geo, cache, rx = _pair()
     store = join_store(rx.endpoint)
     pair_id = announce_pair(store)
     pair_group(store, pair_id, rank=0, backend="gloo")  # the receiver joins as rank 1
-    pair_store(store, pair_id).queue_push(FRAME_QUEUE, b"PDKV" + b"\x00" * 90)
+    HeaderOutbox(store, pair_id, host_port(rx.endpoint)[0]).push(b"PDKV" + b"\x00" * 90)
     src = torch.randn(geo.cache_shape(8))
     tx = create_sender("gloo", geo)
     try:
@@ -359,7 +359,7 @@ def test_send_layers_pushes_every_layer_of_blocks_to_each_receivers_heads(
 
 
 class _Recorder:
-    """A pair's group and header store that only record what the pair thread posts."""
+    """A pair's group and header channel that only record what the pair thread posts."""
 
     def __init__(self) -> None:
         self.payloads: list[torch.Tensor] = []
@@ -369,8 +369,11 @@ class _Recorder:
         self.payloads.append(tensors[0])
         return None
 
-    def queue_push(self, key: str, value: bytes) -> None:
+    def push(self, value: bytes) -> None:
         self.headers.append(value)
+
+    def close(self) -> None:
+        pass
 
 
 def test_frames_back_to_back_in_one_buffer_are_sent_from_it() -> None:
