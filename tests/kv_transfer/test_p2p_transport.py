@@ -181,7 +181,9 @@ def test_headers_that_do_not_add_up_end_only_that_pair() -> None:
     store = join_store(rx.endpoint)
     pair_id = announce_pair(store)
     pair_group(store, pair_id, rank=0, backend="gloo")  # the receiver joins as rank 1
-    HeaderOutbox(store, pair_id, host_port(rx.endpoint)[0]).push(b"PDKV" + b"\x00" * 90)
+    # Kept open until the receiver has read it: a closed socket drops what it has not sent.
+    outbox = HeaderOutbox(store, pair_id, host_port(rx.endpoint)[0])
+    outbox.push(b"PDKV" + b"\x00" * 90)
     src = torch.randn(geo.cache_shape(8))
     tx = create_sender("gloo", geo)
     try:
@@ -191,6 +193,7 @@ def test_headers_that_do_not_add_up_end_only_that_pair() -> None:
         assert rx.stats.dropped_malformed == 1
         _send_one_block(tx, rx, cache, src, 0, 4)
     finally:
+        outbox.close()
         tx.close()
         rx.close()
 
