@@ -37,6 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pdmesh.bench import kv_timeline
+
 LAYERS, HEADS, DIM, BS, BLOCKS = 32, 8, 128, 16, 256
 REPEATS = 10
 # "layers": send_blocks after each layer, as a prefill pushes; "whole": send_layers, every layer
@@ -112,94 +114,11 @@ def open_shared(fields: list[Any]) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-STAMPS: list[tuple[float, str]] = []
-
-
-def stamped(owner: Any, name: str, label: str, enter: bool = True) -> None:
-    """Wrap `owner.name` so that each call stamps `label` when entered (if `enter`) and when
-    it returns."""
-    inner = getattr(owner, name)
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if enter:
-            STAMPS.append((time.monotonic(), f"{label}>"))
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            STAMPS.append((time.monotonic(), f"{label}<"))
-
-    setattr(owner, name, wrapper)
-
-
-class Stamped:
-    """A proxy stamping calls of the named methods of `inner` (a process group, a
-    work), the works they return stamped too."""
-
-    def __init__(self, inner: Any, label: str, methods: tuple[str, ...]) -> None:
-        self._inner, self._label, self._methods = inner, label, methods
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._inner, name)
-        if name not in self._methods:
-            return attr
-        label = f"{self._label}.{name}"
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            STAMPS.append((time.monotonic(), f"{label}>"))
-            out = attr(*args, **kwargs)
-            STAMPS.append((time.monotonic(), f"{label}<"))
-            return Stamped(out, label, ("wait",)) if name in ("send", "recv") else out
-
-        return call
-
-
-def stamp_pairs(module: Any) -> None:
-    """Stamp the group calls a pair makes in `module` (p2p_sender / p2p_receiver)."""
-    group = module.pair_group
-    module.pair_group = lambda *a, **k: Stamped(group(*a, **k), "group", ("send", "recv"))
-
-
-def stamp_sender() -> None:
-    from pdmesh.kv_transfer import p2p_pairs, p2p_poster, p2p_sender
-
-    stamped(p2p_sender.P2PSender, "send_blocks", "send_blocks")
-    stamped(p2p_sender.P2PSender, "send_layers", "send_layers")
-    stamped(p2p_sender.P2PSender, "finish", "finish")
-    stamped(p2p_poster.Pair, "_next_batch", "batch taken", enter=False)
-    stamped(p2p_poster.Pair, "_post", "post")
-    stamped(p2p_pairs.HeaderOutbox, "push", "headers pushed", enter=False)
-    stamp_pairs(p2p_sender)
-
-
-def stamp_receiver() -> None:
-    from pdmesh.kv_transfer import inbox, p2p_pairs, p2p_receiver
-
-    stamped(p2p_receiver.P2PReceiver, "_post_batch", "post batch")
-    stamped(p2p_receiver.P2PReceiver, "_write_batch", "write")
-    stamped(inbox.TransferInbox, "deliver", "deliver", enter=False)
-    stamp_pairs(p2p_receiver)
-    take = p2p_pairs.HeaderInbox.next
-
-    def next_headers(self: Any, timeout_ms: int) -> bytes | None:
-        raw = take(self, timeout_ms)
-        if raw is not None:
-            STAMPS.append((time.monotonic(), "headers in"))
-        return raw
-
-    p2p_pairs.HeaderInbox.next = next_headers  # type: ignore[method-assign]
-
-
-def drain_stamps() -> list[tuple[float, str]]:
-    out = list(STAMPS)
-    STAMPS.clear()
-    return out
-
-
 def receiver(init: str, timeline: bool) -> None:
     from pdmesh.kv_transfer import TransferSpec, create_receiver
 
     if timeline:
-        stamp_receiver()
+        kv_timeline.stamp_receiver()
     torch.cuda.set_device(1)
     progress("receiver", "raw p2p")
     gbps, post_us = raw_p2p(1, init)
@@ -219,7 +138,7 @@ def receiver(init: str, timeline: bool) -> None:
         progress("receiver", f"expecting {spec.transfer_id}")
         stats = done.result(timeout=120)
         done_at = time.monotonic()  # one clock for both processes (CLOCK_MONOTONIC)
-        stamps = [*drain_stamps(), (done_at, "future resolved")]
+        stamps = [*kv_timeline.drain_stamps(), (done_at, "future resolved")]
         progress("receiver", f"received {stats.bytes} bytes in {stats.seconds:.3f} s")
         checksum = float(cache[:, :, blocks].float().sum())
         emit(
@@ -238,7 +157,7 @@ def sender(init: str, timeline: bool) -> None:
     from pdmesh.kv_transfer import create_sender
 
     if timeline:
-        stamp_sender()
+        kv_timeline.stamp_sender()
     torch.cuda.set_device(0)
     progress("sender", "raw p2p")
     _, post_us = raw_p2p(0, init)
@@ -258,7 +177,7 @@ def sender(init: str, timeline: bool) -> None:
         h = tx.start(endpoint, job["transfer_id"], bytes.fromhex(job["token"]), BLOCKS)
         progress("sender", "pair ready; sending")
         torch.cuda.synchronize()
-        drain_stamps()
+        kv_timeline.drain_stamps()
         started_at = time.monotonic()
         start = time.perf_counter()
         if job["mode"] == "layers":  # as a prefill pushes it: after each layer, its blocks
@@ -273,7 +192,7 @@ def sender(init: str, timeline: bool) -> None:
                 "started_at": started_at,
                 "bytes": stats.bytes,
                 "expected_checksum": expected,
-                "tx_stamps": drain_stamps() if timeline else [],
+                "tx_stamps": kv_timeline.drain_stamps() if timeline else [],
             }
         )
     # Last: it makes a context on the other GPU in this process, which the transfers must not
@@ -328,13 +247,6 @@ def _summary(timed: list[dict[str, Any]], raw: float) -> dict[str, Any]:
         "receiver_ratio_to_raw": gb / statistics.median(span) / raw,
         "sender_seconds": statistics.median(r["send_seconds"] for r in timed),
     }
-
-
-def _timeline(timed: list[dict[str, Any]]) -> list[str]:
-    """The median transfer's stamps from both processes, in order, in ms from its start."""
-    r = sorted(timed, key=lambda r: r["done_at"] - r["started_at"])[len(timed) // 2]
-    stamps = sorted([*r["tx_stamps"], *r["rx_stamps"]])
-    return [f"{(t - r['started_at']) * 1e3:8.3f} {what}" for t, what in stamps]
 
 
 def _close(a: float, b: float) -> bool:
@@ -407,7 +319,7 @@ def main() -> None:
         "peer_copy_over_raw_nccl": copies["peer_copy_gb_s"] / hello["raw_p2p_gb_s"],
     }
     if args.timeline:  # the median transfer of each mode
-        result["timeline_ms"] = {mode: _timeline(rs[1:]) for mode, rs in runs.items()}
+        result["timeline_ms"] = {mode: kv_timeline.timeline(rs[1:]) for mode, rs in runs.items()}
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,6 @@ follow as one send over the pair's group (device to device on the GPU). Used by 
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import threading
 from collections import deque
@@ -113,7 +112,7 @@ class Pair:
         if first.is_cuda and self._stream is None:
             self._stream = torch.cuda.Stream(first.device)
         stream = self._stream if first.is_cuda else None
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        with torch.cuda.stream(stream):  # None on the CPU: a no-op
             waited = None
             for frame in batch:
                 if frame.ready is not None and stream is not None and frame.ready is not waited:

@@ -14,7 +14,6 @@ dropped; a malformed header ends that pair.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import threading
 import time
@@ -56,7 +55,7 @@ IDLE_POLL_MS = 50  # an idle pair thread looks at the stop flag this often
 
 @dataclass
 class _Posted:
-    """One batch whose recv is posted: its raw headers, their parsed sizes, and the buffer."""
+    """One batch whose recv is posted: its headers, raw and parsed, and the buffer."""
 
     headers: list[bytes]
     parsed: list[FrameHeader]
@@ -138,18 +137,19 @@ class P2PReceiver(KVReceiver):
     def _receive_frames(self, inbox: HeaderInbox, group: dist.ProcessGroup) -> None:
         device = self._cache.device
         cuda = device.type == "cuda"
+        # None on the CPU: torch.cuda.stream(None) changes nothing.
         recvs = torch.cuda.Stream(device) if cuda else None
         writes = torch.cuda.Stream(device) if cuda else None
         posted: deque[_Posted] = deque()
         while not self._stop.is_set():
             raw = inbox.next(0 if posted else IDLE_POLL_MS)
             if raw is not None:
-                with torch.cuda.stream(recvs) if cuda else contextlib.nullcontext():
+                with torch.cuda.stream(recvs):
                     posted.append(self._post_batch(raw, group, device))
                 if len(posted) < RECV_DEPTH:
                     continue  # the next batch's headers may be in already: post its recv first
             if posted:
-                with torch.cuda.stream(writes) if cuda else contextlib.nullcontext():
+                with torch.cuda.stream(writes):
                     self._write_batch(posted.popleft())
 
     def _post_batch(self, raw: bytes, group: dist.ProcessGroup, device: torch.device) -> _Posted:

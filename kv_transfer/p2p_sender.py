@@ -179,19 +179,8 @@ class P2PSender(KVSender):
 
     def _queue(self, h: _Handle, layer: int, first_block: int, n: int, kv: torch.Tensor) -> None:
         """Queue one frame; `kv` ([2, n, block_size, heads, head_dim]) is this frame's own."""
-        self._put(h, [self._frame(h, layer, first_block, n, kv, _recorded(kv))])
-
-    def _frame(
-        self,
-        h: _Handle,
-        layer: int,
-        first_block: int,
-        n: int,
-        kv: torch.Tensor,
-        ready: torch.cuda.Event | None,
-    ) -> Frame:
-        payload = kv.contiguous().view(-1).view(torch.uint8)
-        return Frame(self._header(h, layer, first_block, n).pack(), payload, ready)
+        header = self._header(h, layer, first_block, n).pack()
+        self._put(h, [Frame(header, kv.contiguous().view(-1).view(torch.uint8), _recorded(kv))])
 
     def _header(self, h: _Handle, layer: int, first_block: int, n: int) -> FrameHeader:
         geo = self.geometry
