@@ -38,6 +38,14 @@ class Shapes:
     moe_hidden: int = 2048
     moe_inter: int = 768
     moe_tokens: tuple[int, ...] = (1, 64, 4096)
+    # (outputs, inputs) of the batch-1 decode projections the GEMV takes: qkv, o, and the
+    # TP=2 shards of qkv and o; the down projection is the gated case (from [gate | up]).
+    projections: tuple[tuple[int, int], ...] = (
+        (6144, 4096),
+        (4096, 4096),
+        (3072, 4096),
+        (4096, 2048),
+    )
 
 
 SMOKE = Shapes(
@@ -55,6 +63,7 @@ SMOKE = Shapes(
     moe_hidden=64,
     moe_inter=32,
     moe_tokens=(3,),
+    projections=((40, 96),),
 )
 
 
@@ -255,7 +264,39 @@ def moe_cases(s: Shapes, dtype: torch.dtype, device: torch.device) -> Iterator[C
         )
 
 
+def linear_cases(s: Shapes, dtype: torch.dtype, device: torch.device) -> Iterator[Case]:
+    from pdmesh.kernels.linear import linear_ref, silu_and_mul_linear_ref
+    from pdmesh.kernels.triton import gemv
+
+    x1 = torch.randn(1, max(k for _, k in s.projections), dtype=dtype, device=device)
+    # Timed eagerly, as every case here: these kernels are short enough that Triton's launch from
+    # Python sets their pace. The engine runs them only inside CUDA graphs (bench/gemv_gpu.py
+    # times them that way).
+    for n, k in s.projections:
+        w = torch.randn(n, k, dtype=dtype, device=device) / k**0.5
+        x = x1[:, :k].contiguous()
+        yield Case(
+            "linear",
+            f"T=1 N={n} K={k}",
+            lambda x=x, w=w: gemv.gemv(x, w),
+            lambda x=x, w=w: linear_ref(x, w),
+            _nbytes(w, x) + n * x.element_size(),
+            2.0 * n * k,
+        )
+    gate_up = torch.randn(1, 2 * s.inter, dtype=dtype, device=device)
+    down = torch.randn(s.hidden, s.inter, dtype=dtype, device=device) / s.inter**0.5
+    yield Case(
+        "silu_and_mul_linear",
+        f"T=1 N={s.hidden} K={s.inter}",
+        lambda: gemv.gemv(gate_up, down, gated=True),
+        lambda: silu_and_mul_linear_ref(gate_up, down),
+        _nbytes(down, gate_up) + s.hidden * gate_up.element_size(),
+        2.0 * s.hidden * s.inter,
+    )
+
+
 def all_cases(s: Shapes, dtype: torch.dtype, device: torch.device) -> Iterator[Case]:
     yield from attention_cases(s, dtype, device)
     yield from pointwise_cases(s, dtype, device)
+    yield from linear_cases(s, dtype, device)
     yield from moe_cases(s, dtype, device)

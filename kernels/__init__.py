@@ -10,6 +10,7 @@ from pdmesh.kernels.attention import (
     paged_prefill_attention,
     store_kv_cache,
 )
+from pdmesh.kernels.linear import linear, silu_and_mul_linear
 from pdmesh.kernels.moe import count_expert_tokens, moe_experts, moe_route
 from pdmesh.kernels.norm import fused_add_rms_norm, rms_norm
 from pdmesh.kernels.rotary import apply_rotary
@@ -18,11 +19,13 @@ __all__ = [
     "apply_rotary",
     "count_expert_tokens",
     "fused_add_rms_norm",
+    "linear",
     "moe_experts",
     "moe_route",
     "paged_decode_attention",
     "paged_prefill_attention",
     "rms_norm",
     "silu_and_mul",
+    "silu_and_mul_linear",
     "store_kv_cache",
 ]

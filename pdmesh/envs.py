@@ -25,6 +25,15 @@ def kernel_backend() -> str:
     return value
 
 
+def gemv_max_rows() -> int:
+    """PDMESH_GEMV_MAX_ROWS: projections of at most this many rows (tokens) run on the GEMV
+    kernel on CUDA (default 1, a batch-1 decode; at most 4); 0 leaves all to the matmul library."""
+    value = int(os.environ.get("PDMESH_GEMV_MAX_ROWS", "1"))
+    if not 0 <= value <= 4:
+        raise ValueError(f"PDMESH_GEMV_MAX_ROWS must be in [0, 4], got {value}")
+    return value
+
+
 def num_threads() -> int | None:
     """PDMESH_NUM_THREADS: torch intra-op threads on CPU (default: torch's own choice)."""
     value = os.environ.get("PDMESH_NUM_THREADS")

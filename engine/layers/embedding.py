@@ -8,6 +8,7 @@ from torch import nn
 
 from pdmesh.engine.parallel import SINGLE, ParallelGroup
 from pdmesh.engine.weights import CheckpointTensor
+from pdmesh.kernels import linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -58,7 +59,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, hidden] -> logits [S, vocab]
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         if self.tp.size > 1:
             logits = self.tp.all_gather(logits, dim=-1)
         return logits[:, : self.vocab_size]

@@ -6,11 +6,11 @@ checkpoint tensor.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdmesh.engine.parallel import SINGLE, ParallelGroup
 from pdmesh.engine.weights import CheckpointTensor
+from pdmesh.kernels import linear, silu_and_mul_linear
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -32,7 +32,7 @@ class ReplicatedLinear(nn.Module):
         self.bias = _param(out_features) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -55,7 +55,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(0, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -144,6 +144,13 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        return self._reduce(linear(x, self.weight))
+
+    def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The projection of silu(gate) * up, from an MLP's [gate | up] output: one kernel for
+        both where the GEMV takes it (a batch-1 decode step)."""
+        return self._reduce(silu_and_mul_linear(gate_up, self.weight))
+
+    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y

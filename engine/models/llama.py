@@ -23,7 +23,6 @@ from pdmesh.engine.layers.rotary import RotaryEmbedding
 from pdmesh.engine.models.base import CausalLM
 from pdmesh.engine.models.registry import register_model
 from pdmesh.engine.parallel import SINGLE, ParallelGroup
-from pdmesh.kernels import silu_and_mul
 
 
 def head_dim_of(config: Any) -> int:
@@ -86,7 +85,7 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj.forward_gated(self.gate_up_proj(x))
 
 
 class DecoderLayer(nn.Module):

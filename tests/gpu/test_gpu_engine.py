@@ -25,6 +25,24 @@ def test_fp32_on_cuda_matches_transformers(tiny_model, arch: str) -> None:
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 24, ignore_eos=True)
 
 
+def test_batch1_decode_on_the_gemv_kernel_matches_transformers(tiny_model) -> None:
+    """One sequence at a time, so each decode step's projections (and the MLP's activation)
+    run on the GEMV kernel inside the graph."""
+    from torch.profiler import ProfilerActivity, profile
+
+    folder = tiny_model("llama")
+    llm = LLM(str(folder), dtype="float32", kv_cache_tokens=4096)
+    hf = load_hf(folder)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        outputs = [
+            llm.generate([{"prompt_token_ids": p}], GREEDY)[0] for p in random_prompts([5, 40, 100])
+        ]
+    kernels = {e.key for e in prof.key_averages()}
+    assert any("_gemv_kernel" in k for k in kernels), sorted(kernels)
+    for prompt, out in zip(random_prompts([5, 40, 100]), outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 24, ignore_eos=True)
+
+
 def test_cuda_graphs_equal_eager(tiny_model) -> None:
     folder = str(tiny_model("llama"))
     prompts = [{"prompt_token_ids": p} for p in random_prompts([7, 33, 64, 90])]

@@ -15,6 +15,8 @@ KERNELS = {
     "fused_add_rms_norm",
     "apply_rotary",
     "silu_and_mul",
+    "linear",
+    "silu_and_mul_linear",
     "moe_route",
     "moe_experts",
 }

@@ -1,0 +1,143 @@
+"""A batch-1 decode step on one GPU: wall time, the graph replay alone, and the host around it,
+with the narrow decode projections on the matmul library and on the GEMV kernel.
+
+    python -m pdmesh.bench.decode_step_gpu --out DIR [--profile]
+
+Two models, bf16 random weights: the Llama-3.1-8B shape, and one rank's shard of it under TP=2
+(16 of 32 query heads, 4 of 8 KV heads, half the MLP and half the vocabulary): that model's
+graph replay is what a TP=2 rank computes per step, all-reduces and the logits' all-gather
+aside. Each is built twice: PDMESH_GEMV_MAX_ROWS=0 (cuBLAS) and =1 (the GEMV, the default).
+Every build replays its batch-1 graph on one fixed token and compares the logits with the cuBLAS
+build's (same dummy weights): the relative error is in the results.
+Writes DIR/decode_step.json (and, with --profile, a torch.profiler table of the 8B step per
+setting); prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from triton.testing import do_bench
+
+from pdmesh.bench.gpu_models import llama_8b_config, write_config
+from pdmesh.bench.gpu_workloads import decode_step_time, profile_decode, weight_bytes
+
+
+def tp2_shard_config() -> Any:
+    config = llama_8b_config()
+    config.num_attention_heads //= 2
+    config.num_key_value_heads //= 2
+    config.intermediate_size //= 2
+    config.vocab_size //= 2
+    config.head_dim = 128  # kept: the halved head count would otherwise halve it
+    return config
+
+
+def copy_gb_s() -> float:
+    n = 1 << 30
+    a = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    ms = do_bench(lambda: b.copy_(a), warmup=25, rep=200, return_mode="median")
+    return 4 * n / ms / 1e6
+
+
+VARIANTS = [("cublas", 0), ("gemv", 1)]
+
+
+def fixed_token_logits(engine: Any) -> torch.Tensor:
+    """The batch-1 graph's logits for token 1000 at position 0 of an empty cache (block 0)."""
+    g = engine.runner.graphs
+    g.input_ids[0], g.positions[0], g.slot_mapping[0] = 1000, 0, 0
+    g.block_tables[0].zero_()
+    g.context_lens[0] = 1
+    g.graphs[1].replay()
+    return g.outputs[1][0].float().clone()
+
+
+def measure(
+    folder: Path, variant: tuple[str, int], profile: bool, out: Path, bw: float
+) -> tuple[dict[str, Any], torch.Tensor]:
+    from pdmesh import LLM
+
+    name, gemv_rows = variant
+    os.environ["PDMESH_GEMV_MAX_ROWS"] = str(gemv_rows)
+    llm = LLM(
+        str(folder),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        kv_cache_tokens=32768,
+        max_num_seqs=64,
+        max_model_len=8192,
+    )
+    engine = llm.engine
+    wbytes = weight_bytes(engine.runner)
+    step_ms = decode_step_time(engine, 1, 512, steps=40) * 1e3
+    replay_ms = do_bench(
+        engine.runner.graphs.graphs[1].replay, warmup=20, rep=200, return_mode="median"
+    )
+    logits = fixed_token_logits(engine)
+    result = {
+        "model": folder.name,
+        "variant": name,
+        "weight_gb": wbytes / 1e9,
+        "floor_ms": wbytes / bw * 1e3,
+        "step_ms": step_ms,
+        "replay_ms": replay_ms,
+        "host_ms": step_ms - replay_ms,
+    }
+    if profile and folder.name == "llama8b":
+        table = profile_decode(engine, 1, 512)
+        (out / f"profile-{folder.name}-{name}.txt").write_text(table)
+    del llm, engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result, logits
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    bw = copy_gb_s() * 1e9
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "copy_gb_s": bw / 1e9,
+        "results": [],
+    }
+    tmp = Path(tempfile.mkdtemp())
+    models = [
+        write_config(tmp / "llama8b", llama_8b_config()),
+        write_config(tmp / "llama8b-tp2-shard", tp2_shard_config()),
+    ]
+    for folder in models:
+        reference = None
+        for variant in VARIANTS:
+            r, logits = measure(folder, variant, args.profile, args.out, bw)
+            reference = logits if reference is None else reference
+            r["logits_rel_err"] = float((logits - reference).norm() / reference.norm())
+            report["results"].append(r)
+            (args.out / "decode_step.json").write_text(json.dumps(report, indent=1))
+            print(
+                f"{r['model']:18s} {variant[0]:9s} step {r['step_ms']:.3f} ms, replay "
+                f"{r['replay_ms']:.3f} ms (floor {r['floor_ms']:.3f}), host {r['host_ms']:.3f} "
+                f"ms, logits vs cuBLAS {r['logits_rel_err']:.1e}",
+                flush=True,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,165 @@
+"""The decode projections at batch 1-4: the GEMV kernel's launch shapes against the matmul
+library, on the Llama-3.1-8B matrices whole (TP=1) and as one rank's shard of TP=2.
+
+    python -m pdmesh.bench.gemv_gpu --out DIR [--quick]
+
+Each figure is one call's share of a CUDA graph that runs the same projection over 8+ copies of
+its weight in turn (the copies together several times the L2, as in a decode step, where each
+matrix is read once), so neither launch gaps nor the cache flatter it. The floor is the weight's
+bytes over the copy bandwidth measured in the same run (read + write bytes of a 2 GiB copy);
+the read rate (a 2 GiB sum) is given too, since a GEMV only reads. Every launch shape is checked
+against a float64 reference on fresh inputs before it is timed. Writes DIR/gemv.json, prints a
+table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from triton.testing import do_bench
+
+from pdmesh.kernels.activation import silu_and_mul_ref
+from pdmesh.kernels.triton.activation import silu_and_mul
+from pdmesh.kernels.triton.gemv import GemvConfig, default_config, gemv
+
+# (name, N, K): Llama-3.1-8B's projections; "tp2" rows are one rank's shard of TP=2. A name
+# ending in "+silu" is the down projection from the MLP's [gate | up] output: the library's
+# figure is the SiLU kernel then F.linear, the GEMV's its gated form (one kernel).
+SHAPES = [
+    ("qkv", 6144, 4096),
+    ("o", 4096, 4096),
+    ("gate_up", 28672, 4096),
+    ("down", 4096, 14336),
+    ("lm_head", 128256, 4096),
+    ("tp2 qkv", 3072, 4096),
+    ("tp2 o", 4096, 2048),
+    ("tp2 gate_up", 14336, 4096),
+    ("tp2 down", 4096, 7168),
+    ("tp2 lm_head", 64128, 4096),
+    ("down+silu", 4096, 14336),
+    ("tp2 down+silu", 4096, 7168),
+]
+ROWS = (1, 2, 4)
+L2_SPAN = 400 * 2**20  # bytes of weight copies a graph cycles through (H100/H200 L2: 50 MiB)
+
+
+def sweep(rows: int, quick: bool) -> list[GemvConfig]:
+    if quick:
+        return []
+    if rows == 1:
+        return [
+            GemvConfig(bn, bk, w, s)
+            for bn in (4, 8, 16)
+            for bk in (256, 512, 1024)
+            for w in (4, 8)
+            for s in (1, 3)
+        ]
+    return [GemvConfig(bn, bk, 4, s) for bn in (4, 8) for bk in (128, 256) for s in (1, 3)]
+
+
+def ceilings() -> dict[str, float]:
+    n = 1 << 30
+    a = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    copy_ms = do_bench(lambda: b.copy_(a), warmup=25, rep=200, return_mode="median")
+    sum_ms = do_bench(lambda: a.sum(dtype=torch.float32), warmup=25, rep=200, return_mode="median")
+    return {"copy_gb_s": 4 * n / copy_ms / 1e6, "read_gb_s": 2 * n / sum_ms / 1e6}
+
+
+def per_call_us(fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor]) -> float:
+    """Microseconds per call, from a graph of one call per weight copy."""
+    for w in weights[:2]:
+        fn(w)  # compile, pick cuBLAS kernels: outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(w)
+    ms = do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
+    return ms * 1e3 / len(weights)
+
+
+def rel_err(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, gated: bool) -> float:
+    if gated:
+        x = silu_and_mul_ref(x)
+    ref = x.double() @ w.double().t()
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+def measure(name: str, n: int, k: int, rows: int, quick: bool, bw: float) -> dict[str, Any]:
+    nbytes = n * k * 2
+    copies = max(8, -(-L2_SPAN // nbytes))
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    gated = name.endswith("+silu")
+    x = torch.randn(rows, 2 * k if gated else k, device="cuda", dtype=torch.bfloat16)
+    floor_us = nbytes / bw * 1e6
+    act = silu_and_mul if gated else (lambda t: t)
+    cublas = per_call_us(lambda w: torch.nn.functional.linear(act(x), w), weights)
+    tried: list[dict[str, Any]] = []
+    default = default_config(rows, n, k)
+    for cfg in [default, *[c for c in sweep(rows, quick) if c != default]]:
+        err = rel_err(gemv(x, weights[0], config=cfg, gated=gated), x, weights[0], gated)
+        if not err < 1e-2:
+            tried.append({"config": cfg._asdict(), "rel_err": err, "error": "wrong result"})
+            continue
+        us = per_call_us(lambda w, cfg=cfg: gemv(x, w, config=cfg, gated=gated), weights)
+        tried.append({"config": cfg._asdict(), "rel_err": err, "us": us})
+    timed = [t for t in tried if "us" in t]
+    best = min(timed, key=lambda t: t["us"])
+    del weights
+    torch.cuda.empty_cache()
+    return {
+        "shape": name,
+        "rows": rows,
+        "n": n,
+        "k": k,
+        "weight_mb": nbytes / 1e6,
+        "floor_us": floor_us,
+        "cublas_us": cublas,
+        "default_us": timed[0]["us"] if tried[0].get("us") else None,
+        "best_us": best["us"],
+        "best_config": best["config"],
+        "cublas_ratio": cublas / floor_us,
+        "best_ratio": best["us"] / floor_us,
+        "tried": tried,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--quick", action="store_true", help="the default launch shape only")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "ceilings": ceilings(),
+        "results": [],
+    }
+    bw = report["ceilings"]["copy_gb_s"] * 1e9
+    for name, n, k in SHAPES:
+        for rows in ROWS:
+            r = measure(name, n, k, rows, args.quick, bw)
+            report["results"].append(r)
+            (args.out / "gemv.json").write_text(json.dumps(report, indent=1))
+            print(
+                f"{name:12s} M={rows} floor {r['floor_us']:7.1f} us  cuBLAS {r['cublas_us']:7.1f}"
+                f" ({r['cublas_ratio']:.2f}x)  gemv default {r['default_us'] or 0:7.1f}  best "
+                f"{r['best_us']:7.1f} ({r['best_ratio']:.2f}x) {tuple(r['best_config'].values())}",
+                flush=True,
+            )
+    c = report["ceilings"]
+    print(f"copy {c['copy_gb_s']:.0f} GB/s, read {c['read_gb_s']:.0f} GB/s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,178 @@
+"""y = x W^T (+ b) for a few rows of x: each weight element read once, at the memory's rate.
+With GATED, x is an MLP's [gate | up] projection and the product is silu(gate) * up times W^T:
+the activation is computed as each tile of x is loaded, so it needs no kernel of its own.
+
+One program per BLOCK_N output features: it streams those rows of W (contiguous along K, 16-byte
+loads, evicted first: nothing reads them again this step) and multiplies each tile by every row
+of x. Products accumulate elementwise in a [BLOCK_M, BLOCK_N, BLOCK_K] fp32 tile and are summed
+over K once at the end, so the loop has no cross-thread reduction. Rows past N re-read row N - 1
+(never stored) instead of masking, which keeps the loads along K unmasked.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from pdmesh import envs
+from pdmesh.kernels.backend import register_triton
+from pdmesh.kernels.triton.activation import silu_and_mul, silu_mul
+
+# Output features above which the matmul library streams the weight as fast (measured).
+MAX_OUTPUTS = 8192
+
+
+class GemvConfig(NamedTuple):
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit
+def _load_x(ptrs, mask, K, GATED: tl.constexpr):
+    """A tile of x; GATED: silu(gate) * up, gate at `ptrs` and up K elements further."""
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if GATED:
+        x = silu_mul(x, tl.load(ptrs + K, mask=mask, other=0.0), x.dtype)
+    return x
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok = rows < M
+    w_rows = tl.minimum(cols, N - 1).to(tl.int64)
+    w_ptrs = w_ptr + w_rows[:, None] * stride_wn + ks[None, :]  # [BLOCK_N, BLOCK_K]
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]  # [BLOCK_M, BLOCK_K]
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+            x = _load_x(x_ptrs, row_ok[:, None], K, GATED)
+        else:
+            k_ok = (k0 + ks) < K
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            x = _load_x(x_ptrs, row_ok[:, None] & k_ok[None, :], K, GATED)
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + w_rows).to(tl.float32)[None, :]
+    out = y_ptr + rows[:, None] * stride_ym + cols[None, :]
+    tl.store(out, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < N)[None, :])
+
+
+def default_config(rows: int, n: int, k: int) -> GemvConfig:
+    """Launch shape for `rows` rows of x against an [n, k] weight: the fastest single shape over
+    Llama-3.1-8B's narrow projections, whole and as TP=2 shards, on an H200 (bench/gemv_gpu.py;
+    BENCHMARKS.md). Wider outputs take shorter K tiles: more programs per row block in flight."""
+    block_k = 1024 if n <= 4096 else 512
+    if rows > 1:
+        block_k = 256
+    return GemvConfig(
+        block_n=8, block_k=min(block_k, triton.next_power_of_2(k)), num_warps=4, num_stages=1
+    )
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
+    """Whether `x @ weight.T` is a product the GEMV kernel is for: a few rows
+    (PDMESH_GEMV_MAX_ROWS) against a weight of at most MAX_OUTPUTS rows, both dense along K.
+    Wider weights (an MLP's gate/up, the LM head) already stream at the memory's rate in the
+    library's kernels, and more rows than one are faster there too (measured). gated: x holds
+    [gate | up], twice the weight's K."""
+    k = weight.shape[-1] * (2 if gated else 1)
+    return (
+        x.dim() == 2
+        and x.shape[1] == k
+        and 0 < x.shape[0] <= envs.gemv_max_rows()
+        and 0 < weight.shape[0] <= MAX_OUTPUTS
+        and x.dtype == weight.dtype
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+    )
+
+
+def _in_graph(x: torch.Tensor) -> bool:
+    """The kernel runs only inside CUDA graphs: Triton's launch from Python costs tens of
+    microseconds, more than these products take on the GPU, and a graph's replay skips it."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+    gated: bool = False,
+) -> torch.Tensor:
+    # x: [M, K] (or [M, 2K] = [gate | up] when gated), weight: [N, K], bias: [N] -> [M, N]
+    n, k = weight.shape
+    m = x.shape[0]
+    if x.shape[1] != k * (2 if gated else 1):
+        raise ValueError(f"x has {x.shape[1]} features for a weight of {k}{' (gated)' * gated}")
+    cfg = config or default_config(m, n, k)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x,
+        weight,
+        bias if bias is not None else weight,
+        y,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        HAS_BIAS=bias is not None,
+        GATED=gated,
+        EVEN_K=k % cfg.block_k == 0,
+        BLOCK_M=triton.next_power_of_2(m),
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return y
+
+
+@register_triton("linear")
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    # x: [T, K], weight: [N, K] -> [T, N]
+    if _in_graph(x) and fits(x, weight):
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+@register_triton("silu_and_mul_linear")
+def silu_and_mul_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    # x: [T, 2K] = [gate | up], weight: [N, K] -> [T, N]
+    if _in_graph(x) and fits(x, weight, gated=True):
+        return gemv(x, weight, bias, gated=True)
+    return F.linear(silu_and_mul(x), weight, bias)
