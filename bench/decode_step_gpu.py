@@ -1,12 +1,14 @@
 """A batch-1 decode step on one GPU: wall time, the graph replay alone, and the host around it,
-with the narrow decode projections on the matmul library and on the GEMV kernel.
+with the narrow decode projections on the matmul library and on the GEMV kernel, and with
+async scheduling (each step launched before the previous one's tokens are read).
 
     python -m pdmesh.bench.decode_step_gpu --out DIR [--profile]
 
 Two models, bf16 random weights: the Llama-3.1-8B shape, and one rank's shard of it under TP=2
 (16 of 32 query heads, 4 of 8 KV heads, half the MLP and half the vocabulary): that model's
 graph replay is what a TP=2 rank computes per step, all-reduces and the logits' all-gather
-aside. Each is built twice: PDMESH_GEMV_MAX_ROWS=0 (cuBLAS) and =1 (the GEMV, the default).
+aside. Each is built three times: PDMESH_GEMV_MAX_ROWS=0 (cuBLAS) and =1 (the GEMV, the
+default), one step at a time; and the GEMV with async scheduling (the default on a GPU).
 Every build replays its batch-1 graph on one fixed token and compares the logits with the cuBLAS
 build's (same dummy weights): the relative error is in the results.
 Writes DIR/decode_step.json (and, with --profile, a torch.profiler table of the 8B step per
@@ -49,7 +51,8 @@ def copy_gb_s() -> float:
     return 4 * n / ms / 1e6
 
 
-VARIANTS = [("cublas", 0), ("gemv", 1)]
+# (name, PDMESH_GEMV_MAX_ROWS, async scheduling)
+VARIANTS = [("cublas", 0, False), ("gemv", 1, False), ("gemv-async", 1, True)]
 
 
 def fixed_token_logits(engine: Any) -> torch.Tensor:
@@ -63,11 +66,11 @@ def fixed_token_logits(engine: Any) -> torch.Tensor:
 
 
 def measure(
-    folder: Path, variant: tuple[str, int], profile: bool, out: Path, bw: float
+    folder: Path, variant: tuple[str, int, bool], profile: bool, out: Path, bw: float
 ) -> tuple[dict[str, Any], torch.Tensor]:
     from pdmesh import LLM
 
-    name, gemv_rows = variant
+    name, gemv_rows, overlap = variant
     os.environ["PDMESH_GEMV_MAX_ROWS"] = str(gemv_rows)
     llm = LLM(
         str(folder),
@@ -77,6 +80,7 @@ def measure(
         kv_cache_tokens=32768,
         max_num_seqs=64,
         max_model_len=8192,
+        async_scheduling=overlap,
     )
     engine = llm.engine
     wbytes = weight_bytes(engine.runner)

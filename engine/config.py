@@ -52,6 +52,9 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     # Never capture CUDA graphs (GPU decode steps run eagerly).
     enforce_eager: bool = False
+    # Launch the next decode step before reading the current one's tokens (engine/overlap.py).
+    # None: on where decode steps replay CUDA graphs, off elsewhere (the CPU gains nothing).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -75,6 +78,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {fraction!r}.")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}.")
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(
+                f"async_scheduling must be true, false or unset, got {self.async_scheduling!r}."
+            )
         if self.block_size > 1024:
             raise ValueError(f"block_size must be at most 1024 tokens, got {self.block_size}.")
 

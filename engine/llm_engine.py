@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,7 +14,15 @@ from pdmesh.engine.detokenizer import IncrementalDetokenizer
 from pdmesh.engine.model_info import ModelInfo
 from pdmesh.engine.model_runner import ModelRunner
 from pdmesh.engine.model_source import resolve_model_folder
-from pdmesh.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepDelta
+from pdmesh.engine.outputs import (
+    CompletionOutput,
+    EngineStats,
+    RequestMetrics,
+    RequestOutput,
+    Reservation,
+    StepDelta,
+)
+from pdmesh.engine.overlap import InFlight, next_decode
 from pdmesh.engine.parallel import SINGLE
 from pdmesh.engine.sampler import Sampler
 from pdmesh.engine.sampling_params import SamplingParams
@@ -25,31 +32,6 @@ from pdmesh.engine.tp_driver import TPDriver, rank_device
 from pdmesh.logger import get_logger
 
 log = get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """Blocks held for a prompt whose KV another worker computes (see `reserve_prefill`)."""
-
-    seq: Sequence
-    first_block: int  # prompt blocks already here (prefix cache): not to be sent
-    block_ids: list[int]  # this worker's blocks for the rest of the prompt, in order
-
-    @property
-    def uncached_tokens(self) -> int:
-        return self.seq.num_tokens - self.seq.num_computed_tokens
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_blocks_total: int
-    num_blocks_used: int
-    num_blocks_free: int
-    prefix_queried_tokens: int
-    prefix_hit_tokens: int
-    num_preemptions: int
 
 
 def resolve_max_model_len(config: EngineConfig, info: ModelInfo) -> int:
@@ -121,6 +103,15 @@ class LLMEngine:
         # The last step could do nothing: queued requests wait for blocks that prompts being
         # prefilled elsewhere hold (their KV's arrival is what unblocks it).
         self.stalled = False
+        # Async scheduling (see overlap.py): on with CUDA graphs unless the config says.
+        self.async_scheduling = (
+            config.async_scheduling
+            if config.async_scheduling is not None
+            else self.runner.graphs is not None
+        )
+        self._inflight: InFlight | None = None
+        self.steps_launched_ahead = 0  # steps launched before the previous one's tokens were read
+        self._free_after_step: list[Sequence] = []  # ended while `_inflight` runs
         log.info(
             "KV cache: %s tokens (%d blocks of %d, %.2f GiB); "
             "maximum concurrency for %s tokens per request: %.2fx",
@@ -281,12 +272,12 @@ class LLMEngine:
         if seq is None or seq.is_finished:
             return None
         self._reserved.pop(request_id, None)
-        self.scheduler.finish(seq, "abort")
-        seq.finished_time = time.monotonic()
+        self._end(seq, "abort")
         return StepDelta(request_id, [], "", "abort")
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests to run, or a step on the device still to handle."""
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     def num_waiting_for_blocks(self) -> int:
         """Queued requests beyond what the KV cache can take now (see Scheduler)."""
@@ -294,20 +285,50 @@ class LLMEngine:
 
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> list[StepDelta]:
-        batch = self.scheduler.schedule()
-        self.stalled = not batch and bool(self._reserved)
-        if not batch:
-            if self.scheduler.has_unfinished() and not self.stalled:
-                raise RuntimeError("scheduler made no progress with requests pending")
-            return []
-        sampled = self.runner.run(batch)
+        """Run a step and return its deltas. With async scheduling the step handled may be one
+        launched by the previous call, and the next may already be on the device on return."""
+        cur = self._inflight
+        if cur is None:
+            batch = self.scheduler.schedule()
+            self.stalled = not batch and bool(self._reserved)
+            if not batch:
+                if self.scheduler.has_unfinished() and not self.stalled:
+                    raise RuntimeError("scheduler made no progress with requests pending")
+                return []
+            cur = InFlight(batch, self.runner.launch(batch))
+        self.stalled = False
+        self._inflight = self._launch_next(cur) if self.async_scheduling else None
+        sampled = self.runner.collect(cur.handle)
+        for seq in self._free_after_step:  # ended while `cur` ran: it no longer writes to them
+            self.block_manager.free(seq)
+        self._free_after_step = []
         deltas: list[StepDelta] = []
-        for seq, n, token in zip(batch.seqs, batch.num_new_tokens, sampled, strict=True):
+        for seq, n, token in zip(cur.batch.seqs, cur.batch.num_new_tokens, sampled, strict=True):
+            if seq.is_finished:
+                continue  # aborted while the step ran: its token is dropped
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
             if token is not None:
                 deltas.append(self._append(seq, token))
         return deltas
+
+    def _launch_next(self, cur: InFlight) -> InFlight | None:
+        if self.runner.has_planner:
+            return None  # steps that push KV are planned one at a time
+        nxt = next_decode(cur, self.scheduler, self.block_manager, self.max_model_len)
+        if nxt is None:
+            return None
+        batch, token_ids = nxt
+        self.steps_launched_ahead += 1
+        return InFlight(batch, self.runner.launch(batch, next_ids=token_ids))
+
+    def _end(self, seq: Sequence, reason: str) -> None:
+        """Finish `seq`; its blocks are freed once no step on the device writes to them."""
+        held = self._inflight is not None and self._inflight.holds(seq)
+        self.scheduler.finish(seq, reason, free_blocks=not held)
+        if held:
+            self._free_after_step.append(seq)
+        seq.finished_time = time.monotonic()
 
     def _append(self, seq: Sequence, token: int) -> StepDelta:
         seq.append_token(token)
@@ -328,8 +349,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, token: int, text: str, reason: str) -> StepDelta:
         self.block_manager.cache_full_blocks(seq)  # any left (commit_prefill may defer them)
-        self.scheduler.finish(seq, reason)
-        seq.finished_time = time.monotonic()
+        self._end(seq, reason)
         self._texts[seq.request_id] += text
         return StepDelta(seq.request_id, [token], text, reason)
 
@@ -383,4 +403,5 @@ class LLMEngine:
             prefix_queried_tokens=bm.prefix_queried_tokens,
             prefix_hit_tokens=bm.prefix_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            steps_launched_ahead=self.steps_launched_ahead,
         )

@@ -36,6 +36,30 @@ class StepInputs:
     sample_seq_index: list[int]  # [S]: index into batch.seqs of each sampled row
 
 
+@dataclass
+class StepHandle:
+    """A step launched on the device whose sampled tokens have not been read yet."""
+
+    num_seqs: int
+    sample_seq_index: list[int]  # [S]: the batch row of each sampled token
+    tokens: torch.Tensor | None  # [S] int64 on the runner's device (None: nothing sampled)
+    # On a GPU: the tokens' copy in pinned host memory, and an event recorded after it. Waiting
+    # on the event, not on the stream, leaves a step launched after this one running.
+    host_tokens: torch.Tensor | None = None
+    copied: torch.cuda.Event | None = None
+
+    def read(self) -> list[int]:
+        if self.tokens is None:
+            return []
+        if self.copied is None:
+            return self.tokens.tolist()
+        # Lets go of the GIL while it waits: the process's other threads (gRPC, KV receivers)
+        # run meanwhile.
+        self.copied.synchronize()
+        assert self.host_tokens is not None
+        return self.host_tokens.tolist()
+
+
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     old = torch.get_default_dtype()
@@ -161,7 +185,10 @@ class ModelRunner:
     def num_blocks(self) -> int:
         return self.kv_cache.num_blocks
 
-    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+    def prepare(self, batch: ScheduledBatch, next_ids: torch.Tensor | None = None) -> StepInputs:
+        """The step's inputs. next_ids ([B] on the device, decode-only batches): each sequence
+        runs the token a step still on the device samples for it, at position num_tokens (the
+        host does not know that token yet; see LLMEngine's lookahead)."""
         bs = self.block_size
         order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] != 1)
         input_ids: list[int] = []
@@ -176,9 +203,11 @@ class ModelRunner:
         sample_seq_index: list[int] = []
         for i in order:
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            start = seq.num_computed_tokens if next_ids is None else seq.num_tokens
+            end = start + n
             table = seq.block_table
-            input_ids.extend(seq.token_ids[start:end])
+            if next_ids is None:
+                input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if n == 1:
@@ -188,8 +217,8 @@ class ModelRunner:
                 prefill_tables.append(table)
                 prefill_lens.append(end)
                 cu_seqlens.append(cu_seqlens[-1] + n)
-            if end == seq.num_tokens:
-                logits_indices.append(len(input_ids) - 1)
+            if end >= seq.num_tokens:
+                logits_indices.append(len(positions) - 1)
                 sample_seq_index.append(i)
         dev = self.device
         meta = AttentionMetadata(
@@ -206,8 +235,10 @@ class ModelRunner:
             ),
             max_prefill_context_len=max(prefill_lens, default=0),
         )
+        if next_ids is not None and (order != sorted(order) or len(positions) != len(order)):
+            raise ValueError("next_ids is for decode-only batches (one token per sequence)")
         return StepInputs(
-            input_ids=_to(input_ids, torch.int64, dev),
+            input_ids=_to(input_ids, torch.int64, dev) if next_ids is None else next_ids,
             positions=_to(positions, torch.int64, dev),
             meta=meta,
             logits_indices=_to(logits_indices, torch.int64, dev),
@@ -239,6 +270,10 @@ class ModelRunner:
     def set_step_planner(self, planner: StepPlanner) -> None:
         self._planner = planner
 
+    @property
+    def has_planner(self) -> bool:
+        return self._planner is not None
+
     def _after_attention(self, layer: int) -> Callable[..., None]:
         def hook(*_: object) -> None:
             if self._plan is not None:
@@ -259,9 +294,11 @@ class ModelRunner:
             self._plan = None
 
     @torch.inference_mode()
-    def step_logits(self, batch: ScheduledBatch) -> tuple[StepInputs, torch.Tensor | None]:
+    def step_logits(
+        self, batch: ScheduledBatch, next_ids: torch.Tensor | None = None
+    ) -> tuple[StepInputs, torch.Tensor | None]:
         """One step's forward on every rank; the logits of the rows to sample (rank 0)."""
-        inputs = self.prepare(batch)
+        inputs = self.prepare(batch, next_ids)
         plan = self._planner(batch) if self._planner is not None else None
         if self.before_forward is not None:
             self.before_forward(inputs, plan)
@@ -269,33 +306,40 @@ class ModelRunner:
 
     @_on_device
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int | None]:
-        """Forward `batch`; the sampled token of each sequence whose KV is now complete."""
-        inputs, logits = self.step_logits(batch)
-        sampled: list[int | None] = [None] * len(batch.seqs)
+    def launch(self, batch: ScheduledBatch, next_ids: torch.Tensor | None = None) -> StepHandle:
+        """Queue `batch`'s forward and sampling on the device; `collect` reads the tokens. The
+        host does not wait for the device here (seeded sampling aside), so it can prepare the
+        next step meanwhile. next_ids: see `prepare`."""
+        inputs, logits = self.step_logits(batch, next_ids)
         if logits is None:
-            return sampled
+            return StepHandle(len(batch.seqs), [], None)
         seqs = [batch.seqs[i] for i in inputs.sample_seq_index]
         if all(s.params.greedy for s in seqs):  # the common case: no per-row tensors to build
-            tokens = self._to_host(logits.argmax(dim=-1))
-            for i, token in zip(inputs.sample_seq_index, tokens, strict=True):
-                sampled[i] = token
-            return sampled
-        sampling = SamplingBatch.build(
-            [s.params for s in seqs], [s.generator for s in seqs], logits.shape[-1], self.device
-        )
-        tokens = self._to_host(self.sampler(logits, sampling))
-        for i, token in zip(inputs.sample_seq_index, tokens, strict=True):
+            tokens = logits.argmax(dim=-1)
+        else:
+            sampling = SamplingBatch.build(
+                [s.params for s in seqs], [s.generator for s in seqs], logits.shape[-1], self.device
+            )
+            tokens = self.sampler(logits, sampling)
+        handle = StepHandle(len(batch.seqs), inputs.sample_seq_index, tokens)
+        if tokens.is_cuda:
+            handle.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            handle.host_tokens.copy_(tokens, non_blocking=True)
+            handle.copied = torch.cuda.Event()
+            handle.copied.record()
+        return handle
+
+    @_on_device
+    def collect(self, handle: StepHandle) -> list[int | None]:
+        """The sampled token of each sequence of a launched step (None: its KV is incomplete)."""
+        sampled: list[int | None] = [None] * handle.num_seqs
+        for i, token in zip(handle.sample_seq_index, handle.read(), strict=True):
             sampled[i] = token
         return sampled
 
-    def _to_host(self, tokens: torch.Tensor) -> list[int]:
-        """The sampled ids as a list. On the GPU, wait for the step first in a stream sync,
-        which lets go of the GIL (a blocking copy would hold it for the whole step): the
-        process's other threads (gRPC, KV receivers) run meanwhile."""
-        if tokens.is_cuda:
-            torch.cuda.current_stream(tokens.device).synchronize()
-        return tokens.tolist()
+    def run(self, batch: ScheduledBatch) -> list[int | None]:
+        """Forward `batch`; the sampled token of each sequence whose KV is now complete."""
+        return self.collect(self.launch(batch))
 
     def expert_counts(self) -> list[int] | None:
         """Tokens routed to each expert, summed over MoE layers (None for dense models)."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdmesh.engine.distributed import host_to_device
 from pdmesh.engine.sampling_params import SamplingParams
 
 
@@ -31,10 +32,12 @@ class SamplingBatch:
         temps = [p.temperature for p in params]
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
         top_p = [p.top_p for p in params]
+        # Pinned, non-blocking copies: a copy from pageable memory would wait for the step
+        # already queued on the device (async scheduling launches this one behind it).
         return cls(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            temperature=host_to_device(torch.tensor(temps, dtype=torch.float32), device),
+            top_k=host_to_device(torch.tensor(top_k, dtype=torch.int64), device),
+            top_p=host_to_device(torch.tensor(top_p, dtype=torch.float32), device),
             generators=generators,
             all_greedy=all(t == 0 for t in temps),
             need_filter=any(k < vocab_size for k in top_k) or any(p < 1 for p in top_p),
@@ -81,7 +84,8 @@ class Sampler:
             noise.exponential_(generator=self._generator)
         for row, gen in seeded:
             # Per-request generators live on the CPU so seeds mean the same on every device.
-            noise[row] = torch.empty(probs.shape[-1]).exponential_(generator=gen).to(probs.device)
+            draw = torch.empty(probs.shape[-1]).exponential_(generator=gen)
+            noise[row] = host_to_device(draw, probs.device)
         return (probs / noise).argmax(dim=-1)
 
 

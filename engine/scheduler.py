@@ -83,15 +83,18 @@ class Scheduler:
         """Waiting sequences that the free blocks and sequence slots cannot take now."""
         return self.waiting_demand()[1]
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """End `seq` (stop, length or abort) and free its blocks, whatever its state."""
+    def finish(self, seq: Sequence, reason: str, free_blocks: bool = True) -> None:
+        """End `seq` (stop, length or abort), whatever its state, and free its blocks unless
+        the caller frees them later (`free_blocks=False`: a step on the device still writes
+        there)."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self.block_manager.free(seq)
+        if free_blocks:
+            self.block_manager.free(seq)
 
     # -- one step -----------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:

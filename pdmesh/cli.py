@@ -34,6 +34,13 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="launch each decode step before reading the previous one's tokens "
+        "(default: on with CUDA graphs)",
+    )
     g.add_argument("--load-format", default="auto", help="auto | dummy (random weights)")
     g.add_argument("--skip-tokenizer-init", action="store_true", help="token ids only")
 
@@ -54,6 +61,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "enable_expert_parallel": args.enable_expert_parallel,
         "seed": args.seed,
         "enforce_eager": args.enforce_eager,
+        "async_scheduling": args.async_scheduling,
         "load_format": args.load_format,
         "skip_tokenizer_init": args.skip_tokenizer_init,
     }
@@ -100,7 +108,7 @@ def _env_defaults(parser: argparse.ArgumentParser) -> None:
         value = envs.flag_env(action.dest)
         if not value:  # unset, or set empty (as compose files do for "use the default")
             continue
-        if isinstance(action, argparse._StoreTrueAction):
+        if isinstance(action, argparse._StoreTrueAction | argparse.BooleanOptionalAction):
             action.default = value.lower() in ("1", "true", "yes", "on")
         else:
             action.default = value

@@ -82,6 +82,8 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
         flags.append("--enable-expert-parallel")
     if args.enforce_eager:
         flags.append("--enforce-eager")
+    if args.async_scheduling is not None:
+        flags.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
     return flags
 
 

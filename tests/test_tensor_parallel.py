@@ -25,7 +25,10 @@ def test_default_model_tp3_equals_tp1(default_llm: LLM) -> None:
     assert got == expected
 
 
-def test_tiny_llama_tp2_equals_tp1(tiny_model) -> None:
+@pytest.mark.parametrize("overlap", [None, True], ids=["default", "async"])
+def test_tiny_llama_tp2_equals_tp1(tiny_model, overlap: bool | None) -> None:
+    """async: the follower rank runs the decode steps rank 0 launches ahead, their input ids
+    taken on the device from the step before."""
     folder = str(tiny_model("llama"))
     prompts = [{"prompt_token_ids": p} for p in random_prompts([5, 17, 40, 100, 150])]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -33,10 +36,16 @@ def test_tiny_llama_tp2_equals_tp1(tiny_model) -> None:
         o.outputs[0].token_ids for o in LLM(folder, kv_cache_tokens=1024).generate(prompts, params)
     ]
     with LLM(
-        folder, kv_cache_tokens=1024, tensor_parallel_size=2, max_num_batched_tokens=64
+        folder,
+        kv_cache_tokens=1024,
+        tensor_parallel_size=2,
+        max_num_batched_tokens=64,
+        async_scheduling=overlap,
     ) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        ahead = llm.engine.steps_launched_ahead
     assert got == expected
+    assert (ahead > 0) == bool(overlap)
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])

@@ -37,6 +37,7 @@ class WorkerSnapshot:
     prefix_queried_tokens: int
     prefix_hit_tokens: int
     num_preemptions: int
+    steps_launched_ahead: int
     transfers: Sequence[TransferTotals]  # one per transport in use
     expert_token_counts: Sequence[int] = ()
     prefills: Mapping[str, int] = field(default_factory=dict)  # by mode: local, remote, fallback
@@ -94,6 +95,12 @@ class WorkerCollector:
         )
         yield counter(
             "pdmesh_preemptions", "Requests preempted (recomputed later).", s and s.num_preemptions
+        )
+        yield counter(
+            "pdmesh_steps_launched_ahead",
+            "Decode steps launched before the previous step's tokens were read (async "
+            "scheduling: the host's work hidden behind the device's).",
+            s and s.steps_launched_ahead,
         )
         yield from _transfer_families(s.transfers if s else ())
         experts = CounterMetricFamily(

@@ -87,4 +87,5 @@ def worker_stat_fields(e: Any) -> dict[str, int]:
         "prefix_queried_tokens": e.prefix_queried_tokens,
         "prefix_hit_tokens": e.prefix_hit_tokens,
         "num_preemptions": e.num_preemptions,
+        "steps_launched_ahead": e.steps_launched_ahead,
     }

@@ -27,11 +27,13 @@ def test_fp32_on_cuda_matches_transformers(tiny_model, arch: str) -> None:
 
 def test_batch1_decode_on_the_gemv_kernel_matches_transformers(tiny_model) -> None:
     """One sequence at a time, so each decode step's projections (and the MLP's activation)
-    run on the GEMV kernel inside the graph."""
+    run on the GEMV kernel inside the graph; each step launched before the previous one's
+    token is read (async scheduling, on by default with graphs)."""
     from torch.profiler import ProfilerActivity, profile
 
     folder = tiny_model("llama")
     llm = LLM(str(folder), dtype="float32", kv_cache_tokens=4096)
+    assert llm.engine.async_scheduling
     hf = load_hf(folder)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         outputs = [
@@ -41,6 +43,7 @@ def test_batch1_decode_on_the_gemv_kernel_matches_transformers(tiny_model) -> No
     assert any("_gemv_kernel" in k for k in kernels), sorted(kernels)
     for prompt, out in zip(random_prompts([5, 40, 100]), outputs, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 24, ignore_eos=True)
+    assert llm.engine.steps_launched_ahead >= 3 * 22
 
 
 def test_cuda_graphs_equal_eager(tiny_model) -> None:
