@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from triton.testing import do_bench
 
+from pdmesh.bench.gpu import ceilings
 from pdmesh.bench.gpu_models import llama_8b_config, write_config
 from pdmesh.bench.gpu_workloads import decode_step_time, profile_decode, weight_bytes
 
@@ -41,14 +42,6 @@ def tp2_shard_config() -> Any:
     config.vocab_size //= 2
     config.head_dim = 128  # kept: the halved head count would otherwise halve it
     return config
-
-
-def copy_gb_s() -> float:
-    n = 1 << 30
-    a = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    b = torch.empty_like(a)
-    ms = do_bench(lambda: b.copy_(a), warmup=25, rep=200, return_mode="median")
-    return 4 * n / ms / 1e6
 
 
 # (name, PDMESH_GEMV_MAX_ROWS, async scheduling)
@@ -113,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    bw = copy_gb_s() * 1e9
+    bw = ceilings()["copy_gb_s"] * 1e9
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,

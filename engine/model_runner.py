@@ -188,7 +188,7 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch, next_ids: torch.Tensor | None = None) -> StepInputs:
         """The step's inputs. next_ids ([B] on the device, decode-only batches): each sequence
         runs the token a step still on the device samples for it, at position num_tokens (the
-        host does not know that token yet; see LLMEngine's lookahead)."""
+        host does not know that token yet; see engine/overlap.py)."""
         bs = self.block_size
         order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] != 1)
         input_ids: list[int] = []

@@ -18,7 +18,7 @@ receiver could otherwise write into a reused block while the step still writes t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,9 +35,13 @@ class InFlight:
 
     batch: ScheduledBatch
     handle: StepHandle
+    _ids: frozenset[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._ids = frozenset(id(s) for s in self.batch.seqs)
 
     def holds(self, seq: Sequence) -> bool:
-        return any(s is seq for s in self.batch.seqs)
+        return id(seq) in self._ids
 
 
 def ends_by_length(seq: Sequence, max_model_len: int) -> bool:
