@@ -2,7 +2,10 @@
 
 Rank 0 drives; the other ranks follow. Everything crosses as raw tensors (ints, bytes of JSON),
 never pickle: `broadcast_bytes` / `gather_bytes` frame a byte string as a length then a uint8
-tensor.
+tensor. Messages of host integers (step inputs, control) go over a gloo group of their own on
+CPU tensors, also when the model's group is NCCL: a follower then reads them without waiting
+for its GPU, and queues each step while the one before still runs. Only tensors that exist on
+the device alone (a step's input ids sampled by the step before) go over the model's group.
 """
 
 from __future__ import annotations
@@ -48,8 +51,14 @@ def init_group(
         world_size=size,
         timeout=IDLE_TIMEOUT,
     )
+    host = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     return ParallelGroup(
-        rank, size, dist.group.WORLD, expert_parallel=expert_parallel, device=device
+        rank,
+        size,
+        dist.group.WORLD,
+        expert_parallel=expert_parallel,
+        device=device,
+        host_group=host,
     )
 
 
@@ -81,27 +90,41 @@ def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def broadcast_ints(values: list[int] | None, n: int, group: ParallelGroup) -> list[int]:
-    """Rank 0's `n` ints to every rank (zero-padded)."""
+    """Rank 0's `n` ints to every rank (zero-padded), over the host group."""
     if group.rank == 0:
         assert values is not None and len(values) <= n
         padded = [*values, *[0] * (n - len(values))]
-        t = host_to_device(torch.tensor(padded, dtype=torch.int64), group.comm_device)
-        dist.broadcast(t, 0, group=group.group)
+        dist.broadcast(torch.tensor(padded, dtype=torch.int64), 0, group=group.host_group)
         return padded
-    t = torch.zeros(n, dtype=torch.int64, device=group.comm_device)
-    dist.broadcast(t, 0, group=group.group)
+    t = torch.zeros(n, dtype=torch.int64)
+    dist.broadcast(t, 0, group=group.host_group)
     return t.tolist()
 
 
-def broadcast_tensor(
+def broadcast_host(
     t: torch.Tensor | None, numel: int, dtype: torch.dtype, group: ParallelGroup
 ) -> torch.Tensor:
-    """Rank 0's flat tensor to every rank (the others allocate `numel` of `dtype`)."""
+    """Rank 0's flat CPU tensor to every rank's CPU (the others allocate `numel` of `dtype`),
+    over the host group."""
     if group.rank == 0:
         assert t is not None
-        buf = host_to_device(t.contiguous(), group.comm_device)
+        buf = t.contiguous()
     else:
+        buf = torch.empty(numel, dtype=dtype)
+    if numel:
+        dist.broadcast(buf, 0, group=group.host_group)
+    return buf
+
+
+def broadcast_device(
+    t: torch.Tensor | None, numel: int, dtype: torch.dtype, group: ParallelGroup
+) -> torch.Tensor:
+    """Rank 0's flat tensor on its device to every rank's device, over the model's group (on a
+    GPU: queued on the current stream, after the work that computes it)."""
+    buf = t.contiguous() if t is not None else None
+    if group.rank != 0:
         buf = torch.empty(numel, dtype=dtype, device=group.comm_device)
+    assert buf is not None
     if numel:
         dist.broadcast(buf, 0, group=group.group)
     return buf
@@ -112,23 +135,22 @@ def broadcast_bytes(data: bytes | None, group: ParallelGroup) -> bytes:
     src = torch.frombuffer(bytearray(data), dtype=torch.uint8) if group.rank == 0 and n else None
     if group.rank == 0 and not n:
         src = torch.empty(0, dtype=torch.uint8)
-    return bytes(broadcast_tensor(src, n, torch.uint8, group).cpu().numpy())
+    return bytes(broadcast_host(src, n, torch.uint8, group).numpy())
 
 
 def gather_bytes(data: bytes, group: ParallelGroup) -> list[bytes]:
-    """Every rank's bytes, on every rank (rank order)."""
-    dev = group.comm_device
-    n = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+    """Every rank's bytes, on every rank (rank order), over the host group."""
+    n = torch.tensor([len(data)], dtype=torch.int64)
     lens = [torch.zeros_like(n) for _ in range(group.size)]
-    dist.all_gather(lens, n, group=group.group)
+    dist.all_gather(lens, n, group=group.host_group)
     sizes = [int(x.item()) for x in lens]
     width = max(sizes) or 1
-    mine = torch.zeros(width, dtype=torch.uint8, device=dev)
+    mine = torch.zeros(width, dtype=torch.uint8)
     if data:
-        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     parts = [torch.empty_like(mine) for _ in range(group.size)]
-    dist.all_gather(parts, mine, group=group.group)
-    return [bytes(p[:s].cpu().numpy()) for p, s in zip(parts, sizes, strict=True)]
+    dist.all_gather(parts, mine, group=group.host_group)
+    return [bytes(p[:s].numpy()) for p, s in zip(parts, sizes, strict=True)]
 
 
 def all_reduce_min(value: int, group: ParallelGroup) -> int:

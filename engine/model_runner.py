@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -16,24 +15,13 @@ from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.cuda_graphs import DecodeGraphs
 from pdmesh.engine.distributed import all_reduce_min
 from pdmesh.engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
-from pdmesh.engine.layers.attention import AttentionMetadata
 from pdmesh.engine.model_info import ModelInfo
 from pdmesh.engine.parallel import SINGLE, ParallelGroup
 from pdmesh.engine.sampler import Sampler, SamplingBatch
 from pdmesh.engine.scheduler import ScheduledBatch
+from pdmesh.engine.step_inputs import HostInputs, StepInputs
 from pdmesh.engine.symm_all_reduce import symmetric_all_reduce
 from pdmesh.engine.weights import init_dummy_weights, load_named, load_weights
-
-
-@dataclass
-class StepInputs:
-    """One step's model inputs. Sequences are reordered: decodes (one token) first."""
-
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [S]: flat index of each sampled sequence's last token
-    sample_seq_index: list[int]  # [S]: index into batch.seqs of each sampled row
 
 
 @dataclass
@@ -68,19 +56,6 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(old)
-
-
-def _to(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list on `device`; on CUDA through pinned memory, copied without a host sync."""
-    if device.type == "cpu":
-        return torch.tensor(values, dtype=dtype)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-
-
-def _pad(rows: list[list[int]], device: torch.device) -> torch.Tensor:
-    width = max(max((len(r) for r in rows), default=0), 1)
-    flat = [x for r in rows for x in (*r, *([0] * (width - len(r))))]
-    return _to(flat, torch.int32, device).view(len(rows), width)
 
 
 # hook(layer index, step plan): called right after that layer stored the step's K/V, on every
@@ -220,30 +195,20 @@ class ModelRunner:
             if end >= seq.num_tokens:
                 logits_indices.append(len(positions) - 1)
                 sample_seq_index.append(i)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=_to(slots, torch.int64, dev),
-            num_decode_tokens=len(decode_lens),
-            decode_block_tables=_pad(decode_tables, dev),
-            decode_context_lens=_to(decode_lens, torch.int32, dev),
-            max_decode_context_len=max(decode_lens, default=0),
-            prefill_cu_seqlens=_to(cu_seqlens, torch.int32, dev),
-            prefill_context_lens=_to(prefill_lens, torch.int32, dev),
-            prefill_block_tables=_pad(prefill_tables, dev),
-            max_prefill_query_len=max(
-                (b - a for a, b in itertools.pairwise(cu_seqlens)), default=0
-            ),
-            max_prefill_context_len=max(prefill_lens, default=0),
-        )
         if next_ids is not None and (order != sorted(order) or len(positions) != len(order)):
             raise ValueError("next_ids is for decode-only batches (one token per sequence)")
-        return StepInputs(
-            input_ids=_to(input_ids, torch.int64, dev) if next_ids is None else next_ids,
-            positions=_to(positions, torch.int64, dev),
-            meta=meta,
-            logits_indices=_to(logits_indices, torch.int64, dev),
-            sample_seq_index=sample_seq_index,
+        host = HostInputs(
+            input_ids,
+            positions,
+            slots,
+            decode_tables,
+            decode_lens,
+            cu_seqlens,
+            prefill_lens,
+            prefill_tables,
+            logits_indices,
         )
+        return host.to_device(self.device, sample_seq_index, next_ids)
 
     @torch.inference_mode()
     def forward_logits(self, inputs: StepInputs) -> torch.Tensor | None:

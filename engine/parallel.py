@@ -18,6 +18,9 @@ class ParallelGroup:
     rank: int = 0
     size: int = 1
     group: Any = None  # a torch.distributed ProcessGroup when size > 1
+    # A gloo group over the same ranks for what rank 0 tells its followers (step inputs,
+    # control messages): host integers that must never wait behind the device's queued work.
+    host_group: Any = None
     # MoE layers split experts over the group (and tokens for the all-to-all) instead of
     # splitting every expert's intermediate dimension.
     expert_parallel: bool = False

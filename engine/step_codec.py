@@ -1,4 +1,6 @@
-"""One step's model inputs as two broadcasts: a fixed header of sizes, then one int64 tensor.
+"""One step's model inputs for the follower ranks: a fixed header of sizes, then one int64
+payload, both over the host group; and the input ids over the model's group when they exist only
+on the device (a step launched before the step sampling them finished: async scheduling).
 
 Followers rebuild exactly the `StepInputs` rank 0 runs, plus an optional int64 `extra` payload
 that a service extension attaches (the prefill worker's KV push plan).
@@ -6,12 +8,13 @@ that a service extension attaches (the prefill worker's KV push plan).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
-from pdmesh.engine.distributed import broadcast_ints, broadcast_tensor, host_to_device
-from pdmesh.engine.layers.attention import AttentionMetadata
-from pdmesh.engine.model_runner import StepInputs
+from pdmesh.engine.distributed import broadcast_device, broadcast_host, broadcast_ints
 from pdmesh.engine.parallel import ParallelGroup
+from pdmesh.engine.step_inputs import HostInputs, StepInputs, padded
 
 # Header layout (int64): op first, then the sizes below.
 HEADER_LEN = 16
@@ -23,56 +26,50 @@ _FIELDS = (
     "num_prefill",
     "prefill_width",
     "num_sampled",
-    "max_decode_ctx",
-    "max_prefill_q",
-    "max_prefill_ctx",
     "extra",
+    "ids_on_device",
 )
 
 
-def encode(
-    op: int, inputs: StepInputs, extra: torch.Tensor | None
-) -> tuple[list[int], torch.Tensor]:
-    m = inputs.meta
-    parts = [
-        inputs.input_ids,
-        inputs.positions,
-        m.slot_mapping,
-        m.decode_block_tables.flatten(),
-        m.decode_context_lens,
-        m.prefill_cu_seqlens,
-        m.prefill_context_lens,
-        m.prefill_block_tables.flatten(),
-        inputs.logits_indices,
-    ]
-    if extra is not None:
-        parts.append(extra)
+def encode(op: int, host: HostInputs, extra: torch.Tensor | None) -> tuple[list[int], torch.Tensor]:
+    """(header, payload): the payload holds every host integer of the step, in field order."""
+    ids_on_device = len(host.input_ids) != host.num_tokens
+    decode_flat, decode_width = padded(host.decode_tables)
+    prefill_flat, prefill_width = padded(host.prefill_tables)
     header = [
         op,
-        inputs.input_ids.numel(),
-        m.decode_context_lens.numel(),
-        m.decode_block_tables.shape[1],
-        m.prefill_context_lens.numel(),
-        m.prefill_block_tables.shape[1],
-        inputs.logits_indices.numel(),
-        m.max_decode_context_len,
-        m.max_prefill_query_len,
-        m.max_prefill_context_len,
+        host.num_tokens,
+        len(host.decode_lens),
+        decode_width,
+        len(host.prefill_lens),
+        prefill_width,
+        len(host.logits_indices),
         extra.numel() if extra is not None else 0,
+        int(ids_on_device),
     ]
-    # Joined where the inputs already are (the GPU): copying each part back to the host would
-    # cost rank 0 a stream sync per part, every step.
-    device = inputs.input_ids.device
+    values = [
+        *host.input_ids,
+        *host.positions,
+        *host.slots,
+        *decode_flat,
+        *host.decode_lens,
+        *host.cu_seqlens,
+        *host.prefill_lens,
+        *prefill_flat,
+        *host.logits_indices,
+    ]
+    payload = torch.tensor(values, dtype=torch.int64)
     if extra is not None:
-        parts[-1] = host_to_device(extra, device)
-    flat = torch.cat([p.to(torch.int64).flatten() for p in parts])
-    return header, flat
+        payload = torch.cat([payload, extra.to(torch.int64).flatten()])
+    return header, payload
 
 
 def send(op: int, inputs: StepInputs, extra: torch.Tensor | None, group: ParallelGroup) -> None:
-    header, flat = encode(op, inputs, extra)
+    header, payload = encode(op, inputs.host, extra)
     broadcast_ints(header, HEADER_LEN, group)
-    broadcast_tensor(flat, flat.numel(), torch.int64, group)
+    broadcast_host(payload, payload.numel(), torch.int64, group)
+    if header[-1]:  # the ids: queued on the device after the step that samples them
+        broadcast_device(inputs.input_ids, inputs.host.num_tokens, torch.int64, group)
 
 
 def receive_header(group: ParallelGroup) -> dict[str, int]:
@@ -92,21 +89,24 @@ def receive_step(
         h["num_sampled"],
         h["extra"],
     )
-    sizes = [t, t, t, d * dw, d, p + 1, p, p * pw, s, e]
-    flat = broadcast_tensor(None, sum(sizes), torch.int64, group).to(device)
-    (ids, pos, slots, dtab, dlen, cu, plen, ptab, logits_idx, extra) = flat.split(sizes)
-    meta = AttentionMetadata(
-        slot_mapping=slots,
-        num_decode_tokens=d,
-        decode_block_tables=dtab.view(d, dw).to(torch.int32),
-        decode_context_lens=dlen.to(torch.int32),
-        max_decode_context_len=h["max_decode_ctx"],
-        prefill_cu_seqlens=cu.to(torch.int32),
-        prefill_context_lens=plen.to(torch.int32),
-        prefill_block_tables=ptab.view(p, pw).to(torch.int32),
-        max_prefill_query_len=h["max_prefill_q"],
-        max_prefill_context_len=h["max_prefill_ctx"],
+    on_device = bool(h["ids_on_device"])
+    sizes = [0 if on_device else t, t, t, d * dw, d, p + 1, p, p * pw, s]
+    payload = broadcast_host(None, sum(sizes) + e, torch.int64, group)
+    values = payload[: sum(sizes)].tolist()
+    ends = list(itertools.accumulate(sizes))
+    parts = [values[end - n : end] for n, end in zip(sizes, ends, strict=True)]
+    ids, pos, slots, dtab, dlen, cu, plen, ptab, logits_idx = parts
+    host = HostInputs(
+        input_ids=ids,
+        positions=pos,
+        slots=slots,
+        decode_tables=[dtab[i * dw : (i + 1) * dw] for i in range(d)],
+        decode_lens=dlen,
+        cu_seqlens=cu,
+        prefill_lens=plen,
+        prefill_tables=[ptab[i * pw : (i + 1) * pw] for i in range(p)],
+        logits_indices=logits_idx,
     )
-    inputs = StepInputs(ids, pos, meta, logits_idx, list(range(s)))
-    # The plan is read on the host after every layer: one copy back now, not a sync per layer.
-    return inputs, (extra.cpu() if e else None)
+    device_ids = broadcast_device(None, t, torch.int64, group) if on_device else None
+    inputs = host.to_device(device, list(range(s)), device_ids)
+    return inputs, (payload[sum(sizes) :] if e else None)

@@ -29,8 +29,9 @@ from pdmesh.engine.distributed import (
     gather_bytes,
     init_group,
 )
-from pdmesh.engine.model_runner import ModelRunner, StepInputs
+from pdmesh.engine.model_runner import ModelRunner
 from pdmesh.engine.parallel import ParallelGroup
+from pdmesh.engine.step_inputs import StepInputs
 from pdmesh.logger import get_logger
 
 log = get_logger(__name__)

@@ -1,0 +1,97 @@
+"""One step's model inputs: built on the host as integers, then moved to the device.
+
+Rank 0 builds `HostInputs` from the scheduled batch; tensor-parallel followers receive the same
+integers (`step_codec`) and turn them into the same `StepInputs`. Host to device goes through
+pinned memory without a host sync, so building a step never waits for the one before it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from pdmesh.engine.layers.attention import AttentionMetadata
+
+
+@dataclass
+class StepInputs:
+    """One step's model inputs on the device. Sequences are reordered: decodes (one token)
+    first."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [S]: flat index of each sampled sequence's last token
+    sample_seq_index: list[int]  # [S]: index into batch.seqs of each sampled row
+    host: HostInputs  # the integers these tensors were made from
+
+
+@dataclass
+class HostInputs:
+    """A step's inputs as host integers (what rank 0 sends its followers)."""
+
+    input_ids: list[int]  # [T]; empty when the ids are only on the device (see `on_device`)
+    positions: list[int]  # [T]
+    slots: list[int]  # [T]: KV slot of each token (block * block_size + offset)
+    decode_tables: list[list[int]]  # [D][blocks]: block table of each decoding sequence
+    decode_lens: list[int]  # [D]: context length after this step
+    cu_seqlens: list[int]  # [P + 1]: prefill chunks' token offsets
+    prefill_lens: list[int]  # [P]
+    prefill_tables: list[list[int]]  # [P][blocks]
+    logits_indices: list[int]  # [S]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.positions)
+
+    def to_device(
+        self,
+        device: torch.device,
+        sample_seq_index: list[int],
+        device_ids: torch.Tensor | None = None,
+    ) -> StepInputs:
+        """device_ids: the step's input ids when they exist only on the device (a step
+        launched before the one sampling them finished), instead of `input_ids`."""
+        meta = AttentionMetadata(
+            slot_mapping=_to(self.slots, torch.int64, device),
+            num_decode_tokens=len(self.decode_lens),
+            decode_block_tables=_pad(self.decode_tables, device),
+            decode_context_lens=_to(self.decode_lens, torch.int32, device),
+            max_decode_context_len=max(self.decode_lens, default=0),
+            prefill_cu_seqlens=_to(self.cu_seqlens, torch.int32, device),
+            prefill_context_lens=_to(self.prefill_lens, torch.int32, device),
+            prefill_block_tables=_pad(self.prefill_tables, device),
+            max_prefill_query_len=max(
+                (b - a for a, b in itertools.pairwise(self.cu_seqlens)), default=0
+            ),
+            max_prefill_context_len=max(self.prefill_lens, default=0),
+        )
+        ids = device_ids if device_ids is not None else _to(self.input_ids, torch.int64, device)
+        return StepInputs(
+            input_ids=ids,
+            positions=_to(self.positions, torch.int64, device),
+            meta=meta,
+            logits_indices=_to(self.logits_indices, torch.int64, device),
+            sample_seq_index=sample_seq_index,
+            host=self,
+        )
+
+
+def _to(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list on `device`; on CUDA through pinned memory, copied without a host sync."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def padded(rows: list[list[int]]) -> tuple[list[int], int]:
+    """Rows padded with 0 to one width (at least 1), flattened; and that width."""
+    width = max(max((len(r) for r in rows), default=0), 1)
+    return [x for r in rows for x in (*r, *([0] * (width - len(r))))], width
+
+
+def _pad(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    flat, width = padded(rows)
+    return _to(flat, torch.int32, device).view(len(rows), width)
