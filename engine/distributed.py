@@ -121,10 +121,11 @@ def broadcast_device(
 ) -> torch.Tensor:
     """Rank 0's flat tensor on its device to every rank's device, over the model's group (on a
     GPU: queued on the current stream, after the work that computes it)."""
-    buf = t.contiguous() if t is not None else None
-    if group.rank != 0:
+    if group.rank == 0:
+        assert t is not None
+        buf = t.contiguous()
+    else:
         buf = torch.empty(numel, dtype=dtype, device=group.comm_device)
-    assert buf is not None
     if numel:
         dist.broadcast(buf, 0, group=group.group)
     return buf

@@ -78,12 +78,11 @@ def next_decode(
         return None
     # `cur` has not been counted yet: each sequence holds slots for num_tokens, and needs one
     # more for the token `cur` samples.
-    counts = {id(s): n for s, n in zip(cur.batch.seqs, cur.batch.num_new_tokens, strict=True)}
     need = sum(blocks.blocks_for(s.num_tokens + 1) - len(s.block_table) for s in seqs)
     if need > blocks.num_free_blocks:
         return None  # the scheduler decides who gives way
     for seq in seqs:
-        blocks.allocate(seq, counts[id(seq)] + 1)
+        blocks.allocate(seq, seq.num_tokens + 1 - seq.num_computed_tokens)
     tokens = cur.handle.tokens
     if rows != list(range(tokens.numel())):
         # Pinned and non-blocking: a plain copy of the index would wait for `cur` to finish.

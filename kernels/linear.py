@@ -1,9 +1,10 @@
-"""Linear projections y = x W^T (+ b): a GEMV kernel for the few rows of a small decode batch.
+"""Linear projections y = x W^T (+ b), and an MLP's down projection straight from its
+[gate | up] output.
 
-At batch 1-4 a projection only streams its weight matrix; the matmul library's small-M kernels
-leave a share of the memory bandwidth unused on the narrower matrices of a tensor-parallel shard
-(BENCHMARKS.md, "Decode over TP=2"). Larger batches, and shapes the kernel does not take, go to
-`torch.nn.functional.linear`.
+At batch 1 a projection only streams its weight matrix, and the matmul library's small-M kernels
+leave a share of the memory bandwidth unused on narrow matrices (a tensor-parallel shard's most
+of all). Inside CUDA graphs those go to a GEMV kernel of ours (`triton/gemv.py`, which says
+which); everything else, and every eager call, goes to `torch.nn.functional.linear`.
 """
 
 from __future__ import annotations

@@ -91,9 +91,7 @@ def default_config(rows: int, n: int, k: int) -> GemvConfig:
     """Launch shape for `rows` rows of x against an [n, k] weight: the fastest single shape over
     Llama-3.1-8B's narrow projections, whole and as TP=2 shards, on an H200 (bench/gemv_gpu.py;
     BENCHMARKS.md). Wider outputs take shorter K tiles: more programs per row block in flight."""
-    block_k = 1024 if n <= 4096 else 512
-    if rows > 1:
-        block_k = 256
+    block_k = 256 if rows > 1 else 1024 if n <= 4096 else 512
     return GemvConfig(
         block_n=8, block_k=min(block_k, triton.next_power_of_2(k)), num_warps=4, num_stages=1
     )
