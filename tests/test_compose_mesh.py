@@ -266,6 +266,15 @@ class Prometheus:
             value = self.value(expr)
         return value
 
+    def wait_equal(self, a: str, b: str, timeout_s: float = 30) -> tuple[float | None, ...]:
+        """`a` and `b` once they agree; each target is scraped on its own clock."""
+        deadline = time.monotonic() + timeout_s
+        values = (self.value(a), self.value(b))
+        while (values[0] is None or values[0] != values[1]) and time.monotonic() < deadline:
+            time.sleep(0.25)
+            values = (self.value(a), self.value(b))
+        return values
+
 
 def _prometheus_binary() -> str:
     path = shutil.which("prometheus")
@@ -351,9 +360,12 @@ def test_prometheus_counts_one_ttft_observation_per_request(
     tokens = 'sum(pdmesh_requests_finished_total{finish_reason=~"stop|length"})'
     assert prometheus.wait_value(tokens, sent) == sent
     assert prometheus.value('pdmesh_kv_blocks_total{role="decode"}') == 16384 / 16
-    received = 'sum(pdmesh_kv_transfer_bytes_total{direction="receive"})'
-    sent_bytes = prometheus.value('sum(pdmesh_kv_transfer_bytes_total{direction="send"})')
-    assert sent_bytes and prometheus.wait_value(received, sent_bytes) == sent_bytes
+    # The prefill's and the decode's counters are scraped at different moments.
+    sent_bytes, received = prometheus.wait_equal(
+        'sum(pdmesh_kv_transfer_bytes_total{direction="send"})',
+        'sum(pdmesh_kv_transfer_bytes_total{direction="receive"})',
+    )
+    assert sent_bytes and sent_bytes == received
     assert prometheus.value("sum(pdmesh_kv_transfers_total)") > 0
 
 
