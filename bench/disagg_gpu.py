@@ -297,8 +297,11 @@ def load_stage(target: str, layout: str, n: int, res: Results) -> None:
         )
 
 
-def tp_stage(folder: Path, res: Results, profile: bool = False) -> None:
-    """Batch-1 decode time per token, TP=1 against TP=2 over NCCL (dummy weights, bf16)."""
+def tp_stage(
+    folder: Path, res: Results, profile: bool = False, all_reduce: tuple[str, ...] = ("auto",)
+) -> None:
+    """Batch-1 decode time per token, TP=1 against TP=2 over NCCL (dummy weights, bf16), TP=2
+    once per PDMESH_ALL_REDUCE way in `all_reduce` (the first is also profiled)."""
     from pdmesh import LLM
     from pdmesh.bench.gpu_workloads import decode_step_time, profile_decode
 
@@ -309,16 +312,25 @@ def tp_stage(folder: Path, res: Results, profile: bool = False) -> None:
         max_model_len=4096,
         dtype="bfloat16",
     )
-    out: dict[str, float] = {}
-    for tp in (1, 2):
+    out: dict[str, float | bool | str] = {}
+    runs = [(1, "")] + [(2, way) for way in all_reduce]
+    for tp, way in runs:
+        key = f"tp{tp}" + (f"_{way}" if tp > 1 and len(all_reduce) > 1 else "")
+        os.environ["PDMESH_ALL_REDUCE"] = way or "auto"  # followers inherit it
         with LLM(str(folder), tensor_parallel_size=tp, **kw) as llm:
-            out[f"tp{tp}_step_ms_b1"] = decode_step_time(llm.engine, 1, 256) * 1e3
-            out[f"tp{tp}_graphs"] = llm.engine.runner.graphs is not None
-            if profile:
+            out[f"{key}_step_ms_b1"] = decode_step_time(llm.engine, 1, 256) * 1e3
+            out[f"{key}_graphs"] = llm.engine.runner.graphs is not None
+            fast = llm.engine.runner.tp.fast.get("all_reduce")
+            if fast is not None:
+                out[f"{key}_all_reduce"] = "copy in kernel" if fast.copy_in_kernel else "staged"
+            if profile and way in ("", all_reduce[0]):
                 text = profile_decode(llm.engine, 1, 256)
                 (res.out / f"tp{tp}_decode_profile.txt").write_text(text)
         gc.collect()
-    out["tp2_over_tp1"] = out["tp2_step_ms_b1"] / out["tp1_step_ms_b1"]
+        if tp > 1:
+            out[f"{key}_over_tp1"] = out[f"{key}_step_ms_b1"] / out["tp1_step_ms_b1"]
+        print(f"  {key}: {out[f'{key}_step_ms_b1']:.3f} ms per step", flush=True)
+    os.environ.pop("PDMESH_ALL_REDUCE", None)
     res.record("tp2_vs_tp1_decode_b1", out)
 
 
@@ -330,6 +342,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32, help="requests per load run")
     parser.add_argument(
         "--profile", action="store_true", help="tp stage: profile decode steps (OUT/tp*.txt)"
+    )
+    parser.add_argument(
+        "--all-reduce",
+        default="auto",
+        help="tp stage: PDMESH_ALL_REDUCE ways to time TP=2 with, e.g. auto,staged",
     )
     parser.add_argument(
         "--trace", action="store_true", help="ttft stage: a span timeline of the first token"
@@ -359,7 +376,7 @@ def main() -> None:
             if "load" in stages:
                 load_stage(up.target, layout, args.requests, res)
     if "tp" in stages:
-        tp_stage(folder, res, profile=args.profile)
+        tp_stage(folder, res, args.profile, tuple(args.all_reduce.split(",")))
 
 
 if __name__ == "__main__":

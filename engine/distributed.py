@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import urllib.parse
 from typing import Any
 
 import torch
@@ -39,17 +40,18 @@ def backend_for(device: torch.device) -> str:
 def init_group(
     rank: int, size: int, init_method: str, device: torch.device, expert_parallel: bool
 ) -> ParallelGroup:
+    """Join the group whose rank 0 listens at `init_method` (tcp://HOST:PORT)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     elif envs.num_threads() is None:
         # Ranks on one CPU share its cores: more threads than cores only adds contention.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    address = urllib.parse.urlsplit(init_method)
+    store = dist.TCPStore(
+        address.hostname, address.port, size, is_master=rank == 0, timeout=IDLE_TIMEOUT
+    )
     dist.init_process_group(
-        backend_for(device),
-        init_method=init_method,
-        rank=rank,
-        world_size=size,
-        timeout=IDLE_TIMEOUT,
+        backend_for(device), store=store, rank=rank, world_size=size, timeout=IDLE_TIMEOUT
     )
     host = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     return ParallelGroup(
@@ -59,6 +61,7 @@ def init_group(
         expert_parallel=expert_parallel,
         device=device,
         host_group=host,
+        store=store,
     )
 
 

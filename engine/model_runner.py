@@ -135,7 +135,7 @@ class ModelRunner:
         if device.type == "cuda" and capturable and not config.enforce_eager:
             if tp.size > 1 and not tp.expert_parallel:
                 hidden = info.hf_config.hidden_size
-                fast = symmetric_all_reduce(tp.group, device, max_batch * hidden, dtype)
+                fast = symmetric_all_reduce(tp, max_batch * hidden, dtype)
                 # Every rank replays graphs or none does: a rank stepping eagerly would wait
                 # forever in an all-reduce its peers run inside their graphs.
                 if all_reduce_min(int(fast is not None), tp) and fast is not None:

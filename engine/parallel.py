@@ -21,6 +21,8 @@ class ParallelGroup:
     # A gloo group over the same ranks for what rank 0 tells its followers (step inputs,
     # control messages): host integers that must never wait behind the device's queued work.
     host_group: Any = None
+    # The ranks' rendezvous store (a torch.distributed Store): symmetric memory registers there.
+    store: Any = None
     # MoE layers split experts over the group (and tokens for the all-to-all) instead of
     # splitting every expert's intermediate dimension.
     expert_parallel: bool = False

@@ -6,50 +6,76 @@ KiB each: NCCL's latency per call and its launch from Python dominate the step. 
 space over NVLink; the one-shot kernel has each rank read all the others' copies and sum them,
 with no NCCL and no host involvement, so decode steps can be captured in CUDA graphs on every
 rank. Tensors that do not fit the buffer (prefill steps) or have another dtype go through NCCL.
+Where the build has it, the kernel copies its input into the shared buffer itself
+(`one_shot_all_reduce_copy`): one kernel per all-reduce instead of a copy and then the reduce.
+PDMESH_ALL_REDUCE picks the way (pdmesh/envs.py).
+
+The buffer is registered under a name of its own, made by rank 0 for each engine, not under the
+process group's name: torch keeps a name's symmetric-memory store for the life of the process,
+and group names start again from "0" after `destroy_process_group`, so a second engine in the
+same process would rendezvous through the first one's closed store and hang.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import secrets
 
 import torch
 import torch.distributed as dist
 
+from pdmesh import envs
+from pdmesh.engine.parallel import ParallelGroup
 from pdmesh.logger import get_logger
 
 log = get_logger(__name__)
 
 
+NAME_KEY = "pdmesh/symmetric-memory-name"
+
+
 class SymmetricAllReduce:
-    def __init__(self, group: Any, device: torch.device, max_numel: int, dtype: torch.dtype):
+    def __init__(
+        self, tp: ParallelGroup, max_numel: int, dtype: torch.dtype, copy_in_kernel: bool = True
+    ):
+        from torch._C._distributed_c10d import _SymmetricMemory
         from torch.distributed import _symmetric_memory as symm_mem
 
-        self.group_name = group.group_name
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None:
-            enable(self.group_name)
+        if tp.rank == 0:
+            tp.store.set(NAME_KEY, f"pdmesh-{secrets.token_hex(8)}")
+        self.group_name = tp.store.get(NAME_KEY).decode()
+        _SymmetricMemory.set_group_info(
+            self.group_name, tp.rank, tp.size, dist.PrefixStore(self.group_name, tp.store)
+        )
         self.dtype = dtype
-        self.buffer = symm_mem.empty(max_numel, dtype=dtype, device=device)
+        self.buffer = symm_mem.empty(max_numel, dtype=dtype, device=tp.device)
         symm_mem.rendezvous(self.buffer, self.group_name)
+        self.copy_in_kernel = copy_in_kernel and hasattr(
+            torch.ops.symm_mem, "one_shot_all_reduce_copy"
+        )
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.dtype == self.dtype and x.numel() <= self.buffer.numel()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of `x` over the group, as a new tensor of x's shape."""
-        staged = self.buffer[: x.numel()]
+        staged = self.buffer[: x.numel()]  # the kernel wants the buffer's and x's sizes equal
+        if self.copy_in_kernel:
+            return torch.ops.symm_mem.one_shot_all_reduce_copy(
+                staged, x.reshape(-1), "sum", self.group_name
+            ).view_as(x)
         staged.copy_(x.reshape(-1))
         return torch.ops.symm_mem.one_shot_all_reduce(staged, "sum", self.group_name).view_as(x)
 
 
 def symmetric_all_reduce(
-    group: Any, device: torch.device, max_numel: int, dtype: torch.dtype
+    tp: ParallelGroup, max_numel: int, dtype: torch.dtype
 ) -> SymmetricAllReduce | None:
     """The fast path if this build and these devices support it, else None (NCCL it is)."""
-    if device.type != "cuda" or not dist.is_available():
+    mode = envs.all_reduce()
+    if tp.device.type != "cuda" or not dist.is_available() or mode == "nccl":
         return None
     try:
-        return SymmetricAllReduce(group, device, max_numel, dtype)
+        return SymmetricAllReduce(tp, max_numel, dtype, copy_in_kernel=mode == "auto")
     except Exception as e:  # no NVLink P2P, an older torch, a CPU-only build
         log.warning("symmetric-memory all-reduce unavailable (%s); decode steps stay eager", e)
         return None

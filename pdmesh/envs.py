@@ -34,6 +34,17 @@ def gemv_max_rows() -> int:
     return value
 
 
+def all_reduce() -> str:
+    """PDMESH_ALL_REDUCE: how tensor-parallel ranks sum decode steps' small tensors on GPUs.
+    'auto' (default): a one-shot all-reduce over symmetric memory that copies its input in
+    itself; 'staged': the same after a separate copy into the shared buffer; 'nccl': NCCL only,
+    which keeps TP > 1 decode steps out of CUDA graphs."""
+    value = os.environ.get("PDMESH_ALL_REDUCE", "auto").lower()
+    if value not in ("auto", "staged", "nccl"):
+        raise ValueError(f"PDMESH_ALL_REDUCE must be auto, staged or nccl, got {value!r}")
+    return value
+
+
 def num_threads() -> int | None:
     """PDMESH_NUM_THREADS: torch intra-op threads on CPU (default: torch's own choice)."""
     value = os.environ.get("PDMESH_NUM_THREADS")

@@ -81,3 +81,19 @@ def test_tp_size_that_does_not_divide_heads_fails_clearly() -> None:
     message = str(err.value)
     assert "9 attention heads" in message and "3 KV heads" in message
     assert "valid sizes: 1, 3, 9" in message
+
+
+def test_all_reduce_way_is_checked(monkeypatch) -> None:
+    """PDMESH_ALL_REDUCE names one of three ways; a wrong one is an error that names the
+    variable, and on a CPU (gloo) no way brings symmetric memory in."""
+    import torch
+
+    from pdmesh.engine.parallel import SINGLE
+    from pdmesh.engine.symm_all_reduce import symmetric_all_reduce
+
+    for way in ("auto", "staged", "nccl"):
+        monkeypatch.setenv("PDMESH_ALL_REDUCE", way)
+        assert symmetric_all_reduce(SINGLE, 64, torch.float32) is None
+    monkeypatch.setenv("PDMESH_ALL_REDUCE", "ring")
+    with pytest.raises(ValueError, match="PDMESH_ALL_REDUCE must be auto, staged or nccl"):
+        symmetric_all_reduce(SINGLE, 64, torch.float32)
