@@ -153,7 +153,9 @@ def test_cancel_during_remote_prefill_frees_prefill_blocks(mesh: Mesh) -> None:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         future.cancel()
-        _wait_free(mesh, 1.0)
+        # The abort lands between steps: after the prefill chunk under way, which on two CPU
+        # cores shared with the router and the decode worker can itself take about a second.
+        _wait_free(mesh, 3.0)
 
 
 def test_deadline_frees_blocks(mesh: Mesh) -> None:
