@@ -58,13 +58,13 @@ class SymmetricAllReduce:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of `x` over the group, as a new tensor of x's shape."""
-        staged = self.buffer[: x.numel()]  # the kernel wants the buffer's and x's sizes equal
+        shared = self.buffer[: x.numel()]  # the kernels want the buffer's and x's sizes equal
         if self.copy_in_kernel:
             return torch.ops.symm_mem.one_shot_all_reduce_copy(
-                staged, x.reshape(-1), "sum", self.group_name
+                shared, x.reshape(-1), "sum", self.group_name
             ).view_as(x)
-        staged.copy_(x.reshape(-1))
-        return torch.ops.symm_mem.one_shot_all_reduce(staged, "sum", self.group_name).view_as(x)
+        shared.copy_(x.reshape(-1))
+        return torch.ops.symm_mem.one_shot_all_reduce(shared, "sum", self.group_name).view_as(x)
 
 
 def symmetric_all_reduce(

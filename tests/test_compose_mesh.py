@@ -11,7 +11,6 @@ import json
 import random
 import re
 import secrets
-import shutil
 import subprocess
 import tempfile
 import time
@@ -35,6 +34,7 @@ from compose_local import (
     stop,
 )
 from otlp_receiver import OTLPReceiver, ReceivedSpan
+from prometheus_local import Prometheus, prometheus_binary
 
 from pdmesh.v1 import generation_pb2 as gen_pb
 from pdmesh.v1 import generation_pb2_grpc
@@ -242,54 +242,10 @@ def test_one_request_is_one_trace_across_router_decode_prefill_and_kv(mesh: Comp
 
 
 # -- acceptance 4 and 5: Prometheus and the dashboard ----------------------------------------
-@dataclass
-class Prometheus:
-    url: str
-    proc: subprocess.Popen[str]
-
-    def query(self, expr: str) -> dict:
-        q = urllib.parse.urlencode({"query": expr})
-        with urllib.request.urlopen(f"{self.url}/api/v1/query?{q}", timeout=10) as r:
-            body = json.load(r)
-        assert body["status"] == "success", body
-        return body["data"]
-
-    def value(self, expr: str) -> float | None:
-        result = self.query(expr)["result"]
-        return float(result[0]["value"][1]) if result else None
-
-    def wait_value(self, expr: str, want: float, timeout_s: float = 30) -> float | None:
-        deadline = time.monotonic() + timeout_s
-        value = self.value(expr)
-        while value != want and time.monotonic() < deadline:
-            time.sleep(0.25)
-            value = self.value(expr)
-        return value
-
-    def wait_equal(self, a: str, b: str, timeout_s: float = 30) -> tuple[float | None, ...]:
-        """`a` and `b` once they agree; each target is scraped on its own clock."""
-        deadline = time.monotonic() + timeout_s
-        values = (self.value(a), self.value(b))
-        while (values[0] is None or values[0] != values[1]) and time.monotonic() < deadline:
-            time.sleep(0.25)
-            values = (self.value(a), self.value(b))
-        return values
-
-
-def _prometheus_binary() -> str:
-    path = shutil.which("prometheus")
-    if path is None:
-        pytest.fail(
-            "Prometheus is not installed: `make test` installs Debian's package "
-            "(apt-get install prometheus); this test never skips."
-        )
-    return path
-
-
 @pytest.fixture(scope="module")
 def prometheus(mesh: ComposeMesh) -> Iterator[Prometheus]:
     """A real Prometheus with deploy/prometheus/prometheus.yml, targets mapped to loopback."""
-    binary = _prometheus_binary()
+    binary = prometheus_binary()
     config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     config["global"]["scrape_interval"] = config["global"]["evaluation_interval"] = "1s"
     for job in config["scrape_configs"]:
@@ -313,7 +269,7 @@ def prometheus(mesh: ComposeMesh) -> Iterator[Prometheus]:
         )
         p = Prometheus(f"http://127.0.0.1:{port}", proc)
         try:
-            _wait_prometheus(p, n_targets=sum(len(s["targets"]) for j in config["scrape_configs"]
+            p.wait_ready(n_targets=sum(len(s["targets"]) for j in config["scrape_configs"]
                                               for s in j["static_configs"]))  # fmt: skip
             yield p
         finally:
@@ -325,22 +281,6 @@ def _local_target(mesh: ComposeMesh, target: str) -> str:
     host, port = target.rsplit(":", 1)
     assert host in mesh.services, f"prometheus.yml scrapes {target}: no such pdmesh service"
     return mesh.services[host].local(int(port))
-
-
-def _wait_prometheus(p: Prometheus, n_targets: int, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if p.proc.poll() is not None:
-            raise RuntimeError(
-                f"prometheus exited: {p.proc.stderr.read() if p.proc.stderr else ''}"
-            )
-        try:
-            if p.value("sum(up)") == n_targets and p.value("count(up)") == n_targets:
-                return
-        except OSError:
-            pass
-        time.sleep(0.25)
-    raise TimeoutError(f"Prometheus did not scrape all {n_targets} targets within {timeout_s} s")
 
 
 def test_prometheus_counts_one_ttft_observation_per_request(

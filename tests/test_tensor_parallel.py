@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from support import hf_greedy, load_hf, random_prompts
 
 from pdmesh import LLM, SamplingParams
+from pdmesh.engine.parallel import SINGLE
+from pdmesh.engine.symm_all_reduce import symmetric_all_reduce
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
 PROMPTS = [
@@ -86,11 +89,6 @@ def test_tp_size_that_does_not_divide_heads_fails_clearly() -> None:
 def test_all_reduce_way_is_checked(monkeypatch) -> None:
     """PDMESH_ALL_REDUCE names one of three ways; a wrong one is an error that names the
     variable, and on a CPU (gloo) no way brings symmetric memory in."""
-    import torch
-
-    from pdmesh.engine.parallel import SINGLE
-    from pdmesh.engine.symm_all_reduce import symmetric_all_reduce
-
     for way in ("auto", "staged", "nccl"):
         monkeypatch.setenv("PDMESH_ALL_REDUCE", way)
         assert symmetric_all_reduce(SINGLE, 64, torch.float32) is None
