@@ -12,82 +12,60 @@ the name travels and `from_status` rebuilds the error.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
+
+_BY_STATUS: dict[str, type[PdmeshError]] = {}
 
 
 class PdmeshError(Exception):
-    """Base of every error meant for the caller; the message is a sentence they can act on."""
+    """Base of every error meant for the caller; the message is a sentence they can act on.
+    A subclass names its codes once: `class NotFound(PdmeshError, status="NOT_FOUND",
+    http_status=404)`."""
 
     status: ClassVar[str] = "INTERNAL"
     http_status: ClassVar[int] = 500
 
+    def __init_subclass__(cls, status: str = "", http_status: int = 0, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if status:
+            cls.status, cls.http_status = status, http_status
+            _BY_STATUS[status] = cls
 
-class InvalidRequest(PdmeshError, ValueError):
+
+class InvalidRequest(PdmeshError, ValueError, status="INVALID_ARGUMENT", http_status=400):
     """The request is wrong; `field` names the part of it (a ValueError for offline callers)."""
-
-    status = "INVALID_ARGUMENT"
-    http_status = 400
 
     def __init__(self, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.field = field
 
 
-class NotFound(PdmeshError):
-    status = "NOT_FOUND"
-    http_status = 404
+class NotFound(PdmeshError, status="NOT_FOUND", http_status=404):
+    """What the request names does not exist (a model, a request id)."""
 
 
-class Overloaded(PdmeshError):
+class Overloaded(PdmeshError, status="RESOURCE_EXHAUSTED", http_status=429):
     """Too much work right now (queue full, no blocks): retry later."""
 
-    status = "RESOURCE_EXHAUSTED"
-    http_status = 429
 
-
-class Unavailable(PdmeshError):
+class Unavailable(PdmeshError, status="UNAVAILABLE", http_status=503):
     """A worker or a hop is down, or this service cannot take the request now."""
 
-    status = "UNAVAILABLE"
-    http_status = 503
 
-
-class FailedPrecondition(PdmeshError):
+class FailedPrecondition(PdmeshError, status="FAILED_PRECONDITION", http_status=400):
     """The service is in a state that refuses this request (draining, wrong role, ...)."""
 
-    status = "FAILED_PRECONDITION"
-    http_status = 400
+
+class DeadlineExceeded(PdmeshError, status="DEADLINE_EXCEEDED", http_status=504):
+    """The request's deadline passed before it finished."""
 
 
-class DeadlineExceeded(PdmeshError):
-    status = "DEADLINE_EXCEEDED"
-    http_status = 504
+class Cancelled(PdmeshError, status="CANCELLED", http_status=499):
+    """The client went away or cancelled."""
 
 
-class Cancelled(PdmeshError):
-    status = "CANCELLED"
-    http_status = 499
-
-
-class Unauthenticated(PdmeshError):
-    status = "UNAUTHENTICATED"
-    http_status = 401
-
-
-_BY_STATUS: dict[str, type[PdmeshError]] = {
-    cls.status: cls
-    for cls in (
-        PdmeshError,
-        InvalidRequest,
-        NotFound,
-        Overloaded,
-        Unavailable,
-        FailedPrecondition,
-        DeadlineExceeded,
-        Cancelled,
-        Unauthenticated,
-    )
-}
+class Unauthenticated(PdmeshError, status="UNAUTHENTICATED", http_status=401):
+    """No valid API key or client certificate."""
 
 
 def from_status(status: str, message: str) -> PdmeshError:
