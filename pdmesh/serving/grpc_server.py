@@ -19,13 +19,18 @@ from pdmesh.serving.tls import TLSConfig
 # Deliberate limits: the largest legitimate message is a long prompt's token ids (a few MB).
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
-SERVER_OPTIONS = [
+# Both ends: message limits, and keepalive pings every 20 s even on idle connections.
+_COMMON_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
+]
+
+SERVER_OPTIONS = [
+    *_COMMON_OPTIONS,
     # Accept the clients' keepalive pings (every 20 s, CHANNEL_OPTIONS) on idle connections. By
     # default a server wants 5 minutes between pings without data and answers the third early
     # one with GOAWAY "too_many_pings", failing the calls then in flight on that connection.
@@ -35,12 +40,7 @@ SERVER_OPTIONS = [
 ]
 
 CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.keepalive_permit_without_calls", 1),
+    *_COMMON_OPTIONS,
     ("grpc.enable_retries", 0),
     # A restarted worker must be found again within seconds: gRPC's default reconnect back-off
     # grows to two minutes while it is down.
