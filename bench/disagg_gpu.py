@@ -33,10 +33,8 @@ import math
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -49,6 +47,8 @@ from typing import Any
 from pdmesh.bench.gpu_models import write_llama_8b
 from pdmesh.bench.latency_stats import Slo, summarize
 from pdmesh.bench.serving import LoadConfig, make_workload, run_load
+from pdmesh.mesh import pdmesh_command
+from pdmesh.processes import free_port
 
 SLO = Slo(ttft_ms=1500, tpot_ms=40)
 ATTAINMENT = 0.9
@@ -78,12 +78,6 @@ class Results:
         (self.out / "disagg_samples.json").write_text(json.dumps(self.samples))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass(frozen=True)
 class Mesh:
     target: str  # the router's gRPC address
@@ -105,8 +99,8 @@ class Mesh:
 def mesh(folder: Path, layout: str, log: Path, spans: Path | None = None) -> Iterator[Mesh]:
     """`pdmesh up` with this layout; yields the router's address once it is up. With `spans`,
     every process prints its spans, and they are written there."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "pdmesh.cli", "up", "--model", str(folder), "--port", str(port)]
+    port = free_port()
+    cmd = pdmesh_command("up", "--model", str(folder), "--port", str(port))
     cmd += ["--http-port", "0", "--ask", "", *ENGINE, *LAYOUTS[layout]]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PDMESH_LOG_LEVEL": "WARNING"}
     if spans is not None:

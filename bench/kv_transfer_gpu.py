@@ -267,7 +267,7 @@ def main() -> None:
     if args.role == "sender":
         sender(args.init, args.timeline)
         return
-    from pdmesh.engine.distributed import free_port
+    from pdmesh.processes import free_port
 
     init = f"tcp://127.0.0.1:{free_port()}"
     me = [sys.executable, "-m", "pdmesh.bench.kv_transfer_gpu", "--init", init]

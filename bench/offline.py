@@ -137,11 +137,3 @@ def run_offline_bench(args: argparse.Namespace) -> int:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=2))
     return 0
-
-
-if __name__ == "__main__":
-    import sys
-
-    from pdmesh.cli import main
-
-    sys.exit(main(["bench", "--offline", *sys.argv[1:]]))

@@ -7,7 +7,6 @@ it back to back. After a warm-up, tokens and messages are counted at the clients
 window, with the CPU time of every process (everything shares this machine's cores).
 
     pdmesh bench --relay [--clients 256 --sources 2 --output-len 512 --duration 20]
-    python -m pdmesh.bench.relay [same flags]
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -25,8 +23,10 @@ from pathlib import Path
 import grpc
 
 from pdmesh.bench.machine import cpu_seconds, device_name, machine_busy_seconds
-from pdmesh.launcher import Child, _die_with_parent, free_port, stop_all, wait_ready
+from pdmesh.mesh import pdmesh_command, wait_for_workers
+from pdmesh.processes import free_port
 from pdmesh.serving.grpc_server import channel
+from pdmesh.supervisor import Child, ProcessSpec, spawn, stop_all
 from pdmesh.v1 import generation_pb2 as gen_pb
 from pdmesh.v1 import generation_pb2_grpc
 
@@ -82,6 +82,8 @@ class RelayResult:
 
 
 def start_processes(cfg: RelayConfig) -> tuple[list[Child], str]:
+    """`cfg.sources` token sources and a router in front of them: the children and the router's
+    address."""
     children: list[Child] = []
     decode: list[str] = []
     for i in range(cfg.sources):
@@ -90,19 +92,17 @@ def start_processes(cfg: RelayConfig) -> tuple[list[Child], str]:
             sys.executable, "-m", "pdmesh.bench.token_source",
             "--host", HOST, "--port", str(port), "--step-ms", str(cfg.step_ms),
         ]  # fmt: skip
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent)
-        children.append(Child(f"source-{i}", f"{HOST}:{port}", proc))
+        children.append(spawn(ProcessSpec(f"source-{i}", argv, f"{HOST}:{port}", quiet=True)))
         decode.append(f"{HOST}:{port}")
     port = free_port(HOST)
-    argv = [
-        sys.executable, "-m", "pdmesh.cli", "router", "--host", HOST, "--port", str(port),
-        "--http-port", "0", "--decode", ",".join(decode),
-    ]  # fmt: skip
+    argv = pdmesh_command(
+        "router", "--host", HOST, "--port", str(port), "--http-port", "0",
+        "--decode", ",".join(decode),
+    )  # fmt: skip
     if cfg.model:
         argv += ["--model", cfg.model]
     env = {**os.environ, "PDMESH_LOG_LEVEL": "WARNING"}
-    proc = subprocess.Popen(argv, preexec_fn=_die_with_parent, env=env)
-    children.append(Child("router", f"{HOST}:{port}", proc))
+    children.append(spawn(ProcessSpec("router", argv, f"{HOST}:{port}", env=env)))
     return children, f"{HOST}:{port}"
 
 
@@ -185,7 +185,7 @@ async def drive(cfg: RelayConfig, target: str, pids: dict[str, int]) -> RelayRes
 def run_relay(cfg: RelayConfig) -> RelayResult:
     children, target = start_processes(cfg)
     try:
-        wait_ready(target, 0, cfg.sources, children, READY_TIMEOUT_S)
+        wait_for_workers(target, 0, cfg.sources, children, READY_TIMEOUT_S)
         pids = {c.name: c.proc.pid for c in children}
         pids["clients"] = os.getpid()
         return asyncio.run(drive(cfg, target, pids))
@@ -216,9 +216,3 @@ def run_relay_bench(args: argparse.Namespace) -> int:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(asdict(result), indent=2))
     return 1 if result.errors or result.bad_finishes else 0
-
-
-if __name__ == "__main__":
-    from pdmesh.cli import main
-
-    sys.exit(main(["bench", "--relay", *sys.argv[1:]]))

@@ -287,9 +287,3 @@ def run_serving_bench(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     return 0 if summary["failed"] == 0 else 1
-
-
-if __name__ == "__main__":
-    from pdmesh.cli import main
-
-    sys.exit(main(["bench", *sys.argv[1:]]))

@@ -19,7 +19,6 @@ import json
 import random
 import re
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -28,7 +27,9 @@ from pathlib import Path
 
 import grpc
 
-from pdmesh.launcher import _engine_flags, free_port
+from pdmesh.flags import engine_argv, engine_options
+from pdmesh.mesh import pdmesh_command
+from pdmesh.processes import free_port
 from pdmesh.v1 import generation_pb2 as gen_pb
 from pdmesh.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -281,8 +282,8 @@ def _drain(stream: Iterable[str]) -> None:
 
 
 def _start_mesh(args: argparse.Namespace, port: int) -> tuple[subprocess.Popen[str], SoakConfig]:
-    cmd = [sys.executable, "-m", "pdmesh.cli", "up", "--port", str(port), "--http-port", "0"]
-    cmd += ["--ask", "", "--prefill", "1", "--decode", "1", *_engine_flags(args)]
+    cmd = pdmesh_command("up", "--port", str(port), "--http-port", "0", "--ask", "")
+    cmd += ["--prefill", "1", "--decode", "1", *engine_argv(engine_options(args))]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     decode: list[str] = []

@@ -1,18 +1,28 @@
-"""Engine configuration: one frozen dataclass, checked when built."""
+"""Engine configuration: one frozen dataclass, checked when built.
+
+Each field carries the help of its command-line flag (`field(metadata={"help": ...})`):
+`pdmesh/flags.py` makes the flags (`max_num_seqs` is `--max-num-seqs`) and the pass-through of
+`pdmesh up` to its workers from these fields, so an option is listed here and nowhere else.
+A flag spelled otherwise than its field (one that turns a default-on option off) says so in
+`metadata["flag"]`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
+# dtype names -> torch attribute names; torch itself is imported only when an engine is built, so
+# reading this config (the CLI's parser) stays light.
 _DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
 }
 
 
@@ -23,38 +33,58 @@ def _check_positive(name: str, value: Any, allow_none: bool = False) -> None:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
 
 
+def option(default: Any, help: str, flag: str | None = None) -> Any:
+    """A config field with the help of its command-line flag (and the flag's spelling where it
+    is not `--field-name`)."""
+    metadata = {"help": help} if flag is None else {"help": help, "flag": flag}
+    return field(default=default, metadata=metadata)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """Settings of one engine (one worker). Names follow vLLM.
+    """Settings of one engine (one worker). Names follow vLLM."""
 
-    model: a Hugging Face folder, a .gguf file, or None for the embedded default model.
-    kv_cache_tokens: KV cache size in tokens; otherwise `kv_cache_memory_fraction` of the device's
-    memory (GPU: total; CPU: available RAM), default 0.9 on GPU and 0.1 on CPU.
-    max_num_batched_tokens: the per-step token budget (prefill chunks + decodes).
-    """
-
-    model: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    tensor_parallel_size: int = 1
-    block_size: int = 16
-    kv_cache_tokens: int | None = None
-    kv_cache_memory_fraction: float | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    enable_expert_parallel: bool = False
-    seed: int = 0
-    # "auto": the checkpoint's weights; "dummy": random weights of the model's shapes (speed).
-    load_format: str = "auto"
-    # No tokenizer: prompts must be token ids and outputs carry no text.
-    skip_tokenizer_init: bool = False
-    # Never capture CUDA graphs (GPU decode steps run eagerly).
-    enforce_eager: bool = False
-    # Launch the next decode step before reading the current one's tokens (engine/overlap.py).
-    # None: on where decode steps replay CUDA graphs, off elsewhere (the CPU gains nothing).
-    async_scheduling: bool | None = None
+    model: str | None = option(None, "HF folder or .gguf (default: embedded SmolLM2)")
+    dtype: str = option("auto", "auto (bfloat16 on GPU, float32 on CPU) | " + " | ".join(_DTYPES))
+    device: str = option("auto", "auto | cpu | cuda[:N]")
+    tensor_parallel_size: int = option(1, "ranks (GPUs) the model is sharded over")
+    block_size: int = option(16, "tokens per KV cache block")
+    kv_cache_tokens: int | None = option(
+        None, "KV cache size in tokens (default: --kv-cache-memory-fraction of the memory)"
+    )
+    kv_cache_memory_fraction: float | None = option(
+        None,
+        "share of the device's memory for the KV cache (GPU: total; CPU: available RAM); "
+        "default 0.9 on GPU, 0.1 on CPU",
+    )
+    max_num_seqs: int = option(256, "requests running at once, at most")
+    max_num_batched_tokens: int = option(
+        2048, "the per-step token budget (prefill chunks + decodes)"
+    )
+    max_model_len: int | None = option(
+        None, "prompt + output tokens at most (default: the model's)"
+    )
+    enable_prefix_caching: bool = option(
+        True,
+        "do not reuse the KV blocks of prompt prefixes seen before",
+        flag="--no-prefix-caching",
+    )
+    enable_expert_parallel: bool = option(
+        False, "MoE experts split over the tensor-parallel ranks (all-to-all) instead of sharded"
+    )
+    seed: int = option(0, "seed of unseeded sampling and of dummy weights")
+    load_format: str = option(
+        "auto", "auto (the checkpoint's weights) | dummy (random weights of its shapes: speed)"
+    )
+    skip_tokenizer_init: bool = option(
+        False, "no tokenizer: prompts must be token ids and outputs carry no text"
+    )
+    enforce_eager: bool = option(False, "no CUDA graphs (GPU decode steps run eagerly)")
+    async_scheduling: bool | None = option(
+        None,
+        "launch each decode step before reading the previous one's tokens "
+        "(default: on where decode steps replay CUDA graphs; the CPU gains nothing)",
+    )
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -94,11 +124,15 @@ class EngineConfig:
         return cls(**kwargs)
 
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return _DTYPES[self.dtype]
+        return getattr(torch, _DTYPES[self.dtype])

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import urllib.parse
 from typing import Any
 
@@ -25,12 +24,6 @@ from pdmesh.engine.parallel import ParallelGroup
 # Followers wait idle in a broadcast for as long as rank 0 has nothing to do; a dead peer is
 # noticed by process monitoring, not by collective timeouts.
 IDLE_TIMEOUT = datetime.timedelta(days=7)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def backend_for(device: torch.device) -> str:

@@ -1,19 +1,72 @@
-"""A small gRPC client of the router (`pdmesh generate --target`)."""
+"""The CLI's gRPC clients of the router: `pdmesh generate --target` streaming one request, and
+`RouterClient`, how `pdmesh up` and the benchmarks ask a router whether it is ready and a
+question."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 
 import grpc
 
-from pdmesh.cli import tls_config
-from pdmesh.serving.auth import bearer_metadata
+from pdmesh.flags import tls_config
+from pdmesh.serving.auth import ApiKeys, bearer_metadata
 from pdmesh.serving.convert import FINISH_FROM_PB
-from pdmesh.serving.grpc_server import channel
+from pdmesh.serving.grpc_server import blocking_channel, channel
+from pdmesh.serving.tls import TLSConfig
 from pdmesh.v1 import generation_pb2 as gen_pb
 from pdmesh.v1 import generation_pb2_grpc
+
+
+@dataclass(frozen=True)
+class RouterClient:
+    """How this process reaches a router: address, TLS, an API key."""
+
+    target: str
+    tls: TLSConfig | None = None
+    api_key: str | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RouterClient:
+        """The router of `--host`/`--port`, with the TLS flags and the first of `--api-keys`
+        (ValueError naming a bad TLS file or key file)."""
+        keys = ApiKeys.from_flags(args.api_keys, args.api_keys_file)
+        return cls(
+            f"{args.host}:{args.port}", tls_config(args), keys.keys[0] if keys.keys else None
+        )
+
+    def channel(self) -> grpc.Channel:
+        return blocking_channel(self.target, self.tls)
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return bearer_metadata(self.api_key)
+
+    def has_workers(self, prefill: int, decode: int) -> bool:
+        """Whether the router has at least this many workers in rotation (False while it does
+        not answer)."""
+        with self.channel() as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            try:
+                info = stub.GetModelInfo(
+                    gen_pb.ModelInfoRequest(), timeout=2, metadata=self.metadata
+                )
+            except grpc.RpcError:
+                return False
+        return info.num_prefill_workers >= prefill and info.num_decode_workers >= decode
+
+    def ask(self, question: str) -> str:
+        """One chat turn, greedy, at most 64 tokens: the answer's text."""
+        with self.channel() as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            chat = gen_pb.ChatMessages(messages=[gen_pb.ChatMessage(role="user", content=question)])
+            req = gen_pb.GenerateRequest(
+                chat=chat, sampling=gen_pb.SamplingParams(max_tokens=64, temperature=0)
+            )
+            stream = stub.Generate(req, timeout=120, metadata=self.metadata)
+            return "".join(r.text for r in stream)
 
 
 def request_from_args(args: argparse.Namespace) -> gen_pb.GenerateRequest:

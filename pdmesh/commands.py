@@ -1,4 +1,5 @@
-"""The `pdmesh` subcommands: their flags and what they run."""
+"""The `pdmesh` subcommands but `bench` (bench/command.py) and `healthcheck`
+(pdmesh/healthcheck.py): their flags and what they run."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import asyncio
 import json
 from typing import Any
 
-from pdmesh.cli import engine_args, engine_options, sampling_args, tls_args, tls_config
+from pdmesh.flags import engine_args, engine_options, sampling_args, tls_args, tls_config
 
 
 def _sampling_params(args: argparse.Namespace) -> Any:
@@ -115,7 +116,7 @@ def add_up(sub: Any) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from pdmesh.launcher import run_up
+    from pdmesh.mesh import run_up
 
     return run_up(args)
 
@@ -292,79 +293,3 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     )
     asyncio.run(serve(config))
     return 0
-
-
-# -- bench ------------------------------------------------------------------------------------
-def add_bench(sub: Any) -> None:
-    b = sub.add_parser("bench", help="benchmarks (see BENCHMARKS.md)")
-    mode = b.add_mutually_exclusive_group(required=True)
-    mode.add_argument(
-        "--offline", action="store_true", help="the engine in this process vs transformers"
-    )
-    mode.add_argument("--target", help="a serving benchmark against a router at HOST:PORT")
-    mode.add_argument(
-        "--relay", action="store_true", help="the router's relay capacity, fed by token sources"
-    )
-    mode.add_argument(
-        "--soak",
-        action="store_true",
-        help="mixed load with cancellations on a mesh of its own: leaks and memory growth",
-    )
-    b.add_argument("--num-requests", type=int, default=32)
-    b.add_argument("--json-out", default=None, help="write the figures as JSON here")
-    b.add_argument("--skip-peer", action="store_true", help="do not run transformers")
-
-    s = b.add_argument_group("serving (--target)")
-    s.add_argument(
-        "--request-rate", type=float, default=float("inf"), help="req/s; inf: all at once"
-    )
-    s.add_argument(
-        "--arrivals", default="poisson", choices=("poisson", "constant"), help="inter-arrival times"
-    )
-    s.add_argument("--concurrency", type=int, default=None, help="at most this many in flight")
-    s.add_argument("--input-len", type=int, default=256, help="mean prompt tokens")
-    s.add_argument(
-        "--output-len", type=int, default=None, help="mean output tokens (128; relay 512)"
-    )
-    s.add_argument(
-        "--range-ratio", type=float, default=0.0, help="lengths uniform in len * [1-r, 1+r]"
-    )
-    s.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT at most this")
-    s.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT at most this")
-    s.add_argument("--plot", default=None, help="write latency CDFs to this PNG (matplotlib)")
-    s.add_argument(
-        "--peer-offline",
-        action="store_true",
-        help="also run the same requests on the offline engine (a fresh local process)",
-    )
-    s.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-    r = b.add_argument_group("relay (--relay)")
-    r.add_argument("--clients", type=int, default=256, help="concurrent streaming clients")
-    r.add_argument("--sources", type=int, default=2, help="token-source processes")
-    r.add_argument("--duration", type=float, default=20.0, help="measured seconds")
-    r.add_argument("--warmup", type=float, default=3.0, help="seconds before measuring")
-    r.add_argument("--step-ms", type=float, default=1.0, help="token-source step interval")
-    k = b.add_argument_group("soak (--soak; --duration sets its length, e.g. 600)")
-    k.add_argument("--kv-target", type=float, default=0.8, help="share of KV capacity in use")
-    k.add_argument("--cancel-fraction", type=float, default=0.2, help="requests the client cancels")
-    engine_args(b)
-    b.set_defaults(func=cmd_bench)
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    if args.target:
-        from pdmesh.bench.serving import run_serving_bench
-
-        return run_serving_bench(args)
-    if args.relay:
-        from pdmesh.bench.relay import run_relay_bench
-
-        return run_relay_bench(args)
-    if args.soak:
-        from pdmesh.bench.soak import run_soak_bench
-
-        return run_soak_bench(args)
-    from pdmesh.bench.offline import run_offline_bench
-
-    return run_offline_bench(args)

@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdmesh.cli import tls_args, tls_config
+from pdmesh.flags import tls_args, tls_config
 from pdmesh.serving.grpc_server import blocking_channel
 from pdmesh.serving.tls import TLSConfig
 

@@ -14,13 +14,14 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from pdmesh.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -51,12 +52,6 @@ def compose_config(files: tuple[Path, ...] = COMPOSE_FILES) -> dict:
     if out.returncode != 0:
         raise RuntimeError(f"docker-compose config failed:\n{out.stderr}")
     return json.loads(out.stdout)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -5,10 +5,26 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import typing
+from dataclasses import fields
+from typing import Any
 
+import pytest
 from support import hf_greedy, load_hf
 
+from pdmesh.cli import build_parser
+from pdmesh.engine.config import EngineConfig
+from pdmesh.flags import engine_argv, engine_options
+from pdmesh.mesh import pair_transports, plan_mesh
+
 PDMESH = [sys.executable, "-m", "pdmesh.cli"]
+ENGINE_COMMANDS = {
+    "generate": ["--offline", "--prompt", "x"],
+    "up": [],
+    "decode": [],
+    "prefill": [],
+    "bench": ["--offline"],
+}
 
 
 def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -65,8 +81,6 @@ def test_bad_input_is_a_clear_error_not_a_traceback(tmp_path) -> None:
 
 
 def test_up_picks_the_kv_transport_per_pair_from_gpu_placement() -> None:
-    from pdmesh.launcher import pair_transports
-
     cpu = {"h:1": None, "h:2": None}
     assert pair_transports("auto", cpu, None) == ["--kv-transport", "tcp"]
     # Different GPUs: nccl. A prefill worker sharing the decode worker's GPU (GPUs ran out and
@@ -80,3 +94,86 @@ def test_up_picks_the_kv_transport_per_pair_from_gpu_placement() -> None:
     ]
     assert pair_transports("auto", {"h:1": range(0, 2)}, range(1, 3)) == ["--kv-transport", "tcp"]
     assert pair_transports("gloo", cpu, None) == ["--kv-transport", "gloo"]
+
+
+def _not_default(name: str, default: Any) -> Any:
+    """A value of EngineConfig field `name` other than its default (the flags are only parsed
+    here, not validated, so any value of the right type will do)."""
+    kind = typing.get_type_hints(EngineConfig)[name]
+    if kind in (bool, bool | None):
+        return False if default is None else not default  # unset: False, the `--no-` flag
+    if kind in (int, int | None):
+        return (default or 0) + 3
+    if kind in (float, float | None):
+        return 0.25
+    if kind in (str, str | None):
+        return f"x-{name}"
+    raise AssertionError(f"EngineConfig.{name}: no flag type for {kind}")
+
+
+def _non_defaults() -> dict[str, Any]:
+    return {f.name: _not_default(f.name, f.default) for f in fields(EngineConfig)}
+
+
+@pytest.mark.parametrize("command", sorted(ENGINE_COMMANDS))
+def test_every_engine_option_is_a_flag_of_every_engine_command(command: str) -> None:
+    parser = build_parser()
+    args = parser.parse_args([command, *ENGINE_COMMANDS[command]])
+    assert engine_options(args) == {f.name: f.default for f in fields(EngineConfig)}
+    values = _non_defaults()
+    args = parser.parse_args([command, *ENGINE_COMMANDS[command], *engine_argv(values)])
+    assert engine_options(args) == values
+
+
+def test_engine_flags_keep_their_spelling() -> None:
+    argv = ["prefill", "--model", "m", "--dtype", "float16", "--device", "cpu"]
+    argv += ["--tensor-parallel-size", "2", "--block-size", "32", "--kv-cache-tokens", "4096"]
+    argv += ["--kv-cache-memory-fraction", "0.5", "--max-num-seqs", "8"]
+    argv += ["--max-num-batched-tokens", "512", "--max-model-len", "1024", "--no-prefix-caching"]
+    argv += ["--enable-expert-parallel", "--seed", "7", "--enforce-eager", "--no-async-scheduling"]
+    argv += ["--load-format", "dummy", "--skip-tokenizer-init"]
+    options = engine_options(build_parser().parse_args(argv))
+    assert options == {
+        "model": "m",
+        "dtype": "float16",
+        "device": "cpu",
+        "tensor_parallel_size": 2,
+        "block_size": 32,
+        "kv_cache_tokens": 4096,
+        "kv_cache_memory_fraction": 0.5,
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 512,
+        "max_model_len": 1024,
+        "enable_prefix_caching": False,
+        "enable_expert_parallel": True,
+        "seed": 7,
+        "load_format": "dummy",
+        "skip_tokenizer_init": True,
+        "enforce_eager": True,
+        "async_scheduling": False,
+    }
+    EngineConfig(**options)  # and they make a valid config
+    on = build_parser().parse_args(["decode", "--async-scheduling"])
+    assert engine_options(on)["async_scheduling"] is True
+
+
+def test_up_passes_every_engine_option_to_its_workers() -> None:
+    """A field added to EngineConfig reaches `pdmesh up`'s workers with no other edit."""
+    parser = build_parser()
+    values = _non_defaults()
+    up = parser.parse_args(["up", "--prefill", "1", "--decode", "2", *engine_argv(values)])
+    specs = plan_mesh(up)
+    assert [s.name for s in specs] == ["prefill-0", "decode-0", "decode-1", "router"]
+    for spec in specs[:-1]:
+        assert spec.command[:3] == PDMESH
+        assert engine_options(parser.parse_args(spec.command[3:])) == values, spec.name
+    router = parser.parse_args(specs[-1].command[3:])
+    assert (router.model, router.max_model_len) == (values["model"], values["max_model_len"])
+    # A pool's own tensor-parallel size replaces --tensor-parallel-size for that pool only.
+    up = parser.parse_args(["up", "--prefill-tp", "2", "--decode-tp", "3", *engine_argv(values)])
+    prefill, decode, _ = plan_mesh(up)
+    assert engine_options(parser.parse_args(prefill.command[3:])) == {
+        **values,
+        "tensor_parallel_size": 2,
+    }
+    assert engine_options(parser.parse_args(decode.command[3:]))["tensor_parallel_size"] == 3

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from pdmesh.bench.relay import RelayConfig, drive, start_processes
-from pdmesh.launcher import Child, stop_all, wait_ready
+from pdmesh.mesh import wait_for_workers
+from pdmesh.supervisor import Child, stop_all
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -24,7 +25,7 @@ def relay_mesh() -> Iterator[tuple[str, list[Child]]]:
     """Two token sources and a router in front of them."""
     children, target = start_processes(RelayConfig(sources=2))
     try:
-        wait_ready(target, 0, 2, children, 120)
+        wait_for_workers(target, 0, 2, children, 120)
         yield target, children
     finally:
         stop_all(children)

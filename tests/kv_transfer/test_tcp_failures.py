@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 
@@ -17,6 +16,7 @@ from pdmesh.kv_transfer import (
     TransferSpec,
     create_receiver,
 )
+from pdmesh.processes import free_port
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -28,12 +28,6 @@ def _push(sender: KVSender, endpoint: str, spec: TransferSpec, cache: torch.Tens
     for layer in range(cache.shape[0]):
         sender.send_layer(handle, layer, 0, cache[layer, 0, :2], cache[layer, 1, :2])
     sender.finish(handle, timeout=5)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_an_expected_transfer_times_out_and_late_frames_are_dropped(
@@ -107,7 +101,7 @@ def test_finish_fails_in_time_when_nobody_listens(
     source = random_cache(geo, 8)
     tx = sender(geo)
     spec = TransferSpec.new(DST_BLOCKS, 0, 2)
-    handle = tx.start(f"tcp://127.0.0.1:{_free_port()}", spec.transfer_id, spec.token, 2)
+    handle = tx.start(f"tcp://127.0.0.1:{free_port()}", spec.transfer_id, spec.token, 2)
     for layer in range(geo.num_layers):
         tx.send_layer(handle, layer, 0, source[layer, 0, :2], source[layer, 1, :2])
     started = time.monotonic()
@@ -155,7 +149,7 @@ def test_a_sender_recovers_when_its_receiver_comes_back(
     """The cached socket reconnects by itself; a late receiver still gets the frames."""
     geo = geometry(heads=2)
     source = random_cache(geo, 8)
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
     spec = TransferSpec.new(DST_BLOCKS, 0, 2)
     tx = sender(geo)
     handle = tx.start(endpoint, spec.transfer_id, spec.token, spec.num_blocks)

@@ -1,0 +1,149 @@
+"""Command-line flags more than one command shares: the engine's (made from `EngineConfig`'s
+fields), TLS, sampling, and defaults from `PDMESH_<FLAG>` environment variables.
+
+Engine flags are generated: field `max_num_seqs` is `--max-num-seqs` with the field's type,
+default and help; a bool that is off by default is a switch (`--enforce-eager`), one that is on
+by default is the switch its metadata names (`--no-prefix-caching`), one that may be unset is
+`--x / --no-x`. `engine_options` reads them back into `EngineConfig` keyword arguments and
+`engine_argv` writes such options as flags again (what `pdmesh up` hands its workers), so a new
+field is a flag of every engine command and passes through `pdmesh up` with no edit here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import Field, fields
+from typing import TYPE_CHECKING, Any
+
+from pdmesh import envs
+from pdmesh.engine.config import EngineConfig
+
+if TYPE_CHECKING:
+    from pdmesh.serving.tls import TLSConfig
+
+TLS_FLAGS = ("tls_cert", "tls_key", "tls_ca", "tls_server_name")
+_ENGINE_HINTS = typing.get_type_hints(EngineConfig)
+
+
+def _value_type(f: Field[Any]) -> type:
+    """The field's type without `| None`: int, float, str or bool."""
+    hint = _ENGINE_HINTS[f.name]
+    if isinstance(hint, types.UnionType):
+        (hint,) = (t for t in typing.get_args(hint) if t is not type(None))
+    return hint
+
+
+def engine_flag(f: Field[Any]) -> str:
+    """The command-line flag of one `EngineConfig` field."""
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def _dest(f: Field[Any]) -> str:
+    return engine_flag(f)[2:].replace("-", "_")
+
+
+def _inverted(f: Field[Any]) -> bool:
+    """A default-on bool: its flag turns it off."""
+    return _value_type(f) is bool and f.default is True
+
+
+def engine_args(p: argparse.ArgumentParser) -> None:
+    """Add a flag for every `EngineConfig` field, in an "engine" group."""
+    g = p.add_argument_group("engine")
+    for f in fields(EngineConfig):
+        flag, kind, help = engine_flag(f), _value_type(f), f.metadata["help"]
+        if kind is not bool:
+            g.add_argument(flag, type=kind, default=f.default, help=help)
+        elif f.default is None:
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help)
+        else:
+            if f.default is True and "flag" not in f.metadata:
+                raise TypeError(f"EngineConfig.{f.name}: a default-on bool names its off flag")
+            g.add_argument(flag, action="store_true", help=help)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags of a parsed command line as `EngineConfig` keyword arguments."""
+    options = {}
+    for f in fields(EngineConfig):
+        value = getattr(args, _dest(f))
+        options[f.name] = not value if _inverted(f) else value
+    return options
+
+
+def engine_argv(options: Mapping[str, Any]) -> list[str]:
+    """Engine options (`EngineConfig` keyword arguments; missing ones keep their default) as the
+    flags that `engine_args` parses back to the same options."""
+    argv: list[str] = []
+    for f in fields(EngineConfig):
+        value, flag = options.get(f.name, f.default), engine_flag(f)
+        if value is None:
+            continue
+        if _value_type(f) is not bool:
+            argv += [flag, str(value)]
+        elif f.default is None:
+            argv.append(flag if value else f"--no-{flag[2:]}")
+        elif value != f.default:  # a switch is given only to change its default
+            argv.append(flag)
+    return argv
+
+
+def tls_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("TLS (every gRPC hop; all unset: plaintext)")
+    g.add_argument("--tls-cert", default=None, help="PEM certificate chain of this process")
+    g.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    g.add_argument(
+        "--tls-ca",
+        default=None,
+        help="PEM CA bundle peers must chain to; servers then require client certificates",
+    )
+    g.add_argument(
+        "--tls-server-name", default=None, help="the name to verify in servers' certificates"
+    )
+
+
+def tls_config(args: argparse.Namespace) -> TLSConfig | None:
+    """The TLSConfig the TLS flags describe, or None (plaintext)."""
+    from pdmesh.serving.tls import TLSConfig
+
+    return TLSConfig.from_flags(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
+
+
+def tls_argv(args: argparse.Namespace) -> list[str]:
+    """The TLS flags that were set, as a command line (what `pdmesh up` hands every child)."""
+    argv: list[str] = []
+    for name in TLS_FLAGS:
+        value = getattr(args, name)
+        if value:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv
+
+
+def sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+
+
+def env_defaults(parser: argparse.ArgumentParser) -> None:
+    """Take defaults from PDMESH_<FLAG> environment variables (flags still win), in every
+    subcommand."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                env_defaults(sub)
+            continue
+        if not action.option_strings or action.dest == "help":
+            continue
+        value = envs.flag_env(action.dest)
+        if not value:  # unset, or set empty (as compose files do for "use the default")
+            continue
+        if isinstance(action, argparse._StoreTrueAction | argparse.BooleanOptionalAction):
+            action.default = value.lower() in ("1", "true", "yes", "on")
+        else:
+            action.default = value

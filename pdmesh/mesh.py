@@ -1,0 +1,195 @@
+"""`pdmesh up`: which services a local mesh runs, on which ports and GPUs, with which flags.
+
+`plan_mesh` turns `pdmesh up`'s flags into one `ProcessSpec` per service (prefill workers, decode
+workers, then the router, each a `python -m pdmesh.cli` command on free ports) without starting
+anything; `run_up` starts them under pdmesh/supervisor.py, waits until the router has every
+worker in rotation, and restarts workers that exit until Ctrl-C or SIGTERM. Engine and TLS
+flags go to every worker (TLS to the router too; each child uses the same certificate as server
+and client); API keys go to the router through its environment, not its command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+from pdmesh import envs
+from pdmesh.client import RouterClient
+from pdmesh.flags import engine_argv, engine_options, tls_argv
+from pdmesh.processes import free_port
+from pdmesh.supervisor import Child, ProcessSpec, spawn, stop_all, supervise, wait_ready
+
+
+class GpuPlacement:
+    """Which GPUs each worker gets: consecutive devices in start order (prefill workers, then
+    decode workers), a worker of TP size N taking N of them; once they run out, the next worker
+    starts again from the first. Workers get `--device cuda:K` (their ranks take K .. K+N-1), so
+    every process sees every GPU and NCCL finds the direct GPU-to-GPU path between them."""
+
+    def __init__(self, device: str | None) -> None:
+        import torch
+
+        self.count = 0
+        self.first = 0
+        if (device in (None, "auto") and torch.cuda.is_available()) or (device or "").startswith(
+            "cuda"
+        ):
+            self.count = torch.cuda.device_count()
+            if device and ":" in device:
+                self.first = int(device.split(":", 1)[1])
+        self.next = self.first
+
+    def take(self, tp: int) -> range | None:
+        """The GPUs of the next worker (None on the CPU)."""
+        if self.count == 0:
+            return None
+        if self.next + tp > self.count:
+            self.next = self.first
+        devices = range(self.next, self.next + tp)
+        self.next += tp
+        return devices
+
+
+def pair_transports(name: str, prefill: dict[str, range | None], decode: range | None) -> list[str]:
+    """A decode worker's --kv-transport flags. `auto` picks per prefill worker: nccl between
+    workers on different GPUs, tcp otherwise (CPU workers, or two sharing a GPU, which NCCL
+    cannot pair); the commonest choice is the default, the others `--kv-transport-for`."""
+    if name != "auto":
+        return ["--kv-transport", name]
+    chosen = {
+        address: "nccl" if devices and decode and not set(devices) & set(decode) else "tcp"
+        for address, devices in prefill.items()
+    }
+    counts = Counter(chosen.values())
+    default = max(counts, key=counts.__getitem__) if counts else "tcp"
+    flags = ["--kv-transport", default]
+    for address, transport in chosen.items():
+        if transport != default:
+            flags += ["--kv-transport-for", f"{address}={transport}"]
+    return flags
+
+
+def pdmesh_command(*argv: str) -> list[str]:
+    """The command line that runs `pdmesh ARGV` with this Python."""
+    return [sys.executable, "-m", "pdmesh.cli", *argv]
+
+
+def _worker(role: str, index: int, host: str, flags: list[str]) -> ProcessSpec:
+    """A prefill or decode worker on free ports, with its /metrics endpoint."""
+    port, metrics_port = free_port(host), free_port(host)
+    argv = [role, "--host", host, "--port", str(port), "--metrics-port", str(metrics_port)]
+    return ProcessSpec(
+        f"{role}-{index}",
+        pdmesh_command(*argv, *flags),
+        f"{host}:{port}",
+        f"http://{host}:{metrics_port}/metrics",
+    )
+
+
+def _engine(options: dict[str, Any], tp: int | None, devices: range | None) -> list[str]:
+    """One worker's engine flags: a pool's tensor-parallel size and the worker's first GPU."""
+    if tp:
+        options = {**options, "tensor_parallel_size": tp}
+    if devices is not None:
+        options = {**options, "device": f"cuda:{devices.start}"}
+    return engine_argv(options)
+
+
+def _router(args: argparse.Namespace, prefill: list[str], decode: list[str]) -> ProcessSpec:
+    argv = ["router", "--host", args.host, "--port", str(args.port)]
+    argv += ["--http-port", str(args.http_port), "--prefill", ",".join(prefill)]
+    argv += ["--decode", ",".join(decode), "--policy", args.policy]
+    argv += ["--disagg-min-tokens", str(args.disagg_min_tokens)]
+    if args.model:
+        argv += ["--model", args.model]
+    if args.max_model_len:
+        argv += ["--max-model-len", str(args.max_model_len)]
+    argv += tls_argv(args)
+    if args.public_client_auth:
+        argv.append("--public-client-auth")
+    if args.api_keys_file:
+        argv += ["--api-keys-file", args.api_keys_file]
+    env = envs.with_flag_env("api_keys", args.api_keys) if args.api_keys else None
+    address = f"{args.host}:{args.port}"
+    return ProcessSpec("router", pdmesh_command(*argv), address, env=env, restart=False)
+
+
+def plan_mesh(args: argparse.Namespace) -> list[ProcessSpec]:
+    """The services of `pdmesh up ARGS`, in start order: prefill workers, decode workers, the
+    router (the one whose exit stops the mesh)."""
+    options, tls = engine_options(args), tls_argv(args)
+    decode_flags = ["--max-waiting-requests", str(args.max_waiting_requests)]
+    decode_flags += ["--prefill-timeout", str(args.prefill_timeout)]
+    gpus = GpuPlacement(args.device)
+    specs: list[ProcessSpec] = []
+    prefill: dict[str, range | None] = {}  # address -> GPUs
+    for i in range(0 if args.colocated else args.prefill):
+        devices = gpus.take(args.prefill_tp or args.tensor_parallel_size)
+        flags = [*_engine(options, args.prefill_tp, devices), *tls]
+        specs.append(_worker("prefill", i, args.host, flags))
+        prefill[specs[-1].address] = devices
+    decode: list[str] = []
+    for i in range(args.decode):
+        devices = gpus.take(args.decode_tp or args.tensor_parallel_size)
+        flags = [*decode_flags, *_engine(options, args.decode_tp, devices), *tls]
+        flags += pair_transports(args.kv_transport, prefill, devices)
+        specs.append(_worker("decode", i, args.host, flags))
+        decode.append(specs[-1].address)
+    return [*specs, _router(args, list(prefill), decode)]
+
+
+def wait_for_workers(
+    router: RouterClient | str, prefill: int, decode: int, children: list[Child], timeout_s: float
+) -> None:
+    """Until the router has this many workers in rotation (RuntimeError if a child exits,
+    TimeoutError after `timeout_s`)."""
+    client = router if isinstance(router, RouterClient) else RouterClient(router)
+    wait_ready(children, lambda: client.has_workers(prefill, decode), timeout_s, "the mesh")
+
+
+def _print_endpoints(args: argparse.Namespace, client: RouterClient, children: list[Child]) -> None:
+    print(f"pdmesh is up: gRPC {client.target} (pdmesh.v1.Generation)", flush=True)
+    if args.http_port:
+        scheme = "https" if client.tls is not None else "http"
+        base = f"{scheme}://{args.host}:{args.http_port}"
+        print(f"  OpenAI-compatible HTTP: {base}/v1, metrics {base}/metrics", flush=True)
+    for c in children[:-1]:
+        print(f"  {c.name}: {c.address} (pid {c.proc.pid}), metrics {c.metrics}", flush=True)
+    router = children[-1]
+    print(f"  router: {router.address} (pid {router.proc.pid})", flush=True)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    """`pdmesh up`: start the mesh, say where it is, keep it running until a signal; the exit
+    code (1 when it did not come up or its router exited)."""
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    client = RouterClient.from_args(args)  # before any child starts: bad TLS or keys fail here
+    children = [spawn(spec) for spec in plan_mesh(args)]
+    try:
+        prefill = 0 if args.colocated else args.prefill
+        wait_for_workers(client, prefill, args.decode, children, args.ready_timeout)
+        _print_endpoints(args, client, children)
+        if args.ask:
+            print(f"Q: {args.ask}\nA: {client.ask(args.ask)}", flush=True)
+        print("Ctrl-C stops everything.", flush=True)
+        while not stopping:
+            if not supervise(children):
+                return 1
+            time.sleep(0.2)
+        return 0
+    except (RuntimeError, TimeoutError) as e:
+        print(f"pdmesh: {e}", file=sys.stderr)
+        return 1
+    finally:
+        stop_all(children)

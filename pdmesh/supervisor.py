@@ -1,0 +1,123 @@
+"""A supervisor of local child processes: start, restart with back-off, wait until ready, stop.
+
+Children die with this process even if it is killed outright (`die_with_parent`); `stop_all`
+sends SIGTERM, then SIGKILL after a grace. Nothing here knows what the children are: `pdmesh up`
+(pdmesh/mesh.py) and the benchmarks say which commands to run.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdmesh.processes import die_with_parent
+
+STOP_GRACE_S = 10.0
+RESTART_BASE_S = 2.0
+RESTART_MAX_S = 30.0
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One child: its command line, where it serves, and what its exit means."""
+
+    name: str
+    command: list[str]
+    address: str
+    metrics: str | None = None  # its Prometheus endpoint
+    env: dict[str, str] | None = None  # None: this process's environment
+    restart: bool = True  # False: its exit ends supervision (`supervise` returns False)
+    quiet: bool = False  # its stdout goes to /dev/null
+
+
+@dataclass
+class Child:
+    """A started `ProcessSpec` and its restart state."""
+
+    spec: ProcessSpec
+    proc: subprocess.Popen[bytes]
+    restarts: int = 0
+    restart_at: float | None = None  # monotonic time of a scheduled restart
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def address(self) -> str:
+        return self.spec.address
+
+    @property
+    def metrics(self) -> str | None:
+        return self.spec.metrics
+
+
+def _start(spec: ProcessSpec) -> subprocess.Popen[bytes]:
+    stdout = subprocess.DEVNULL if spec.quiet else None
+    return subprocess.Popen(spec.command, stdout=stdout, env=spec.env, preexec_fn=die_with_parent)
+
+
+def spawn(spec: ProcessSpec) -> Child:
+    """Start one child; it gets SIGTERM when this process exits."""
+    return Child(spec, _start(spec))
+
+
+def supervise(children: list[Child]) -> bool:
+    """One look at the children: restart those that exited (backing off: 2 s, 4 s, ... 30 s);
+    False once a child with `restart=False` has exited."""
+    now = time.monotonic()
+    for c in children:
+        if c.restart_at is not None and now >= c.restart_at:
+            print(
+                f"pdmesh: restarting {c.name} (restart {c.restarts})", file=sys.stderr, flush=True
+            )
+            c.proc = _start(c.spec)
+            c.restart_at = None
+            continue
+        if c.restart_at is not None or c.proc.poll() is None:
+            continue
+        if not c.spec.restart:
+            print(f"pdmesh: {c.name} exited (code {c.proc.returncode}); stopping", file=sys.stderr)
+            return False
+        c.restarts += 1
+        delay = min(RESTART_MAX_S, RESTART_BASE_S * 2 ** (c.restarts - 1))
+        print(
+            f"pdmesh: {c.name} exited (code {c.proc.returncode}); restarting in {delay:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        c.restart_at = now + delay
+    return True
+
+
+def wait_ready(
+    children: list[Child], ready: Callable[[], bool], timeout_s: float, what: str = "the children"
+) -> None:
+    """Poll `ready` until it is true. RuntimeError if a child exits first, TimeoutError after
+    `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        dead = [c for c in children if c.proc.poll() is not None]
+        if dead:
+            raise RuntimeError(f"{dead[0].name} exited with code {dead[0].proc.returncode}")
+        if ready():
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"{what} was not ready within {timeout_s:.0f} s")
+
+
+def stop_all(children: list[Child]) -> None:
+    """SIGTERM every child, then SIGKILL those still running after STOP_GRACE_S."""
+    for c in children:
+        if c.proc.poll() is None:
+            c.proc.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for c in children:
+        try:
+            c.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            c.proc.kill()
+            c.proc.wait()
