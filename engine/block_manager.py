@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 
-from pdmesh.engine.prefix_hash import ROOT_HASH, hash_block, hash_chain
 from pdmesh.engine.sequence import Sequence
+from pdmesh.prefix_hash import ROOT_HASH, hash_block, hash_chain
 
 
 class Block:

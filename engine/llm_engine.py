@@ -2,34 +2,26 @@
 
 from __future__ import annotations
 
-import time
-from typing import Any
-
 import torch
 
 from pdmesh import envs
+from pdmesh.checkpoint.source import resolve_model_folder
 from pdmesh.engine.block_manager import BlockManager
 from pdmesh.engine.config import EngineConfig
-from pdmesh.engine.detokenizer import IncrementalDetokenizer
 from pdmesh.engine.model_info import ModelInfo
 from pdmesh.engine.model_runner import ModelRunner
-from pdmesh.engine.model_source import resolve_model_folder
-from pdmesh.engine.outputs import (
-    CompletionOutput,
-    EngineStats,
-    RequestMetrics,
-    RequestOutput,
-    Reservation,
-    StepDelta,
-)
+from pdmesh.engine.outputs import EngineStats, RequestOutput, StepDelta
 from pdmesh.engine.overlap import InFlight, next_decode
 from pdmesh.engine.parallel import SINGLE
+from pdmesh.engine.request import Request
 from pdmesh.engine.sampler import Sampler
-from pdmesh.engine.sampling_params import SamplingParams
-from pdmesh.engine.scheduler import Scheduler
-from pdmesh.engine.sequence import Sequence, SequenceStatus
-from pdmesh.engine.tp_driver import TPDriver, rank_device
+from pdmesh.engine.scheduler import Reservation, Scheduler
+from pdmesh.engine.sequence import Sequence
+from pdmesh.engine.tp_driver import CountExperts, ExpertCounts, TPDriver, rank_device
+from pdmesh.kv_transfer.connector import KVConnector
 from pdmesh.logger import get_logger
+from pdmesh.sampling_params import SamplingParams
+from pdmesh.text.tokenizer import load_tokenizer
 
 log = get_logger(__name__)
 
@@ -42,22 +34,12 @@ def resolve_max_model_len(config: EngineConfig, info: ModelInfo) -> int:
     return max_len
 
 
-def load_tokenizer(folder: Any) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder)
-
-
 class LLMEngine:
     """One engine: a single process, or rank 0 of a tensor-parallel worker whose other ranks it
-    starts itself (`rank_extension`: "module:Class" run on those ranks, see tp_follower)."""
+    starts itself (see tp_follower). `kv_connector`: the KV plane a service wires in (every
+    rank runs one, built from its `follower_options()`)."""
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        rank_extension: str | None = None,
-        extension_options: dict[str, Any] | None = None,
-    ) -> None:
+    def __init__(self, config: EngineConfig, kv_connector: KVConnector | None = None) -> None:
         self.config = config
         if (threads := envs.num_threads()) is not None:
             torch.set_num_threads(threads)
@@ -69,15 +51,22 @@ class LLMEngine:
         self.tp_driver: TPDriver | None = None
         group = SINGLE
         if config.tensor_parallel_size > 1:
-            self.tp_driver = TPDriver(config, device, rank_extension, extension_options)
+            options = kv_connector.follower_options() if kv_connector is not None else None
+            self.tp_driver = TPDriver(config, device, options)
             group = self.tp_driver.group
         try:
-            self.runner = ModelRunner(self.info, config, rank_device(device, 0), max_len, tp=group)
+            self.runner = ModelRunner(
+                self.info,
+                config,
+                rank_device(device, 0),
+                max_len,
+                tp=group,
+                kv_connector=kv_connector,
+                followers=self.tp_driver,
+            )
         except BaseException:
             self.close()
             raise
-        if self.tp_driver is not None:
-            self.tp_driver.attach(self.runner)
         capacity = self.runner.num_blocks * config.block_size
         if capacity < max_len:
             if config.max_model_len is not None:
@@ -90,16 +79,11 @@ class LLMEngine:
             )
             max_len = capacity
         self.max_model_len = max_len
-        self.block_manager = BlockManager(
+        blocks = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
-        )
-        self._seqs: dict[str, Sequence] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._texts: dict[str, str] = {}
-        self._reserved: dict[str, Sequence] = {}
+        self.scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self._requests: dict[str, Request] = {}
         # The last step could do nothing: queued requests wait for blocks that prompts being
         # prefilled elsewhere hold (their KV's arrival is what unblocks it).
         self.stalled = False
@@ -110,8 +94,6 @@ class LLMEngine:
             else self.runner.graphs is not None
         )
         self._inflight: InFlight | None = None
-        self.steps_launched_ahead = 0  # steps launched before the previous one's tokens were read
-        self._free_after_step: list[Sequence] = []  # ended while `_inflight` runs
         log.info(
             "KV cache: %s tokens (%d blocks of %d, %.2f GiB); "
             "maximum concurrency for %s tokens per request: %.2fx",
@@ -140,20 +122,21 @@ class LLMEngine:
         """Queue a request; raises ValueError (naming the field) for bad input.
         `num_output_tokens`: the prompt's last tokens are output a lost worker already produced
         (a resumed request; see Sequence)."""
-        seq = self._new_sequence(request_id, prompt, params, arrival_time, num_output_tokens)
-        self.scheduler.add(seq)
-        return seq
+        request = self._new_request(request_id, prompt, params, arrival_time, num_output_tokens)
+        self._requests[request_id] = request
+        self.scheduler.add(request.seq)
+        return request.seq
 
-    def _new_sequence(
+    def _new_request(
         self,
         request_id: str,
         prompt: str | list[int],
         params: SamplingParams,
         arrival_time: float | None,
-        num_output_tokens: int = 0,
-        validated: bool = False,
-    ) -> Sequence:
-        if request_id in self._seqs:
+        num_output_tokens: int,
+    ) -> Request:
+        """A request's record, not yet registered; raises ValueError for bad input."""
+        if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
@@ -161,27 +144,14 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer; this engine runs without one.")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        if not validated:
-            self.validate_prompt(token_ids)
+        self.validate_prompt(token_ids)
         if not 0 <= num_output_tokens < min(len(token_ids), params.max_tokens):
             raise ValueError(
                 f"num_output_tokens_sent must be in [0, {min(len(token_ids), params.max_tokens)})"
                 f" (fewer than the prompt's tokens and max_tokens), got {num_output_tokens}."
             )
         seq = Sequence(request_id, token_ids, params, text, arrival_time, num_output_tokens)
-        detok = IncrementalDetokenizer(
-            self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens, params.stop
-        )
-        # Replay the output already streamed (by a lost worker): the detokenizer ends up holding
-        # back exactly what that worker held back, and its text was sent already.
-        sent_text = "".join(detok.add(t).text for t in seq.output_token_ids)
-        if seq.generator is not None and not params.greedy:
-            for _ in range(num_output_tokens):  # each streamed token was one draw of the seed
-                Sampler.skip_draw(seq.generator, self.info.vocab_size)
-        self._seqs[request_id] = seq
-        self._detok[request_id] = detok
-        self._texts[request_id] = sent_text
-        return seq
+        return Request.start(seq, self.tokenizer, self.info.vocab_size)
 
     # -- prompts prefilled by another worker ---------------------------------------------------
     def reserve_prefill(
@@ -193,36 +163,17 @@ class LLMEngine:
         num_output_tokens: int = 0,
     ) -> Reservation | None:
         """Hold blocks for the whole prompt (after this worker's prefix-cache hit) so another
-        worker can fill them. None when blocks or sequence slots are short right now."""
-        if request_id in self._seqs:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        self.validate_prompt(list(prompt))
-        probe = Sequence(request_id, list(prompt), params)
-        prefix = self.block_manager.match_prefix(probe)
-        new_tokens = probe.num_tokens - len(prefix) * self.block_manager.block_size
-        busy = self.scheduler.num_running + len(self._reserved)
-        # No overtaking: the blocks of requests queued ahead stay theirs, and nothing is held
-        # while one of them waits for blocks.
-        queued_blocks, beyond = self.scheduler.waiting_demand()
-        if (
-            busy >= self.config.max_num_seqs
-            or beyond
-            or not self.block_manager.can_allocate(probe, new_tokens, prefix, queued_blocks)
-        ):
-            return None
-        seq = self._new_sequence(
-            request_id, prompt, params, arrival_time, num_output_tokens, validated=True
-        )
-        self.block_manager.allocate(seq, new_tokens, prefix)
-        seq.num_cached_tokens = seq.num_computed_tokens
-        seq.status = SequenceStatus.PREFILLING
-        self._reserved[request_id] = seq
-        return Reservation(seq, len(prefix), seq.block_table[len(prefix) :])
+        worker can fill them. None when blocks or sequence slots are short right now; raises
+        ValueError (naming the field) for bad input."""
+        request = self._new_request(request_id, prompt, params, arrival_time, num_output_tokens)
+        reservation = self.scheduler.reserve(request.seq)
+        if reservation is not None:
+            self._requests[request_id] = request
+        return reservation
 
     def cached_prefix_tokens(self, prompt: list[int]) -> int:
         """Prompt tokens this worker's prefix cache holds now."""
-        probe = Sequence("", list(prompt), SamplingParams())
-        return len(self.block_manager.match_prefix(probe)) * self.block_manager.block_size
+        return self.scheduler.cached_prefix_tokens(prompt)
 
     def commit_prefill(
         self, request_id: str, first_token: int, defer_caching: bool = False
@@ -230,25 +181,19 @@ class LLMEngine:
         """The prompt's KV is in its blocks and `first_token` was sampled: start decoding.
         defer_caching: publish the prompt's blocks in the prefix cache after the next step (or
         when it finishes), so hashing a long prompt does not hold back its first token."""
-        seq = self._reserved.pop(request_id)
-        seq.num_computed_tokens = seq.num_tokens
-        if not defer_caching:
-            self.block_manager.cache_full_blocks(seq)
+        seq = self.scheduler.commit(request_id, defer_caching)
         if seq.generator is not None and not seq.params.greedy:
             # The prefill worker drew the first token from this seed: skip that draw here so
             # the rest matches a single-worker run.
             Sampler.skip_draw(seq.generator, self.info.vocab_size)
-        self.scheduler.add_running(seq)
-        return self._append(seq, first_token)
+        return self._append(self._requests[request_id], first_token)
 
     def release_prefill(self, request_id: str) -> None:
         """The remote prefill failed: free the blocks and prefill the prompt here instead."""
-        seq = self._reserved.pop(request_id)
-        self.block_manager.free(seq)
-        self.scheduler.add(seq)
+        self.scheduler.release(request_id)
 
     def is_reserved(self, request_id: str) -> bool:
-        return request_id in self._reserved
+        return self.scheduler.is_reserved(request_id)
 
     def validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -268,11 +213,10 @@ class LLMEngine:
             )
 
     def abort_request(self, request_id: str) -> StepDelta | None:
-        seq = self._seqs.get(request_id)
-        if seq is None or seq.is_finished:
+        request = self._requests.get(request_id)
+        if request is None or request.seq.is_finished:
             return None
-        self._reserved.pop(request_id, None)
-        self._end(seq, "abort")
+        self._end(request.seq, "abort")
         return StepDelta(request_id, [], "", "abort")
 
     def has_unfinished_requests(self) -> bool:
@@ -290,7 +234,7 @@ class LLMEngine:
         cur = self._inflight
         if cur is None:
             batch = self.scheduler.schedule()
-            self.stalled = not batch and bool(self._reserved)
+            self.stalled = not batch and self.scheduler.num_reserved > 0
             if not batch:
                 if self.scheduler.has_unfinished() and not self.stalled:
                     raise RuntimeError("scheduler made no progress with requests pending")
@@ -299,92 +243,51 @@ class LLMEngine:
         self.stalled = False
         self._inflight = self._launch_next(cur) if self.async_scheduling else None
         sampled = self.runner.collect(cur.handle)
-        for seq in self._free_after_step:  # ended while `cur` ran: it no longer writes to them
-            self.block_manager.free(seq)
-        self._free_after_step = []
+        self.scheduler.complete(cur.batch)
         deltas: list[StepDelta] = []
-        for seq, n, token in zip(cur.batch.seqs, cur.batch.num_new_tokens, sampled, strict=True):
-            if seq.is_finished:
-                continue  # aborted while the step ran: its token is dropped
-            seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
-            if token is not None:
-                deltas.append(self._append(seq, token))
+        for seq, token in zip(cur.batch.seqs, sampled, strict=True):
+            if token is not None and not seq.is_finished:  # else aborted while the step ran
+                deltas.append(self._append(self._requests[seq.request_id], token))
         return deltas
 
     def _launch_next(self, cur: InFlight) -> InFlight | None:
         if self.runner.has_planner:
             return None  # steps that push KV are planned one at a time
-        nxt = next_decode(cur, self.scheduler, self.block_manager, self.max_model_len)
+        nxt = next_decode(cur, self.scheduler, self.max_model_len)
         if nxt is None:
             return None
         batch, token_ids = nxt
-        self.steps_launched_ahead += 1
         return InFlight(batch, self.runner.launch(batch, next_ids=token_ids))
 
     def _end(self, seq: Sequence, reason: str) -> None:
         """Finish `seq`; its blocks are freed once no step on the device writes to them."""
-        held = self._inflight is not None and self._inflight.holds(seq)
-        self.scheduler.finish(seq, reason, free_blocks=not held)
-        if held:
-            self._free_after_step.append(seq)
-        seq.finished_time = time.monotonic()
+        in_flight = self._inflight is not None and self._inflight.holds(seq)
+        self.scheduler.finish(seq, reason, in_flight)
 
-    def _append(self, seq: Sequence, token: int) -> StepDelta:
-        seq.append_token(token)
-        params = seq.params
-        detok = self._detok[seq.request_id]
-        if (not params.ignore_eos and token in self.info.eos_token_ids) or (
-            token in params.stop_token_ids
-        ):
-            # The stop token's own text is not output; text held back for stop strings is.
-            return self._finish(seq, token, detok.flush(), "stop")
-        delta = detok.add(token)
-        if delta.stopped:
-            return self._finish(seq, token, delta.text, "stop")
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return self._finish(seq, token, delta.text + detok.flush(), "length")
-        self._texts[seq.request_id] += delta.text
-        return StepDelta(seq.request_id, [token], delta.text, None)
-
-    def _finish(self, seq: Sequence, token: int, text: str, reason: str) -> StepDelta:
-        self.block_manager.cache_full_blocks(seq)  # any left (commit_prefill may defer them)
-        self._end(seq, reason)
-        self._texts[seq.request_id] += text
-        return StepDelta(seq.request_id, [token], text, reason)
+    def _append(self, request: Request, token: int) -> StepDelta:
+        delta = request.add_token(token, self.info.eos_token_ids, self.max_model_len)
+        if delta.finish_reason is not None:
+            self._end(request.seq, delta.finish_reason)
+        return delta
 
     # -- results ------------------------------------------------------------------------------
     def get_output(self, request_id: str) -> RequestOutput:
-        seq = self._seqs[request_id]
-        return RequestOutput(
-            request_id=request_id,
-            prompt=seq.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            outputs=[
-                CompletionOutput(
-                    0, self._texts[request_id], seq.output_token_ids, seq.finish_reason
-                )
-            ],
-            finished=seq.is_finished,
-            num_cached_tokens=seq.num_cached_tokens,
-            metrics=RequestMetrics(
-                seq.arrival_time, seq.first_token_time, seq.finished_time, seq.num_preemptions
-            ),
-        )
+        return self._requests[request_id].output()
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's results."""
-        seq = self._seqs.get(request_id)
-        if seq is not None and seq.is_finished:
-            del self._seqs[request_id], self._detok[request_id], self._texts[request_id]
+        request = self._requests.get(request_id)
+        if request is not None and request.seq.is_finished:
+            del self._requests[request_id]
 
     def expert_counts(self) -> list[int] | None:
         """Tokens routed to each expert since start, over every rank (None: a dense model)."""
         counts = self.runner.expert_counts()
         if counts is None or self.tp_driver is None or not self.config.enable_expert_parallel:
             return counts  # without EP every rank routes every token: rank 0 saw them all
-        for reply in self.tp_driver.control("expert_counts", {}):
-            counts = [a + b for a, b in zip(counts, reply["counts"], strict=True)]
+        for reply in self.tp_driver.call(CountExperts()):
+            assert isinstance(reply, ExpertCounts)
+            counts = [a + b for a, b in zip(counts, reply.counts, strict=True)]
         return counts
 
     def close(self) -> None:
@@ -393,15 +296,9 @@ class LLMEngine:
             self.tp_driver.shutdown()
 
     def stats(self) -> EngineStats:
-        bm = self.block_manager
-        return EngineStats(
-            num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
-            num_blocks_total=bm.num_blocks,
-            num_blocks_used=bm.num_used_blocks,
-            num_blocks_free=bm.num_free_blocks,
-            prefix_queried_tokens=bm.prefix_queried_tokens,
-            prefix_hit_tokens=bm.prefix_hit_tokens,
-            num_preemptions=self.scheduler.num_preemptions,
-            steps_launched_ahead=self.steps_launched_ahead,
-        )
+        return self.scheduler.stats()
+
+    @property
+    def steps_launched_ahead(self) -> int:
+        """Steps launched before the previous one's tokens were read (async scheduling)."""
+        return self.scheduler.num_lookaheads

@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from pdmesh.engine.sequence import Sequence
-
 
 class StepDelta(NamedTuple):
     """One request's progress in one engine step (what a streaming server forwards)."""
@@ -46,20 +44,9 @@ class RequestOutput:
 
 
 @dataclass(frozen=True)
-class Reservation:
-    """Blocks held for a prompt whose KV another worker computes (see `reserve_prefill`)."""
-
-    seq: Sequence
-    first_block: int  # prompt blocks already here (prefix cache): not to be sent
-    block_ids: list[int]  # this worker's blocks for the rest of the prompt, in order
-
-    @property
-    def uncached_tokens(self) -> int:
-        return self.seq.num_tokens - self.seq.num_computed_tokens
-
-
-@dataclass(frozen=True)
 class EngineStats:
+    """An engine's load and counters since start (read from any thread: plain numbers)."""
+
     num_running: int
     num_waiting: int
     num_blocks_total: int

@@ -1,12 +1,23 @@
-"""Continuous batching with chunked prefill, admission by free blocks, preemption by recompute."""
+"""Continuous batching with chunked prefill, admission by free blocks, preemption by recompute.
+
+The scheduler is the only owner of the KV blocks: it gives them to the sequences it schedules,
+to prompts another worker prefills (reservations) and to the decode step launched before the
+current one's tokens are read (the lookahead, see engine/overlap.py); it frees them when a
+sequence ends or is preempted, and publishes full ones to the prefix cache as steps complete.
+"""
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from pdmesh.engine.block_manager import BlockManager
+from pdmesh.engine.outputs import EngineStats
 from pdmesh.engine.sequence import Sequence, SequenceStatus
+from pdmesh.sampling_params import SamplingParams
 
 
 class ScheduledBatch(NamedTuple):
@@ -24,35 +35,60 @@ class ScheduledBatch(NamedTuple):
         return bool(self.seqs)
 
 
+class Lookahead(NamedTuple):
+    """The decode step after one still on the device (see `Scheduler.schedule_lookahead`)."""
+
+    batch: ScheduledBatch
+    rows: list[int]  # for each of batch.seqs: the row of the previous step's sampled tokens
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Blocks held for a prompt whose KV another worker computes (see `Scheduler.reserve`)."""
+
+    seq: Sequence
+    first_block: int  # prompt blocks already here (prefix cache): not to be sent
+    block_ids: list[int]  # this worker's blocks for the rest of the prompt, in order
+
+    @property
+    def uncached_tokens(self) -> int:
+        return self.seq.num_tokens - self.seq.num_computed_tokens
+
+
+def _last_token_is_next(seq: Sequence, max_model_len: int) -> bool:
+    """Whether the token a step samples for `seq` now is its last, whatever the token."""
+    return seq.num_output_tokens + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= max_model_len
+
+
 class Scheduler:
     """Each step: first the running sequences (oldest first: one decode token, or the next prompt
     chunk), preempting the newest ones when blocks run out; then, with the token budget left and
-    no preemption this step, admit waiting sequences in arrival order while blocks allow."""
+    no preemption this step, admit waiting sequences in arrival order while blocks allow.
+
+    Protocol per step: `schedule` (or `schedule_lookahead` while a step is on the device), then
+    `complete` once the step is off the device; `finish` when a sequence ends. A prompt prefilled
+    elsewhere: `reserve`, then `commit` when its KV is in, or `release` to prefill it here."""
 
     def __init__(
-        self,
-        block_manager: BlockManager,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
+        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
     ) -> None:
-        self.block_manager = block_manager
+        self._blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._reserved: dict[str, Sequence] = {}  # request id -> sequence PREFILLING elsewhere
+        self._free_after_step: list[Sequence] = []  # ended while a step still writes their KV
         self.num_preemptions = 0
+        self.num_lookaheads = 0  # steps scheduled before the previous one's tokens were read
 
     # -- queue --------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def add_running(self, seq: Sequence) -> None:
-        """Admit a sequence whose prompt KV is already in its blocks (prefilled elsewhere)."""
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
-
     def has_unfinished(self) -> bool:
+        """Sequences to schedule (reserved ones are not: they wait for their KV)."""
         return bool(self.waiting or self.running)
 
     @property
@@ -63,15 +99,19 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_reserved(self) -> int:
+        return len(self._reserved)
+
     def waiting_demand(self) -> tuple[int, int]:
         """(blocks the waiting sequences that fit now will take, how many wait beyond them): in
         arrival order, up to the first that the free blocks and sequence slots cannot take
         (nobody overtakes it). Prefix-cache hits are not counted: an upper bound on blocks."""
-        free = self.block_manager.num_free_blocks
+        free = self._blocks.num_free_blocks
         slots = self.max_num_seqs - len(self.running)
         fit = taken = 0
         for seq in self.waiting:
-            need = self.block_manager.blocks_for(seq.num_tokens) - len(seq.block_table)
+            need = self._blocks.blocks_for(seq.num_tokens) - len(seq.block_table)
             if need > free - taken or slots <= 0:
                 break
             taken += need
@@ -83,23 +123,77 @@ class Scheduler:
         """Waiting sequences that the free blocks and sequence slots cannot take now."""
         return self.waiting_demand()[1]
 
-    def finish(self, seq: Sequence, reason: str, free_blocks: bool = True) -> None:
-        """End `seq` (stop, length or abort), whatever its state, and free its blocks unless
-        the caller frees them later (`free_blocks=False`: a step on the device still writes
-        there)."""
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """Tokens of `token_ids` the prefix cache holds now."""
+        probe = Sequence("", list(token_ids), SamplingParams())
+        return len(self._blocks.match_prefix(probe)) * self._blocks.block_size
+
+    def finish(self, seq: Sequence, reason: str, in_flight: bool = False) -> None:
+        """End `seq` (stop, length or abort), whatever its state. Its full computed blocks join
+        the prefix cache (`commit` may have deferred them); its blocks are freed now, or with
+        `in_flight` (a step on the device still writes there) by the `complete` of that step."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.PREFILLING:
+            del self._reserved[seq.request_id]
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        if free_blocks:
-            self.block_manager.free(seq)
+        seq.finished_time = time.monotonic()
+        self._blocks.cache_full_blocks(seq)
+        if in_flight:
+            self._free_after_step.append(seq)
+        else:
+            self._blocks.free(seq)
+
+    # -- prompts prefilled by another worker ---------------------------------------------------
+    def reserve(self, seq: Sequence) -> Reservation | None:
+        """Hold blocks for all of `seq`'s prompt (after the prefix cache's hit) for another worker
+        to fill; None, holding nothing, when blocks or sequence slots are short right now."""
+        bm = self._blocks
+        prefix = bm.match_prefix(seq)
+        new_tokens = seq.num_tokens - len(prefix) * bm.block_size
+        # No overtaking: the blocks of sequences queued ahead stay theirs, and nothing is held
+        # while one of them waits for blocks.
+        queued_blocks, beyond = self.waiting_demand()
+        if (
+            len(self.running) + len(self._reserved) >= self.max_num_seqs
+            or beyond
+            or not bm.can_allocate(seq, new_tokens, prefix, queued_blocks)
+        ):
+            return None
+        bm.allocate(seq, new_tokens, prefix)
+        seq.num_cached_tokens = seq.num_computed_tokens
+        seq.status = SequenceStatus.PREFILLING
+        self._reserved[seq.request_id] = seq
+        return Reservation(seq, len(prefix), seq.block_table[len(prefix) :])
+
+    def is_reserved(self, request_id: str) -> bool:
+        return request_id in self._reserved
+
+    def commit(self, request_id: str, defer_caching: bool = False) -> Sequence:
+        """The reserved prompt's KV is in its blocks: the sequence runs from the next step.
+        `defer_caching`: its blocks join the prefix cache at its next `complete` or `finish`."""
+        seq = self._reserved.pop(request_id)
+        seq.num_computed_tokens = seq.num_tokens
+        if not defer_caching:
+            self._blocks.cache_full_blocks(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return seq
+
+    def release(self, request_id: str) -> Sequence:
+        """The remote prefill failed: free the reserved blocks and queue the prompt here."""
+        seq = self._reserved.pop(request_id)
+        self._blocks.free(seq)
+        self.add(seq)
+        return seq
 
     # -- one step -----------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
-        bm = self.block_manager
+        bm = self._blocks
         seqs: list[Sequence] = []
         counts: list[int] = []
         preempted: list[Sequence] = []
@@ -141,11 +235,81 @@ class Scheduler:
             budget -= n
         return ScheduledBatch(seqs, counts, preempted)
 
+    def schedule_lookahead(
+        self, prev: ScheduledBatch, sampled: Seq[int], max_model_len: int
+    ) -> Lookahead | None:
+        """The step after `prev` (on the device, its tokens unread) when it is certain to be one
+        decode token for each of `prev`'s continuing sequences, with their KV slots allocated;
+        None, allocating nothing, when it is not. `sampled[j]`: the index in `prev.seqs` of the
+        sequence whose token is `prev`'s j-th sampled one."""
+        if self.waiting:
+            return None
+        row_of = {i: j for j, i in enumerate(sampled)}
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        ending = 0
+        for i, seq in enumerate(prev.seqs):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # ended (aborted) while `prev` ran: nothing follows
+            if i not in row_of:
+                return None  # a prompt between chunks: its next chunk needs `schedule`
+            if _last_token_is_next(seq, max_model_len):
+                ending += 1
+                continue
+            rows.append(row_of[i])
+            seqs.append(seq)
+        # Every running sequence is accounted for: none waits for a turn the lookahead would take.
+        if not seqs or len(seqs) + ending != len(self.running):
+            return None
+        if len(seqs) > self.max_num_batched_tokens:
+            return None
+        # `prev` has not been completed yet: each sequence holds slots for num_tokens, and needs
+        # one more for the token `prev` samples.
+        bm = self._blocks
+        need = sum(bm.blocks_for(s.num_tokens + 1) - len(s.block_table) for s in seqs)
+        if need > bm.num_free_blocks:
+            return None  # `schedule` decides who gives way
+        for seq in seqs:
+            bm.allocate(seq, seq.num_tokens + 1 - seq.num_computed_tokens)
+        self.num_lookaheads += 1
+        return Lookahead(ScheduledBatch(seqs, [1] * len(seqs), []), rows)
+
+    def complete(self, batch: ScheduledBatch) -> None:
+        """The step that ran `batch` is off the device: free the blocks of the sequences finished
+        `in_flight` since the last `complete` (this step was the one writing them), and count its
+        tokens as computed for the others (their blocks that became full join the prefix cache)."""
+        for seq in self._free_after_step:
+            self._blocks.free(seq)
+        self._free_after_step = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if not seq.is_finished:
+                seq.num_computed_tokens += n
+                self._blocks.cache_full_blocks(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         # Recompute on re-admission: prompt and output so far are prefilled again (mostly from the
         # prefix cache, if its blocks were not reused meanwhile).
-        self.block_manager.free(seq)
+        self._blocks.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    # -- state --------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        bm = self._blocks
+        return EngineStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_blocks_total=bm.num_blocks,
+            num_blocks_used=bm.num_used_blocks,
+            num_blocks_free=bm.num_free_blocks,
+            prefix_queried_tokens=bm.prefix_queried_tokens,
+            prefix_hit_tokens=bm.prefix_hit_tokens,
+            num_preemptions=self.num_preemptions,
+            steps_launched_ahead=self.num_lookaheads,
+        )
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix held by a free block (benchmarks: a cold cache)."""
+        self._blocks.reset_prefix_cache()

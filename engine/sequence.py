@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

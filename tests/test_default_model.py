@@ -36,7 +36,8 @@ def test_batched_greedy_matches_transformers(llm: LLM, default_model_folder) -> 
         ref = hf_greedy(hf, tok.encode(prompt), 32, ignore_eos=False)
         assert out.outputs[0].token_ids == ref, prompt
         assert out.prompt_token_ids == tok.encode(prompt)
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    stats = llm.engine.stats()
+    assert stats.num_blocks_free == stats.num_blocks_total
 
 
 def test_chat_answers_paris(llm: LLM) -> None:

@@ -17,16 +17,17 @@ def test_shared_64_token_prefix_reuses_blocks(tiny_model) -> None:
     llm = LLM(folder, kv_cache_tokens=2048, block_size=16)
     out_first = llm.generate([{"prompt_token_ids": first}], PARAMS)[0]
     assert out_first.num_cached_tokens == 0
-    hits_before = llm.engine.block_manager.prefix_hit_tokens
+    hits_before = llm.engine.stats().prefix_hit_tokens
     out_second = llm.generate([{"prompt_token_ids": second}], PARAMS)[0]
     assert out_second.num_cached_tokens == 64  # 4 full blocks of the shared prefix
-    assert llm.engine.block_manager.prefix_hit_tokens - hits_before == 64
+    assert llm.engine.stats().prefix_hit_tokens - hits_before == 64
 
     fresh = LLM(folder, kv_cache_tokens=2048, enable_prefix_caching=False)
     expected = fresh.generate([{"prompt_token_ids": second}], PARAMS)[0]
     assert out_second.outputs[0].token_ids == expected.outputs[0].token_ids
-    assert fresh.engine.block_manager.prefix_hit_tokens == 0
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    assert fresh.engine.stats().prefix_hit_tokens == 0
+    stats = llm.engine.stats()
+    assert stats.num_blocks_free == stats.num_blocks_total
 
 
 def test_whole_prompt_cached_still_samples(tiny_model) -> None:

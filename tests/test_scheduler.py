@@ -1,11 +1,12 @@
-"""Scheduler: token budget, sequence cap, admission order and preemption by recompute."""
+"""Scheduler: token budget, sequence cap, admission order, preemption by recompute, and the
+blocks it alone hands out (reservations for remote prefill, frees after a step in flight)."""
 
 from __future__ import annotations
 
 from pdmesh.engine.block_manager import BlockManager
-from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.scheduler import Scheduler
 from pdmesh.engine.sequence import Sequence, SequenceStatus
+from pdmesh.sampling_params import SamplingParams
 
 
 def _seq(name: str, n: int) -> Sequence:
@@ -68,3 +69,47 @@ def test_finish_frees_blocks_in_any_state() -> None:
     sched.finish(b, "abort")  # still waiting
     sched.finish(a, "abort")  # running
     assert bm.num_free_blocks == 8 and not sched.has_unfinished()
+
+
+def test_a_reservation_holds_blocks_until_commit_or_release() -> None:
+    bm = BlockManager(8, 4, True)
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=64)
+    seq = _seq("remote", 10)
+    res = sched.reserve(seq)
+    assert res is not None and res.first_block == 0 and len(res.block_ids) == 3
+    assert res.uncached_tokens == 10 and sched.is_reserved("remote")
+    assert bm.num_free_blocks == 5 and not sched.has_unfinished()
+    assert sched.reserve(_seq("full", 24)) is None  # 6 blocks: held back, nothing taken
+    assert bm.num_free_blocks == 5
+    assert sched.commit("remote") is seq and seq.status is SequenceStatus.RUNNING
+    assert seq.num_computed_tokens == 10 and sched.cached_prefix_tokens(list(range(10))) == 8
+    again = _seq("again", 10)
+    assert sched.reserve(again) is not None and again.num_cached_tokens == 8  # prefix hit
+    assert sched.reserve(_seq("third", 2)) is None  # max_num_seqs: 1 running + 1 reserved
+    assert sched.release("again") is again and again.status is SequenceStatus.WAITING
+    assert again.block_table == [] and not sched.is_reserved("again")
+    sched.finish(again, "abort")
+    sched.finish(seq, "stop")
+    assert bm.num_free_blocks == 8 and sched.stats().num_blocks_used == 0
+
+
+def test_blocks_of_a_sequence_ended_in_flight_are_freed_when_the_step_completes() -> None:
+    bm = BlockManager(8, 4, False)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = _seq("a", 5), _seq("b", 6)
+    sched.add(a)
+    sched.add(b)
+    _run(sched)
+    step = sched.schedule()  # on the device now
+    assert step.num_tokens == 2
+    lookahead = sched.schedule_lookahead(step, [0, 1], max_model_len=64)
+    assert lookahead is not None and lookahead.rows == [0, 1]
+    assert sched.stats().steps_launched_ahead == 1
+    sched.complete(step)  # its tokens read while the lookahead runs
+    assert a.num_computed_tokens == 6
+    sched.finish(b, "abort", in_flight=True)  # the lookahead still writes its blocks
+    assert bm.num_used_blocks == 4
+    sched.complete(lookahead.batch)
+    assert bm.num_used_blocks == 2 and a.num_computed_tokens == 7
+    sched.add(_seq("c", 3))
+    assert sched.schedule_lookahead(lookahead.batch, [0], max_model_len=64) is None  # c waits

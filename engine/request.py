@@ -1,0 +1,69 @@
+"""A request as the engine loop serves it: its sequence, its detokenizer and the text handed out;
+what each sampled token does to it (stop rules), and its result."""
+
+from __future__ import annotations
+
+from collections.abc import Container
+from dataclasses import dataclass
+from typing import Any
+
+from pdmesh.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepDelta
+from pdmesh.engine.sampler import Sampler
+from pdmesh.engine.sequence import Sequence
+from pdmesh.text.detokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class Request:
+    """One record per request: the engine's only per-request state besides the scheduler's."""
+
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    text: str = ""  # output text handed out so far (held-back text excluded)
+
+    @classmethod
+    def start(cls, seq: Sequence, tokenizer: Any, vocab_size: int) -> Request:
+        """The record of a new `seq`. A resumed request's output so far (see Sequence) is replayed
+        as the lost worker produced it: the detokenizer ends up holding back exactly what that
+        worker held back (its text was sent already), and the seed has made its draws."""
+        params = seq.params
+        detok = IncrementalDetokenizer(
+            tokenizer, seq.prompt_token_ids, params.skip_special_tokens, params.stop
+        )
+        text = "".join(detok.add(t).text for t in seq.output_token_ids)
+        if seq.generator is not None and not params.greedy:
+            for _ in range(seq.num_output_tokens):  # each streamed token was one draw of the seed
+                Sampler.skip_draw(seq.generator, vocab_size)
+        return cls(seq, detok, text)
+
+    def add_token(self, token: int, eos_token_ids: Container[int], max_model_len: int) -> StepDelta:
+        """Append a sampled token; the delta has the text it releases and, when the token is the
+        request's last, why ("stop" or "length": the caller then finishes the sequence)."""
+        seq, params, detok = self.seq, self.seq.params, self.detokenizer
+        seq.append_token(token)
+        if (not params.ignore_eos and token in eos_token_ids) or token in params.stop_token_ids:
+            # The stop token's own text is not output; text held back for stop strings is.
+            text, reason = detok.flush(), "stop"
+        else:
+            delta = detok.add(token)
+            text, reason = delta.text, "stop" if delta.stopped else None
+            if reason is None and (
+                seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len
+            ):
+                text, reason = text + detok.flush(), "length"
+        self.text += text
+        return StepDelta(seq.request_id, [token], text, reason)
+
+    def output(self) -> RequestOutput:
+        seq = self.seq
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[CompletionOutput(0, self.text, seq.output_token_ids, seq.finish_reason)],
+            finished=seq.is_finished,
+            num_cached_tokens=seq.num_cached_tokens,
+            metrics=RequestMetrics(
+                seq.arrival_time, seq.first_token_time, seq.finished_time, seq.num_preemptions
+            ),
+        )
