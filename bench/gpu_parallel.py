@@ -27,7 +27,7 @@ import torch
 from pdmesh.bench.gpu_models import llama_8b_config, qwen3_moe_30b_config
 from pdmesh.bench.gpu_workloads import decode_step_time
 from pdmesh.engine.parallel import ParallelGroup
-from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.sampling_params import SamplingParams
 
 RESULTS: dict[str, Any] = {}
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdmesh.serving.errors import ServiceError
+from pdmesh.errors import FailedPrecondition, InvalidRequest
 from pdmesh.serving.grpc_server import ServiceSpec, build_server
 from pdmesh.serving.runner import serve_until_stopped
 from pdmesh.v1 import generation_pb2 as gen_pb
@@ -75,12 +75,13 @@ class TokenSource:
     def submit(self, req: worker_pb2.DecodeRequest) -> None:
         sub = self.subscribers.get(req.subscriber_id)
         if sub is None:
-            raise ServiceError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+            raise FailedPrecondition(
                 f"subscriber {req.subscriber_id!r} has no open Subscribe stream; subscribe first",
             )
         if not req.request_id or req.request_id in self.owner:
-            raise ValueError(f"request_id {req.request_id!r} is empty or already in use.")
+            raise InvalidRequest(
+                f"request_id {req.request_id!r} is empty or already in use.", "request_id"
+            )
         max_tokens = req.sampling.max_tokens if req.sampling.HasField("max_tokens") else 16
         token_id = FIRST_TOKEN_ID + len(self.owner) % TOKEN_ID_RANGE
         delta = worker_pb2.RequestDelta(

@@ -11,34 +11,10 @@ from typing import Any
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.outputs import RequestOutput
-from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.sampling_params import SamplingParams
+from pdmesh.text.chat_template import Message, chat_token_ids
 
 PromptType = str | dict[str, Any]
-Message = dict[str, str]
-
-
-def chat_token_ids(tokenizer: Any, messages: list[Message]) -> list[int]:
-    """The prompt token ids of one conversation through the model's chat template."""
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...}.")
-    for m in messages:
-        if (
-            not isinstance(m, dict)
-            or not isinstance(m.get("role"), str)
-            or not isinstance(m.get("content"), str)
-        ):
-            raise ValueError(f"each message needs a string 'role' and 'content', got {m!r}.")
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("this model's tokenizer has no chat template; use generate() instead.")
-    from jinja2 import TemplateError
-
-    try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    except TemplateError as e:  # the template refused the conversation (a role it forbids, ...)
-        raise ValueError(f"the model's chat template refused these messages: {e}.") from None
-    if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)
 
 
 class LLM:

@@ -22,6 +22,7 @@ from pdmesh.kv_transfer.connector import KVConnector
 from pdmesh.logger import get_logger
 from pdmesh.sampling_params import SamplingParams
 from pdmesh.text.tokenizer import load_tokenizer
+from pdmesh.validation import check_prompt_ids
 
 log = get_logger(__name__)
 
@@ -196,21 +197,8 @@ class LLMEngine:
         return self.scheduler.is_reserved(request_id)
 
     def validate_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise ValueError("prompt must not be empty (it has 0 tokens).")
-        vocab = self.info.vocab_size
-        bad = [
-            t
-            for t in token_ids
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
-        ]
-        if bad:
-            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}), got {bad[0]!r}.")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens; the model's max length (max_model_len) is "
-                f"{self.max_model_len}, which must leave room for at least one new token."
-            )
+        """InvalidRequest (a ValueError) naming the prompt when it breaks a prompt rule."""
+        check_prompt_ids(token_ids, self.info.vocab_size, self.max_model_len, "prompt_token_ids")
 
     def abort_request(self, request_id: str) -> StepDelta | None:
         request = self._requests.get(request_id)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdmesh.checkpoint.config import ModelConfig
 from pdmesh.engine.models import model_class
 
 
@@ -25,20 +26,14 @@ class ModelInfo:
 
     @classmethod
     def load(cls, folder: Path) -> ModelInfo:
-        from transformers import AutoConfig, GenerationConfig
+        from transformers import AutoConfig
 
         try:
             hf_config = AutoConfig.from_pretrained(folder)
         except Exception as e:  # transformers raises several types for a broken config
             raise ValueError(f"model: cannot read {folder / 'config.json'}: {e}") from None
         model_cls = model_class(hf_config)
-        eos: set[int] = set()
-        try:
-            gen = GenerationConfig.from_pretrained(folder)
-            eos.update(_as_ids(gen.eos_token_id))
-        except OSError:
-            pass  # no generation_config.json
-        eos.update(_as_ids(getattr(hf_config, "eos_token_id", None)))
+        meta = ModelConfig.load(folder)  # the eos ids the router uses too
         head_dim = getattr(hf_config, "head_dim", None)
         head_dim = head_dim or hf_config.hidden_size // hf_config.num_attention_heads
         return cls(
@@ -52,7 +47,7 @@ class ModelInfo:
             hidden_size=hf_config.hidden_size,
             vocab_size=hf_config.vocab_size,
             max_position=getattr(hf_config, "max_position_embeddings", 4096),
-            eos_token_ids=tuple(sorted(eos)),
+            eos_token_ids=meta.eos_token_ids,
         )
 
     def check_parallel(self, size: int, expert_parallel: bool) -> None:
@@ -83,9 +78,3 @@ class ModelInfo:
     @property
     def name(self) -> str:
         return getattr(self.hf_config, "_name_or_path", "") or self.folder.name
-
-
-def _as_ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return [value] if isinstance(value, int) else [int(v) for v in value]

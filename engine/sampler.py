@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pdmesh.engine.distributed import host_to_device
-from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.sampling_params import SamplingParams
 
 
 @dataclass

@@ -16,11 +16,11 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from pdmesh.engine.llm import LLM
     from pdmesh.engine.outputs import CompletionOutput, RequestOutput
-    from pdmesh.engine.sampling_params import SamplingParams
+    from pdmesh.sampling_params import SamplingParams
 
 _LAZY = {
     "LLM": "pdmesh.engine.llm",
-    "SamplingParams": "pdmesh.engine.sampling_params",
+    "SamplingParams": "pdmesh.sampling_params",
     "RequestOutput": "pdmesh.engine.outputs",
     "CompletionOutput": "pdmesh.engine.outputs",
 }

@@ -3,8 +3,9 @@ streaming), models, health and Prometheus metrics; HTTPS with the router's certi
 configured, and API keys (`Authorization: Bearer <key>`, else 401) on everything but `/health`
 and `/metrics`.
 
-Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: bad input is 400
-naming the field; ServiceError codes map to 429 (with Retry-After), 503, 504, else 500. A client
+Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: a `pdmesh.errors`
+class answers with its `http_status` (bad input 400 naming the field, 429 with Retry-After, 503,
+504); an unexpected exception is a bug: 500, logged with its traceback. A client
 that disconnects cancels its handler (handler_cancellation), which closes the router's generator,
 which aborts the request on its decode worker and frees its blocks.
 """
@@ -14,19 +15,18 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, suppress
 from typing import Any
 
-import grpc
 from aiohttp import web
 
+from pdmesh.errors import InvalidRequest, PdmeshError
 from pdmesh.logger import get_logger
 from pdmesh.router import metrics
 from pdmesh.router.config import RouterConfig
-from pdmesh.router.core import Chunk, GenerationInput, Router
-from pdmesh.router.openai_protocol import OpenAIRequest, RequestError, parse_chat, parse_completion
+from pdmesh.router.core import Chunk, Router
+from pdmesh.router.openai_protocol import OpenAIRequest, parse_chat, parse_completion
 from pdmesh.router.openai_responses import (
     ChunkWriter,
     ResponseHead,
@@ -37,7 +37,6 @@ from pdmesh.router.openai_responses import (
     models_body,
 )
 from pdmesh.serving.auth import ApiKeys
-from pdmesh.serving.errors import ServiceError
 
 log = get_logger(__name__)
 
@@ -46,12 +45,6 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers need no k
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 CLIENT_CLOSED = "499"  # nginx's code for "the client went away first"
-HTTP_BY_GRPC = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-}
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",
     "Cache-Control": "no-cache",
@@ -68,15 +61,13 @@ def error_response(status: int, message: str, param: str | None = None) -> web.R
 
 def status_of(exc: Exception) -> tuple[int, str, str | None]:
     """(HTTP status, message, param) for an exception raised while serving a request."""
-    if isinstance(exc, RequestError):
-        return 400, str(exc), exc.param
-    if isinstance(exc, ValueError):
-        return 400, str(exc), None
-    if isinstance(exc, ServiceError):
-        return HTTP_BY_GRPC.get(exc.code, 500), str(exc), None
+    if isinstance(exc, PdmeshError):
+        return exc.http_status, str(exc), exc.field if isinstance(exc, InvalidRequest) else None
+    if isinstance(exc, TimeoutError):
+        return 504, str(exc) or "deadline exceeded", None
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
         return 413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB.", None
-    log.exception("internal error in the HTTP gateway", exc_info=exc)
+    log.error("internal error in the HTTP gateway", exc_info=exc)
     return 500, f"internal error: {type(exc).__name__}: {exc}", None
 
 
@@ -118,9 +109,9 @@ async def read_json(request: web.Request) -> Any:
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(f"the request body is not valid JSON: {e}.") from None
+        raise InvalidRequest(f"the request body is not valid JSON: {e}.") from None
     except RecursionError:
-        raise RequestError("the request body is nested too deeply.") from None
+        raise InvalidRequest("the request body is nested too deeply.") from None
 
 
 class Gateway:
@@ -140,7 +131,9 @@ class Gateway:
         try:
             body = await read_json(request)
             req = parse_chat(body) if endpoint == CHAT else parse_completion(body)
-            inp = await self._input(req)
+            inp = await self.router.validator.validate(
+                req.spec, "chatcmpl-" if req.chat else "cmpl-"
+            )
             record.prompt(len(inp.prompt))
             head = ResponseHead(
                 inp.request_id, int(time.time()), self.router.model_name, endpoint == CHAT
@@ -161,27 +154,6 @@ class Gateway:
             status, message, param = status_of(exc)
             record.done(str(status))
             return error_response(status, message, param)
-
-    async def _input(self, req: OpenAIRequest) -> GenerationInput:
-        r = self.router
-        try:
-            r.check_model(req.model)
-        except ValueError as e:
-            raise RequestError(str(e), "model") from None
-        field = "messages" if req.chat else "prompt"
-        try:
-            if req.prompt.messages is not None:
-                prompt = await r.tokenize_chat(req.prompt.messages)
-            elif req.prompt.text is not None:
-                prompt = await r.tokenize(req.prompt.text)
-            else:
-                prompt = list(req.prompt.token_ids or ())
-            r.check_prompt(prompt)
-        except ValueError as e:
-            raise RequestError(str(e), field) from None
-        prefix = "chatcmpl-" if req.chat else "cmpl-"
-        params = req.params(len(prompt), r.max_model_len)
-        return GenerationInput(f"{prefix}{uuid.uuid4().hex}", prompt, params)
 
     async def _whole(
         self,

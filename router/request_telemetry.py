@@ -20,9 +20,9 @@ from contextlib import AbstractContextManager
 from opentelemetry.trace import Span
 from prometheus_client import Counter
 
-from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.observability import tracing
 from pdmesh.router.policies import Decision
+from pdmesh.sampling_params import SamplingParams
 
 # Default registry, beside the gateway's metrics (router/metrics.py), served at its /metrics.
 DISPATCH_DECISIONS = Counter(

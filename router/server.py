@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from pdmesh.engine.llm_engine import load_tokenizer
-from pdmesh.engine.model_info import ModelInfo
-from pdmesh.engine.model_source import resolve_model_folder
+from pdmesh.checkpoint.config import ModelConfig
+from pdmesh.checkpoint.source import resolve_model_folder
 from pdmesh.logger import get_logger
 from pdmesh.observability import tracing
 from pdmesh.router.config import RouterConfig
@@ -18,6 +17,7 @@ from pdmesh.router.servicer import GenerationServicer
 from pdmesh.serving.auth import ApiKeyInterceptor
 from pdmesh.serving.grpc_server import ServiceSpec, build_server
 from pdmesh.serving.runner import serve_until_stopped
+from pdmesh.text.tokenizer import load_tokenizer
 from pdmesh.v1 import generation_pb2_grpc
 
 log = get_logger(__name__)
@@ -26,7 +26,7 @@ SERVICE = "pdmesh.v1.Generation"
 
 async def build_router(config: RouterConfig) -> Router:
     folder = await asyncio.to_thread(resolve_model_folder, config.model)
-    info = await asyncio.to_thread(ModelInfo.load, folder)
+    info = await asyncio.to_thread(ModelConfig.load, folder)
     tokenizer = await asyncio.to_thread(load_tokenizer, folder)
     registry = WorkerRegistry(
         config.prefill,

@@ -3,47 +3,44 @@
 from __future__ import annotations
 
 import asyncio
-import time
-import uuid
 
 import grpc
 
+from pdmesh.errors import InvalidRequest
 from pdmesh.router import metrics
-from pdmesh.router.core import Chunk, GenerationInput, Router
-from pdmesh.serving.convert import FINISH_TO_PB, sampling_from_pb
-from pdmesh.serving.errors import status_of
+from pdmesh.router.core import Chunk, Router
+from pdmesh.serving.convert import FINISH_TO_PB, sampling_fields_from_pb
+from pdmesh.serving.errors import status_name
 from pdmesh.v1 import generation_pb2 as gen_pb
 from pdmesh.v1 import generation_pb2_grpc
+from pdmesh.validation import MaxTokens, Prompt, RequestSpec, deadline_in
 
-MAX_REQUEST_ID_LEN = 256
 GRPC_ENDPOINT = "grpc"  # the `endpoint` label of the router's metrics for gRPC requests
+CHAT_FIELD = "chat.messages"
 
 
-def messages_from_pb(chat: gen_pb.ChatMessages) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.content} for m in chat.messages]
-
-
-async def input_from_pb(
-    router: Router, req: gen_pb.GenerateRequest, remaining_s: float | None
-) -> GenerationInput:
-    router.check_model(req.model)
-    if len(req.request_id) > MAX_REQUEST_ID_LEN:
-        raise ValueError(f"request_id must be at most {MAX_REQUEST_ID_LEN} characters.")
-    params = sampling_from_pb(req.sampling, max_tokens_cap=router.max_model_len)
+def prompt_from_pb(req: gen_pb.GenerateRequest | gen_pb.TokenizeRequest) -> Prompt:
+    """The request's `input` (an empty Prompt when none is set)."""
     kind = req.WhichOneof("input")
     if kind == "text":
-        prompt = await router.tokenize(req.text)
-    elif kind == "token_ids":
-        prompt = list(req.token_ids.ids)
-    elif kind == "chat":
-        prompt = await router.tokenize_chat(messages_from_pb(req.chat))
-    else:
-        raise ValueError("input must be one of text, token_ids or chat (none was set).")
-    return GenerationInput(
-        request_id=req.request_id or uuid.uuid4().hex,
-        prompt=prompt,
-        params=params,
-        deadline=time.time() + remaining_s if remaining_s is not None else None,
+        return Prompt(text=req.text)
+    if kind == "token_ids":
+        return Prompt(token_ids=list(req.token_ids.ids))  # type: ignore[union-attr]
+    if kind == "chat":
+        return Prompt(messages=[{"role": m.role, "content": m.content} for m in req.chat.messages])
+    return Prompt()
+
+
+def spec_from_pb(req: gen_pb.GenerateRequest, remaining_s: float | None) -> RequestSpec:
+    sampling = sampling_fields_from_pb(req.sampling)
+    return RequestSpec(
+        prompt=prompt_from_pb(req),
+        prompt_field=CHAT_FIELD if req.WhichOneof("input") == "chat" else "prompt",
+        model=req.model,
+        request_id=req.request_id,
+        max_tokens=MaxTokens(sampling.pop("max_tokens", None)),
+        sampling=sampling,
+        deadline=deadline_in(remaining_s),
     )
 
 
@@ -68,7 +65,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context: grpc.aio.ServicerContext):
         record = metrics.RequestRecorder(GRPC_ENDPOINT)
         try:
-            inp = await input_from_pb(self.router, request, context.time_remaining())
+            spec = spec_from_pb(request, context.time_remaining())
+            inp = await self.router.validator.validate(spec)
             record.prompt(len(inp.prompt))
             async for chunk in self.router.generate(inp):
                 record.tokens(len(chunk.token_ids))
@@ -77,7 +75,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             record.done(grpc.StatusCode.CANCELLED.name)
             raise
         except Exception as exc:
-            record.done(status_of(exc)[0].name)
+            record.done(status_name(exc))
             raise
         record.done(grpc.StatusCode.OK.name)
 
@@ -85,7 +83,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         r = self.router
         return gen_pb.ModelInfo(
             name=r.model_name,
-            architecture=type(r.info.hf_config).__name__.removesuffix("Config"),
+            architecture=r.info.architecture,
             vocab_size=r.info.vocab_size,
             max_model_len=r.max_model_len,
             eos_token_ids=list(r.info.eos_token_ids),
@@ -95,11 +93,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
 
     async def Tokenize(self, request, context):
-        kind = request.WhichOneof("input")
-        if kind == "text":
-            ids = await self.router.tokenize(request.text)
-        elif kind == "chat":
-            ids = await self.router.tokenize_chat(messages_from_pb(request.chat))
-        else:
-            raise ValueError("input must be text or chat (none was set).")
+        prompt = prompt_from_pb(request)
+        if prompt.text is None and prompt.messages is None:
+            raise InvalidRequest("input must be text or chat (none was set).", "input")
+        field = CHAT_FIELD if prompt.messages is not None else "prompt"
+        ids = await self.router.validator.tokenize(prompt, field)
         return gen_pb.TokenizeResponse(token_ids=ids)

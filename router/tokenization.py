@@ -13,36 +13,42 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from pdmesh.engine.llm import chat_token_ids
+from pdmesh.errors import InvalidRequest
+from pdmesh.text.chat_template import chat_token_ids
+from pdmesh.text.tokenizer import Tokenizer
 
 
-def longest_token_chars(tokenizer: Any) -> int:
+def longest_token_chars(tokenizer: Tokenizer) -> int:
     """An upper bound on the characters one token stands for (its vocabulary string: byte-level
     BPE spells each byte as one character, SentencePiece a space as one)."""
     return max((len(t) for t in tokenizer.get_vocab()), default=1) + 1
 
 
 class RouterTokenizer:
-    def __init__(self, tokenizer: Any, max_model_len: int) -> None:
+    """`encode` / `encode_chat` on the tokenizer's thread; InvalidRequest for a text too long."""
+
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.max_chars = max_model_len * longest_token_chars(tokenizer)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="pdmesh-tokenizer")
 
-    def _check_chars(self, n: int, field: str) -> None:
+    def _check_chars(self, n: int, what: str, field: str) -> None:
         if n > self.max_chars:
-            raise ValueError(
-                f"{field} has {n:,} characters, more than any prompt that fits in the model's "
-                f"max length can have ({self.max_chars:,})."
+            raise InvalidRequest(
+                f"{what} has {n:,} characters, more than any prompt that fits in the model's "
+                f"max length can have ({self.max_chars:,}).",
+                field,
             )
 
     async def encode(self, text: str) -> list[int]:
-        self._check_chars(len(text), "the prompt")
+        self._check_chars(len(text), "the prompt", "prompt")
         return await self._run(lambda: list(self.tokenizer.encode(text)))
 
     async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         if isinstance(messages, list):  # else chat_token_ids says what is wrong
             contents = (m.get("content") for m in messages if isinstance(m, dict))
-            self._check_chars(sum(len(c) for c in contents if isinstance(c, str)), "the chat")
+            chars = sum(len(c) for c in contents if isinstance(c, str))
+            self._check_chars(chars, "the chat", "messages")
         return await self._run(lambda: chat_token_ids(self.tokenizer, messages))
 
     async def _run(self, fn: Any) -> list[int]:

@@ -24,7 +24,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
 
 @pytest.fixture(scope="session")
 def default_model_folder() -> Path:
-    from pdmesh.engine.model_source import resolve_model_folder
+    from pdmesh.checkpoint.source import resolve_model_folder
 
     return resolve_model_folder(None)
 

@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pdmesh.engine.block_manager import BlockManager
-from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.sequence import Sequence
+from pdmesh.sampling_params import SamplingParams
 
 BLOCK = 4
 NUM_BLOCKS = 12

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pdmesh import LLM
-from pdmesh.engine.detokenizer import IncrementalDetokenizer
+from pdmesh.text.detokenizer import IncrementalDetokenizer
 
 TEXT = "Café crème 🍰 — 東京タワー ✓ naïve Ωmega 👩‍👩‍👧 end"
 

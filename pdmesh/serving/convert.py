@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.sampling_params import SamplingParams
 from pdmesh.v1 import generation_pb2 as gen_pb
+from pdmesh.validation import check_stop_rules
 
 FINISH_TO_PB = {
     None: gen_pb.FINISH_REASON_UNSPECIFIED,
@@ -15,47 +16,23 @@ FINISH_TO_PB = {
 }
 FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
 
-# Largest integers accepted on the wire before SamplingParams checks ranges.
-_MAX_INT = 2**63 - 1
-# Stop rules are checked at every token of a request, on the engine thread: bounded so that no
-# request can make every step of its batch slow.
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 1024
-MAX_STOP_TOKEN_IDS = 1024
+_OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "skip_special_tokens")
 
 
-def check_stop_rules(stop: tuple[str, ...], stop_token_ids: tuple[int, ...]) -> None:
-    """ValueError when the stop rules are larger than a request may have."""
-    if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
-        raise ValueError(
-            f"stop must be at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
-            "characters each."
-        )
-    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise ValueError(f"stop_token_ids must have at most {MAX_STOP_TOKEN_IDS} entries.")
-
-
-def sampling_from_pb(
-    pb: gen_pb.SamplingParams, max_tokens_cap: int | None = None
-) -> SamplingParams:
-    """SamplingParams from the wire; unset fields take the defaults. Raises ValueError."""
-    kwargs: dict[str, Any] = {}
-    for name in ("max_tokens", "temperature", "top_k", "top_p", "seed", "skip_special_tokens"):
-        if pb.HasField(name):
-            kwargs[name] = getattr(pb, name)
-    if (
-        "max_tokens" in kwargs
-        and max_tokens_cap is not None
-        and kwargs["max_tokens"] > max_tokens_cap
-    ):
-        raise ValueError(
-            f"max_tokens must be at most {max_tokens_cap} (the model's max length), "
-            f"got {kwargs['max_tokens']}."
-        )
+def sampling_fields_from_pb(pb: gen_pb.SamplingParams) -> dict[str, Any]:
+    """The SamplingParams arguments a message sets (an unset field is absent: its default
+    applies), not yet checked."""
+    kwargs = {name: getattr(pb, name) for name in _OPTIONAL_FIELDS if pb.HasField(name)}
     kwargs["stop"] = tuple(pb.stop)
     kwargs["stop_token_ids"] = tuple(pb.stop_token_ids)
-    check_stop_rules(kwargs["stop"], kwargs["stop_token_ids"])
     kwargs["ignore_eos"] = pb.ignore_eos
+    return kwargs
+
+
+def sampling_from_pb(pb: gen_pb.SamplingParams) -> SamplingParams:
+    """SamplingParams from the wire; InvalidRequest naming the field for a broken rule."""
+    kwargs = sampling_fields_from_pb(pb)
+    check_stop_rules(kwargs["stop"], kwargs["stop_token_ids"])
     return SamplingParams(**kwargs)
 
 

@@ -1,4 +1,9 @@
-"""One interceptor maps exceptions to gRPC status codes, with a sentence for the caller."""
+"""The gRPC edge of `pdmesh.errors`: one interceptor maps exceptions to status codes.
+
+A `PdmeshError` is answered with its `.status` and its message; a `TimeoutError` (an await
+that ran out of time) with DEADLINE_EXCEEDED; anything else is a bug: INTERNAL, logged with its
+traceback, never dressed up as bad input.
+"""
 
 from __future__ import annotations
 
@@ -7,30 +12,31 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
+from pdmesh.errors import PdmeshError
 from pdmesh.logger import get_logger
 
 log = get_logger(__name__)
 
 
-class ServiceError(Exception):
-    """An error with a chosen status code (RESOURCE_EXHAUSTED, UNAVAILABLE, ...)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+def status_name(exc: BaseException) -> str:
+    """The name of the gRPC status `exc` is answered with (for metrics; no logging)."""
+    if isinstance(exc, PdmeshError):
+        return exc.status
+    if isinstance(exc, TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED.name
+    return grpc.StatusCode.INTERNAL.name
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    if isinstance(exc, ServiceError):
-        return exc.code, str(exc)
-    if isinstance(exc, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, TimeoutError):
-        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "deadline exceeded"
-    if isinstance(exc, KeyError):
-        return grpc.StatusCode.NOT_FOUND, f"not found: {exc}"
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+    """(code, details) for an exception that reached the edge; an unexpected one is logged
+    with its traceback."""
+    code = grpc.StatusCode[status_name(exc)]
+    if isinstance(exc, PdmeshError | TimeoutError):
+        return code, str(exc) or code.name.lower().replace("_", " ")
+    log.error("internal error", exc_info=exc)
+    return code, f"internal error: {type(exc).__name__}: {exc}"
 
 
 # Details travel in trailing metadata (8 KiB by default): a message that echoes a huge input
@@ -40,10 +46,10 @@ MAX_DETAILS_CHARS = 1000
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     code, message = status_of(exc)
+    # Details must be UTF-8: a lone surrogate echoed from a request is written as its escape.
+    message = message.encode("utf-8", "backslashreplace").decode()
     if len(message) > MAX_DETAILS_CHARS:
         message = message[: MAX_DETAILS_CHARS - 1] + "…"
-    if code is grpc.StatusCode.INTERNAL:
-        log.exception("internal error", exc_info=exc)
     await context.abort(code, message)
 
 
@@ -61,13 +67,73 @@ def _tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], A
     if deserialize is None:
         return None
 
+    message_type = getattr(getattr(deserialize, "__self__", None), "DESCRIPTOR", None)
+
     def parse(raw: bytes) -> Any:
         try:
             return deserialize(raw)
         except Exception as e:
+            field = bad_utf8_field(message_type, raw) if message_type is not None else None
+            if field is not None:
+                return MalformedRequest(f"{field} is not valid UTF-8 text")
             return MalformedRequest(f"{type(e).__name__}: {e}")
 
     return parse
+
+
+def bad_utf8_field(descriptor: Descriptor, data: bytes, prefix: str = "") -> str | None:
+    """The path ("chat.messages.content") of the first string field of a `descriptor` message
+    on the wire whose bytes are not UTF-8 (protobuf refuses the whole message without saying
+    which); None if there is none or `data` is no message at all."""
+    pos = 0
+    try:
+        while pos < len(data):
+            key, pos = _varint(data, pos)
+            number, wire_type = key >> 3, key & 7
+            if wire_type != _LENGTH_DELIMITED:
+                pos = _skip(data, pos, wire_type)
+                continue
+            size, pos = _varint(data, pos)
+            value, pos = data[pos : pos + size], pos + size
+            field = descriptor.fields_by_number.get(number)
+            if field is None:
+                continue
+            name = prefix + field.name
+            if field.type == FieldDescriptor.TYPE_STRING:
+                try:
+                    value.decode()
+                except UnicodeDecodeError:
+                    return name
+            elif field.type == FieldDescriptor.TYPE_MESSAGE:
+                found = bad_utf8_field(field.message_type, value, name + ".")
+                if found is not None:
+                    return found
+    except IndexError:
+        return None
+    return None
+
+
+_LENGTH_DELIMITED = 2
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if byte < 0x80:
+            return value, pos
+
+
+def _skip(data: bytes, pos: int, wire_type: int) -> int:
+    """The position after a field that is not length-delimited (IndexError: not a message)."""
+    if wire_type == 0:
+        return _varint(data, pos)[1]
+    if wire_type in (1, 5):
+        return pos + (8 if wire_type == 1 else 4)
+    raise IndexError(f"wire type {wire_type}")
 
 
 async def _refuse_malformed(request: MalformedRequest, context: grpc.aio.ServicerContext) -> None:

@@ -1,7 +1,9 @@
 """Finding a model's files: a Hugging Face folder, a GGUF file, or the embedded default.
 
-GGUF files are converted once through transformers' GGUF support (dequantised) and cached as a
-Hugging Face folder (config.json, safetensors, tokenizer) under PDMESH_CACHE_DIR.
+GGUF files are converted once (dequantised, `pdmesh.checkpoint.gguf`) and cached as a Hugging
+Face folder (config.json, safetensors, tokenizer) under PDMESH_CACHE_DIR. The conversion needs
+torch, so it runs in a child process: finding a folder stays torch-free, and the router can
+resolve the model the workers serve.
 """
 
 from __future__ import annotations
@@ -10,9 +12,8 @@ import fcntl
 import hashlib
 import importlib.util
 import json
-import os
-import shutil
-import tempfile
+import subprocess
+import sys
 from pathlib import Path
 
 from pdmesh import envs
@@ -48,7 +49,8 @@ def model_display_name(model: str | None) -> str:
 
 
 def resolve_model_folder(model: str | None) -> Path:
-    """A Hugging Face folder for `model`, converting a GGUF file on first use."""
+    """A Hugging Face folder for `model`, converting a GGUF file on first use. ValueError (a
+    sentence starting "model:") when `model` is not a usable folder or file."""
     if model is None:
         return convert_gguf(default_model_gguf())
     path = Path(model).expanduser()
@@ -78,37 +80,19 @@ def _cache_key(gguf: Path) -> str:
 
 
 def convert_gguf(gguf: Path) -> Path:
+    """The cached Hugging Face folder of `gguf`, converted first if it is not there yet."""
     target = envs.cache_dir() / "gguf" / _cache_key(gguf)
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Several worker processes may start at once: one converts, the others wait for it.
+    # Several processes may start at once: one converts, the others wait for it.
     with open(target.parent / f"{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / "config.json").exists():
-            _convert(gguf, target)
+            log.info("converting %s to safetensors under %s (once)", gguf.name, target)
+            cmd = [sys.executable, "-m", "pdmesh.checkpoint.gguf", str(gguf), str(target)]
+            done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            if done.returncode != 0:
+                tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
+                raise ValueError(f"model: cannot convert {gguf}: {tail[0]}")
     return target
-
-
-def _convert(gguf: Path, target: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    log.info("converting %s to safetensors under %s (once)", gguf.name, target)
-    folder, name = str(gguf.parent), gguf.name
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-        # The weights are dequantised now: drop the GGUF marker so loaders see a plain checkpoint.
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        tmp.chmod(0o755)
-        shutil.rmtree(target, ignore_errors=True)  # a half-written folder from a killed run
-        os.replace(tmp, target)
-    except Exception:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

@@ -1,0 +1,88 @@
+"""Per-request sampling parameters, validated when built (names follow vLLM). Torch-free: the
+router builds them as the engine does."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from pdmesh.errors import InvalidRequest
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is sampled and when it stops.
+
+    temperature == 0 means greedy. top_k <= 0 and top_p == 1 disable those filters. A request
+    stops at `max_tokens` new tokens ("length"), or at EOS, a `stop_token_ids` entry or a `stop`
+    string ("stop"); stop strings and stop tokens are not part of the returned text. A bad value
+    raises `InvalidRequest` (a ValueError) whose `field` names it.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Accept lists (and a bare string for `stop`) the way vLLM does; store tuples.
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        self._validate()
+
+    def _validate(self) -> None:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise InvalidRequest(
+                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}.", "max_tokens"
+            )
+        t = self.temperature
+        if not _is_number(t) or not math.isfinite(t) or t < 0:
+            raise InvalidRequest(
+                f"temperature must be a finite number >= 0 (0 is greedy), got {t!r}.",
+                "temperature",
+            )
+        if not _is_int(self.top_k) or not -1 <= self.top_k < 2**63:
+            raise InvalidRequest(
+                f"top_k must be an integer >= -1 (0 or -1: off) and < 2**63, got {self.top_k!r}.",
+                "top_k",
+            )
+        if not _is_number(self.top_p) or not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+            raise InvalidRequest(f"top_p must be a number in (0, 1], got {self.top_p!r}.", "top_p")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise InvalidRequest(
+                f"seed must be an integer in [0, 2**63), got {self.seed!r}.", "seed"
+            )
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise InvalidRequest(
+                    f"stop must be a list of non-empty strings, got {self.stop!r:.200}.", "stop"
+                )
+        for t in self.stop_token_ids:
+            if not _is_int(t) or t < 0:
+                raise InvalidRequest(
+                    "stop_token_ids must be non-negative integers, "
+                    f"got {self.stop_token_ids!r:.200}.",
+                    "stop_token_ids",
+                )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def top_k_active(self) -> bool:
+        return self.top_k > 0
