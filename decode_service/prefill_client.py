@@ -6,21 +6,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from pdmesh.engine.sampling_params import SamplingParams
-from pdmesh.kv_transfer import TransferSpec
+from pdmesh.kv_transfer.target import KVTarget
+from pdmesh.sampling_params import SamplingParams
 from pdmesh.serving.convert import sampling_to_pb
 from pdmesh.serving.grpc_server import channel
 from pdmesh.serving.tls import TLSConfig
 from pdmesh.v1 import worker_pb2, worker_pb2_grpc
-
-
-@dataclass(frozen=True)
-class KVDestination:
-    """One decode rank's receiver: its address and the KV heads it holds."""
-
-    address: str
-    head_start: int
-    num_heads: int
 
 
 @dataclass(frozen=True)
@@ -51,37 +42,17 @@ class PrefillClient:
         request_id: str,
         prompt: list[int],
         params: SamplingParams,
-        spec: TransferSpec,
-        first_block: int,
-        block_size: int,
-        destinations: list[KVDestination],
-        transport: str,
-        timeout_s: float,
-        trace_context: dict[str, str] | None = None,
+        target: KVTarget,
     ) -> PrefillResult:
-        target = worker_pb2.KVTarget(
-            transport=transport,
-            transfer_id=spec.transfer_id,
-            token=spec.token,
-            first_block=first_block,
-            block_ids=list(spec.block_ids),
-            block_size=block_size,
-            endpoints=[
-                worker_pb2.KVEndpoint(
-                    address=d.address, head_start=d.head_start, num_heads=d.num_heads
-                )
-                for d in destinations
-            ],
-            timeout_ms=int(timeout_s * 1000),
-            trace_context=trace_context or {},
-        )
+        """Have the prefill worker at `address` compute the prompt into `target` (the call's
+        deadline is the target's timeout)."""
         request = worker_pb2.PrefillRequest(
             request_id=request_id,
             prompt_token_ids=prompt,
             sampling=sampling_to_pb(params),
-            kv_target=target,
+            kv_target=target.to_pb(),
         )
-        reply = await self._stub(address).Prefill(request, timeout=timeout_s)
+        reply = await self._stub(address).Prefill(request, timeout=target.timeout_s)
         return PrefillResult(
             first_token=reply.first_token_id,
             cached_prompt_tokens=reply.cached_prompt_tokens,

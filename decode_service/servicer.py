@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import time
 
+import grpc
+
 from pdmesh.decode_service.types import Delta, Submission
 from pdmesh.decode_service.worker import DecodeWorker
-from pdmesh.serving.convert import FINISH_TO_PB, sampling_from_pb, worker_stat_fields
+from pdmesh.errors import InvalidRequest
+from pdmesh.serving.convert import FINISH_TO_PB, sampling_from_pb
 from pdmesh.v1 import generation_pb2 as gen_pb
 from pdmesh.v1 import worker_pb2, worker_pb2_grpc
 
 
 def submission_from_pb(req: worker_pb2.DecodeRequest) -> Submission:
     if not req.request_id:
-        raise ValueError("request_id must not be empty.")
+        raise InvalidRequest("request_id must not be empty.", "request_id")
     return Submission(
         request_id=req.request_id,
         subscriber_id=req.subscriber_id,
@@ -33,7 +36,8 @@ def delta_to_pb(d: Delta) -> worker_pb2.RequestDelta:
         token_ids=d.token_ids,
         text=d.text,
         finish_reason=FINISH_TO_PB[d.finish_reason],
-        error_code=d.error_code,
+        # The wire carries the status code's number (0: no error).
+        error_code=grpc.StatusCode[d.error_status].value[0] if d.error_status else 0,
         error_message=d.error_message,
     )
     if d.usage is not None:
@@ -84,20 +88,4 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_pb2.AbortReply(aborted=await self.worker.abort(list(request.request_ids)))
 
     async def GetStats(self, request, context):
-        s = await self.worker.stats()
-        e = s["engine"]
-        c = s["counters"]
-        return worker_pb2.WorkerStats(
-            role="decode",
-            **worker_stat_fields(e),
-            kv_bytes_received=s["kv_bytes_received"],
-            kv_seconds=s["kv_seconds"],
-            kv_transfers=s["kv_transfers"],
-            kv_frames_dropped=s["kv_frames_dropped"],
-            local_prefills=c.local_prefills,
-            remote_prefills=c.remote_prefills,
-            prefill_fallbacks=c.prefill_fallbacks,
-            expert_token_counts=s["expert_token_counts"],
-            block_size=self.worker.geometry.block_size,
-            tensor_parallel_size=1,
-        )
+        return worker_pb2.WorkerStats(**await self.worker.report())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -48,17 +48,8 @@ class Delta:
     finish_reason: str | None
     usage: Usage | None = None
     timings: Timings | None = None
-    error_code: int = 0  # a grpc.StatusCode value[0] when the request failed
+    error_status: str = ""  # the status name of a pdmesh.errors class when the request failed
     error_message: str = ""
-
-
-@dataclass(frozen=True)
-class RemotePlan:
-    """A prompt to be prefilled by a prefill worker into blocks held here."""
-
-    first_block: int
-    block_ids: list[int]
-    uncached_tokens: int
 
 
 @dataclass

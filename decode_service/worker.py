@@ -12,23 +12,27 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-import grpc
-
 from pdmesh.decode_service.config import DecodeConfig
-from pdmesh.decode_service.kv_receivers import KVReceivers
 from pdmesh.decode_service.metrics import DecodeMetrics
 from pdmesh.decode_service.prefill_client import PrefillClient
 from pdmesh.decode_service.tracing import DecodeTraces
-from pdmesh.decode_service.types import Delta, RemotePlan, RequestClock, Submission, Timings, Usage
+from pdmesh.decode_service.types import Delta, RequestClock, Submission, Timings, Usage
 from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.outputs import StepDelta
-from pdmesh.kv_transfer import TransferSpec
+from pdmesh.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidRequest,
+    Overloaded,
+    Unavailable,
+)
+from pdmesh.kv_transfer.connector import ExternalBlocks
+from pdmesh.kv_transfer.receive_connector import IncomingTransfer, ReceiveConnector
+from pdmesh.kv_transfer.target import KVTarget
 from pdmesh.logger import get_logger
 from pdmesh.observability import tracing
-from pdmesh.observability.worker_collector import TransferTotals, WorkerSnapshot
-from pdmesh.serving.convert import worker_stat_fields
-from pdmesh.serving.engine_loop import EngineLoop
-from pdmesh.serving.errors import ServiceError
+from pdmesh.observability.worker_collector import TransferTotals
+from pdmesh.serving.worker_process import WorkerProcess
 
 log = get_logger(__name__)
 
@@ -46,23 +50,23 @@ class _EngineSide:
 
     deadlines: dict[str, float] = field(default_factory=dict)
     clocks: dict[str, RequestClock] = field(default_factory=dict)
-    errors: dict[str, tuple[int, str]] = field(default_factory=dict)
+    errors: dict[str, tuple[str, str]] = field(default_factory=dict)  # rid -> (status, message)
 
 
-class DecodeWorker:
-    def __init__(self, config: DecodeConfig, engine: LLMEngine) -> None:
+class DecodeWorker(WorkerProcess):
+    role = "decode"
+
+    def __init__(
+        self, config: DecodeConfig, connector: ReceiveConnector, engine: LLMEngine
+    ) -> None:
+        super().__init__(engine, connector, self._on_tick)
         self.config = config
-        self.engine = engine
-        # Receivers per tensor-parallel rank and transport; rank 0's are `self.kv.receivers`.
-        self.kv = KVReceivers(engine, config)
-        self.geometry = self.kv.geometry
-        self.loop = EngineLoop(engine, self._on_engine_deltas, self._on_tick, self._on_fatal)
-        if engine.tp_driver is not None:
-            engine.tp_driver.on_rank_death = self.loop.fail
+        self.kv = connector  # receivers per tensor-parallel rank and transport
+        geometry = connector.geometry
+        assert geometry is not None  # bound when the engine was built
+        self.geometry = geometry
         self.counters = Counters()
-        self.fatal: BaseException | None = None
         self._side = _EngineSide()
-        self._aio: asyncio.AbstractEventLoop | None = None
         self._subscribers: dict[str, asyncio.Queue[list[Delta]]] = {}
         self._owner: dict[str, str] = {}  # request id -> subscriber id
         self._remote: dict[str, asyncio.Task[None]] = {}
@@ -70,29 +74,20 @@ class DecodeWorker:
         self.metrics = DecodeMetrics(self.metrics_snapshot)
         self.traces = DecodeTraces()
 
-    # -- lifecycle ----------------------------------------------------------------------------
-    def start(self, aio_loop: asyncio.AbstractEventLoop) -> None:
-        self._aio = aio_loop
-        self.stopped = asyncio.Event()  # set when the engine fails: the process should exit
-        self.loop.start()
-
     async def close(self) -> None:
         for task in list(self._remote.values()):
             task.cancel()
-        self.loop.stop()
-        self.kv.close()
+        await super().close()
         await self._prefill.close()
-        self.engine.close()
 
-    def _on_fatal(self, exc: BaseException) -> None:
-        self.fatal = exc
-        if self._aio is not None:
-            self._aio.call_soon_threadsafe(self.stopped.set)
+    def banner(self) -> str:
+        planes = ", ".join(f"{name} at {a}" for name, a in self.kv.addresses.items())
+        return f", KV data plane: {planes}"
 
     # -- subscribers (event loop) ---------------------------------------------------------------
     def subscribe(self, subscriber_id: str) -> asyncio.Queue[list[Delta]]:
         if not subscriber_id:
-            raise ValueError("subscriber_id must not be empty.")
+            raise InvalidRequest("subscriber_id must not be empty.", "subscriber_id")
         queue: asyncio.Queue[list[Delta]] = asyncio.Queue()
         self._subscribers[subscriber_id] = queue
         return queue
@@ -124,15 +119,13 @@ class DecodeWorker:
 
     # -- requests (event loop) ------------------------------------------------------------------
     async def submit(self, sub: Submission) -> None:
-        if self.fatal is not None:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "this decode worker's engine failed")
+        self.check_serving()
         if sub.subscriber_id not in self._subscribers:
-            raise ServiceError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"subscriber {sub.subscriber_id!r} has no open Subscribe stream; subscribe first",
+            raise FailedPrecondition(
+                f"subscriber {sub.subscriber_id!r} has no open Subscribe stream; subscribe first"
             )
         if sub.request_id in self._owner:
-            raise ValueError(f"request_id {sub.request_id!r} is already in use.")
+            raise InvalidRequest(f"request_id {sub.request_id!r} is already in use.", "request_id")
         self._owner[sub.request_id] = sub.subscriber_id
         span = self.traces.begin(sub)
         try:
@@ -154,48 +147,40 @@ class DecodeWorker:
                 task.cancel()
         return await self.loop.acall(lambda e: sum(self._abort_one(e, rid) for rid in request_ids))
 
-    async def _remote_prefill(self, sub: Submission, plan: RemotePlan) -> None:
+    async def _remote_prefill(self, sub: Submission, plan: ExternalBlocks) -> None:
         rid = sub.request_id
         timeout = self.config.prefill_timeout_s
         if sub.deadline is not None:
             timeout = max(0.001, min(timeout, sub.deadline - time.time()))
         # The prefill worker replies only once its frames were acknowledged, so the transfer's own
         # clock must cover the queueing and compute on the prefill worker too.
-        rx_timeout = timeout + self.config.kv_timeout_s
+        kv_timeout = self.config.kv_timeout_s
+        rx_timeout = timeout + kv_timeout
         address = sub.prefill_address or ""
-        transport = self.kv.transport_for(address)
-        spec, arrived = self.kv.expect(transport, plan.block_ids, rx_timeout)
-        rx_span = self.traces.transfer_started(spec, self.geometry, transport)
+        transfer = self.kv.expect(self.kv.transport_for(address), plan.block_ids, rx_timeout)
+        rx_span = self.traces.transfer_started(transfer.spec, self.geometry, transfer.transport)
         try:
-            if self.kv.followers:
-                await self.loop.acall(
-                    lambda e: self.kv.expect_followers(transport, spec, rx_timeout)
-                )
-            result = await self._prefill.prefill(
-                address,
-                rid,
-                sub.prompt,
-                sub.params,
-                spec,
+            if self.kv.has_followers:
+                await self.loop.acall(lambda e: self.kv.expect_followers(transfer, rx_timeout))
+            target = KVTarget.of(
+                transfer.spec,
+                transfer.transport,
                 plan.first_block,
                 self.geometry.block_size,
-                self.kv.destinations[transport],
-                transport,
+                self.kv.endpoints(transfer.transport),
                 timeout,
                 tracing.inject(rx_span) if rx_span is not None else {},
             )
-            moved = await asyncio.wait_for(asyncio.wrap_future(arrived), self.config.kv_timeout_s)
-            if self.kv.followers:
-                kv_timeout = self.config.kv_timeout_s
-                await self.loop.acall(lambda e: self.kv.await_followers(spec, kv_timeout))
+            result = await self._prefill.prefill(address, rid, sub.prompt, sub.params, target)
+            moved = await asyncio.wait_for(asyncio.wrap_future(transfer.arrived), kv_timeout)
+            if self.kv.has_followers:
+                await self.loop.acall(lambda e: self.kv.await_followers(transfer, kv_timeout))
         except asyncio.CancelledError as exc:
-            self.kv.cancel(transport, spec.transfer_id)
-            self._cancel_followers(spec)
+            self._cancel_transfer(transfer)
             self.traces.transfer_ended(rx_span, None, exc)
             raise
         except Exception as exc:
-            self.kv.cancel(transport, spec.transfer_id)
-            self._cancel_followers(spec)
+            self._cancel_transfer(transfer)
             self.traces.transfer_ended(rx_span, None, exc)
             log.warning("remote prefill of %s failed: %s", rid, exc)
             await self.loop.acall(lambda e, err=exc: self._prefill_failed(e, rid, err))
@@ -206,19 +191,19 @@ class DecodeWorker:
         self.metrics.transfer.observe(moved.seconds)
         await self.loop.acall(lambda e: self._prefill_done(e, rid, result.first_token))
 
-    def _cancel_followers(self, spec: TransferSpec) -> None:
-        if self.kv.followers:
-            self.loop.call(lambda e: self.kv.cancel_followers(spec))  # fire and forget
+    def _cancel_transfer(self, transfer: IncomingTransfer) -> None:
+        self.kv.cancel(transfer)
+        if self.kv.has_followers:
+            self.loop.call(lambda e: self.kv.cancel_followers(transfer))  # fire and forget
 
     # -- engine thread ----------------------------------------------------------------------------
-    def _admit(self, engine: LLMEngine, sub: Submission) -> RemotePlan | None:
+    def _admit(self, engine: LLMEngine, sub: Submission) -> ExternalBlocks | None:
         side = self._side
         waiting = engine.num_waiting_for_blocks()
         if waiting >= self.config.max_waiting_requests:
-            raise ServiceError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            raise Overloaded(
                 f"this decode worker's KV cache is full and {waiting} requests wait for it "
-                f"(max_waiting_requests); retry later.",
+                f"(max_waiting_requests); retry later."
             )
         clock = RequestClock(
             arrival_ns=sub.arrival_ns or time.time_ns(), admitted_ns=time.time_ns()
@@ -229,13 +214,9 @@ class DecodeWorker:
         # token from the start of the seed's stream rather than after the tokens already sent.
         seeded_resume = sent > 0 and sub.params.seed is not None and not sub.params.greedy
         if sub.prefill_address and not seeded_resume:
-            uncached = len(sub.prompt) - engine.cached_prefix_tokens(sub.prompt)
-            if uncached >= max(1, sub.disagg_min_tokens):
-                res = engine.reserve_prefill(
-                    sub.request_id, sub.prompt, sub.params, num_output_tokens=sent
-                )
-                if res is not None:
-                    plan = RemotePlan(res.first_block, list(res.block_ids), res.uncached_tokens)
+            plan = self.kv.reserve(
+                engine, sub.request_id, sub.prompt, sub.params, sent, sub.disagg_min_tokens
+            )
         if plan is None:
             engine.add_request(sub.request_id, sub.prompt, sub.params, num_output_tokens=sent)
             self.counters.local_prefills += 1
@@ -248,22 +229,20 @@ class DecodeWorker:
         return plan
 
     def _prefill_done(self, engine: LLMEngine, rid: str, first_token: int) -> None:
-        if engine.is_reserved(rid):  # else aborted meanwhile
-            # The prompt's blocks join the prefix cache after the next step: TTFT.
-            self.loop.publish([engine.commit_prefill(rid, first_token, defer_caching=True)])
+        delta = self.kv.commit(engine, rid, first_token)
+        if delta is not None:  # else aborted meanwhile
+            self.loop.publish([delta])
 
     def _prefill_failed(self, engine: LLMEngine, rid: str, exc: BaseException) -> None:
-        if not engine.is_reserved(rid):
-            return
         if self.config.prefill_failure_policy == "recompute":
-            engine.release_prefill(rid)
-            self.counters.prefill_fallbacks += 1
-            clock = self._side.clocks.get(rid)
-            if clock is not None:  # its timings must say where it was prefilled in the end
-                clock.disaggregated = False
-            return
-        self._side.errors[rid] = (grpc.StatusCode.UNAVAILABLE.value[0], f"prefill failed: {exc}")
-        self._abort_one(engine, rid)
+            if self.kv.release(engine, rid):
+                self.counters.prefill_fallbacks += 1
+                clock = self._side.clocks.get(rid)
+                if clock is not None:  # its timings must say where it was prefilled in the end
+                    clock.disaggregated = False
+        elif engine.is_reserved(rid):
+            self._side.errors[rid] = (Unavailable.status, f"prefill failed: {exc}")
+            self._abort_one(engine, rid)
 
     def _abort_one(self, engine: LLMEngine, rid: str) -> int:
         delta = engine.abort_request(rid)
@@ -278,8 +257,7 @@ class DecodeWorker:
             return
         now = time.time()
         for rid in [r for r, d in deadlines.items() if now > d]:
-            code = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
-            self._side.errors[rid] = (code, "the request's deadline passed")
+            self._side.errors[rid] = (DeadlineExceeded.status, "the request's deadline passed")
             if self._aio is not None:
                 self._aio.call_soon_threadsafe(self._cancel_remote, rid)
             self._abort_one(engine, rid)
@@ -310,7 +288,7 @@ class DecodeWorker:
             result = self.engine.get_output(d.request_id)
             self.engine.release(d.request_id)
             side.deadlines.pop(d.request_id, None)
-            code, message = side.errors.pop(d.request_id, (0, ""))
+            status, message = side.errors.pop(d.request_id, ("", ""))
             clock = side.clocks.pop(d.request_id, None) or RequestClock(now, now)
             first = clock.first_token_ns or now
             metrics.finish(
@@ -335,52 +313,49 @@ class DecodeWorker:
                         total_ns=now - clock.arrival_ns,
                         disaggregated=clock.disaggregated,
                     ),
-                    code,
+                    status,
                     message,
                 )
             )
         if out and self._aio is not None:
             self._aio.call_soon_threadsafe(self._dispatch, out)
 
-    # -- stats --------------------------------------------------------------------------------
-    def metrics_snapshot(self) -> WorkerSnapshot:
-        """State for a Prometheus scrape, read from the scraping thread: plain counters, and the
-        receiver's (thread-safe) stats; no wait for the engine thread."""
-        e = self.engine.stats()
-        c = self.counters
-        return WorkerSnapshot(
-            **worker_stat_fields(e),
-            transfers=[
-                TransferTotals(
-                    "receive",
-                    name,
-                    rx.bytes_received,
-                    rx.seconds_receiving,
-                    rx.transfers_completed,
-                    rx.transfers_failed,
-                    rx.frames_dropped,
-                )
-                for name, rx in self.kv.stats_by_transport().items()
-            ],
-            expert_token_counts=self.engine.runner.expert_counts() or (),
-            prefills={
-                "local": c.local_prefills,
-                "remote": c.remote_prefills,
-                "fallback": c.prefill_fallbacks,
-            },
-        )
+    # -- figures ------------------------------------------------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self.geometry.block_size
 
-    async def stats(self) -> dict[str, object]:
-        engine_stats = await self.loop.acall(lambda e: e.stats())
-        experts = await self.loop.acall(lambda e: e.expert_counts())
-        received = await self.loop.acall(lambda e: self.kv.bytes_received())  # every rank's
-        rx = self.kv.stats
+    def transfer_totals(self) -> list[TransferTotals]:
+        return [
+            TransferTotals(
+                "receive",
+                name,
+                rx.bytes_received,
+                rx.seconds_receiving,
+                rx.transfers_completed,
+                rx.transfers_failed,
+                rx.frames_dropped,
+            )
+            for name, rx in self.kv.stats_by_transport().items()
+        ]
+
+    def prefill_counts(self) -> dict[str, int]:
+        c = self.counters
         return {
-            "engine": engine_stats,
-            "kv_bytes_received": received,
+            "local": c.local_prefills,
+            "remote": c.remote_prefills,
+            "fallback": c.prefill_fallbacks,
+        }
+
+    def kv_report(self, engine: LLMEngine) -> dict[str, object]:
+        rx = self.kv.stats
+        c = self.counters
+        return {
+            "kv_bytes_received": self.kv.bytes_received(),  # every rank's
             "kv_seconds": rx.seconds_receiving,
             "kv_transfers": rx.transfers_completed,
             "kv_frames_dropped": rx.frames_dropped,
-            "counters": self.counters,
-            "expert_token_counts": experts or [],
+            "local_prefills": c.local_prefills,
+            "remote_prefills": c.remote_prefills,
+            "prefill_fallbacks": c.prefill_fallbacks,
         }

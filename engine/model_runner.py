@@ -6,7 +6,7 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -22,6 +22,7 @@ from pdmesh.engine.scheduler import ScheduledBatch
 from pdmesh.engine.step_inputs import HostInputs, StepInputs
 from pdmesh.engine.symm_all_reduce import symmetric_all_reduce
 from pdmesh.engine.weights import init_dummy_weights, load_named, load_weights
+from pdmesh.kv_transfer.connector import KVBinding, KVConnector, KVHeads
 
 
 @dataclass
@@ -58,13 +59,14 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-# hook(layer index, step plan): called right after that layer stored the step's K/V, on every
-# rank, when the step carries a plan (see `set_step_planner`).
-LayerHook = Callable[[int, torch.Tensor], None]
-# planner(batch) -> plan or None: made on rank 0 before the forward, sent to every rank.
-StepPlanner = Callable[[ScheduledBatch], "torch.Tensor | None"]
-# before_forward(inputs, plan): rank 0 hands the step to the other ranks (tensor parallelism).
-BeforeForward = Callable[["StepInputs", "torch.Tensor | None"], None]
+class Followers(Protocol):
+    """Rank 0's tensor-parallel followers (engine/tp_driver.py)."""
+
+    def send_step(self, inputs: StepInputs, plan: torch.Tensor | None) -> None:
+        """Hand the step to the other ranks, before rank 0 runs it."""
+        ...
+
+    def call(self, message: object) -> list[object | None]: ...
 
 
 def _on_device(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -90,7 +92,11 @@ class ModelRunner:
         device: torch.device,
         max_model_len: int,
         tp: ParallelGroup = SINGLE,
+        kv_connector: KVConnector | None = None,
+        followers: Followers | None = None,
     ) -> None:
+        """kv_connector: the KV plane's hooks on this rank (bound here, once the cache exists).
+        followers: on rank 0 of a tensor-parallel worker, the ranks each step is sent to."""
         self.info = info
         self.device = device
         if device.type == "cuda":
@@ -145,12 +151,13 @@ class ModelRunner:
                     model, device, block_size, max_batch, max_model_len, logits=tp.size == 1
                 )
         self.tp = tp
-        self._layer_hooks: list[LayerHook] = []
-        self._planner: StepPlanner | None = None
-        self.before_forward: BeforeForward | None = None
-        self._plan: torch.Tensor | None = None
-        for i, layer in enumerate(attn_layers):
-            layer.register_forward_hook(self._after_attention(i))
+        self.followers = followers
+        self.kv_connector = kv_connector
+        self._saving = False  # a step with a KV plan runs: the connector saves after each layer
+        if kv_connector is not None:
+            kv_connector.bind(KVBinding(self.kv_cache.data, self.kv_heads, followers))
+            for i, layer in enumerate(attn_layers):
+                layer.register_forward_hook(self._after_attention(i))
 
     def load_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the weights with named checkpoint tensors already in memory."""
@@ -159,6 +166,11 @@ class ModelRunner:
     @property
     def num_blocks(self) -> int:
         return self.kv_cache.num_blocks
+
+    @property
+    def kv_heads(self) -> KVHeads:
+        """The global KV heads this rank's cache holds."""
+        return KVHeads.of_rank(self.info.num_kv_heads, self.tp.rank, self.tp.size)
 
     def prepare(self, batch: ScheduledBatch, next_ids: torch.Tensor | None = None) -> StepInputs:
         """The step's inputs. next_ids ([B] on the device, decode-only batches): each sequence
@@ -216,7 +228,7 @@ class ModelRunner:
         meta = inputs.meta
         if (
             self.graphs is not None
-            and self._plan is None
+            and not self._saving
             and self.graphs.covers(
                 inputs.input_ids.numel(), meta.num_decode_tokens, len(inputs.sample_seq_index)
             )
@@ -227,23 +239,16 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
-    def add_layer_hook(self, hook: LayerHook) -> None:
-        """Run `hook(layer, plan)` after each attention layer of a step that has a plan: a
-        prefill worker pushes a layer's KV blocks while the next layers compute."""
-        self._layer_hooks.append(hook)
-
-    def set_step_planner(self, planner: StepPlanner) -> None:
-        self._planner = planner
-
     @property
     def has_planner(self) -> bool:
-        return self._planner is not None
+        """Steps carry KV plans: the engine launches them one at a time."""
+        return self.kv_connector is not None and self.kv_connector.plans_steps
 
     def _after_attention(self, layer: int) -> Callable[..., None]:
         def hook(*_: object) -> None:
-            if self._plan is not None:
-                for fn in self._layer_hooks:
-                    fn(layer, self._plan)
+            if self._saving:
+                assert self.kv_connector is not None
+                self.kv_connector.save_layer(layer)
 
         return hook
 
@@ -251,12 +256,16 @@ class ModelRunner:
     def forward_with_plan(
         self, inputs: StepInputs, plan: torch.Tensor | None
     ) -> torch.Tensor | None:
-        """The forward of one step with its plan in force (followers run steps this way)."""
-        self._plan = plan
+        """The forward of one step with its KV plan in force (followers run steps this way)."""
+        if plan is None or self.kv_connector is None:
+            return self.forward_logits(inputs)
+        self.kv_connector.start_step(plan)
+        self._saving = True
         try:
             return self.forward_logits(inputs)
         finally:
-            self._plan = None
+            self._saving = False
+            self.kv_connector.end_step()
 
     @torch.inference_mode()
     def step_logits(
@@ -264,9 +273,9 @@ class ModelRunner:
     ) -> tuple[StepInputs, torch.Tensor | None]:
         """One step's forward on every rank; the logits of the rows to sample (rank 0)."""
         inputs = self.prepare(batch, next_ids)
-        plan = self._planner(batch) if self._planner is not None else None
-        if self.before_forward is not None:
-            self.before_forward(inputs, plan)
+        plan = self.kv_connector.plan_step(batch) if self.kv_connector is not None else None
+        if self.followers is not None:
+            self.followers.send_step(inputs, plan)
         return inputs, self.forward_with_plan(inputs, plan)
 
     @_on_device

@@ -2,8 +2,10 @@
 
 Followers are separate processes (`python -m pdmesh.engine.tp_follower`), configured by JSON in
 their environment, that die with rank 0 (PR_SET_PDEATHSIG). Each step rank 0 broadcasts the
-flat step inputs; every rank runs the same forward on its shard. A follower that dies is noticed
-by a monitor thread within a fraction of a second; the worker then reports it and goes down.
+flat step inputs and the KV connector's plan; every rank runs the same forward on its shard.
+Between steps rank 0 sends control messages (`pdmesh.kv_transfer.connector`'s codec: typed,
+JSON, a follower's failure raised here). A follower that dies is noticed by a monitor thread
+within a fraction of a second; the worker then reports it and goes down.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -25,19 +27,31 @@ from pdmesh.engine.distributed import (
     broadcast_bytes,
     broadcast_ints,
     destroy,
-    free_port,
     gather_bytes,
     init_group,
 )
-from pdmesh.engine.model_runner import ModelRunner
 from pdmesh.engine.parallel import ParallelGroup
 from pdmesh.engine.step_inputs import StepInputs
+from pdmesh.kv_transfer.connector import control_message, decode, encode, raise_failures
 from pdmesh.logger import get_logger
+from pdmesh.processes import die_with_parent, free_port
 
 log = get_logger(__name__)
 
 OP_STEP, OP_CONTROL, OP_STOP = 1, 2, 3
 MONITOR_INTERVAL_S = 0.2
+
+
+@control_message
+@dataclasses.dataclass(frozen=True)
+class CountExperts:
+    """Asks a follower for the tokens its MoE layers routed to each expert (`ExpertCounts`)."""
+
+
+@control_message
+@dataclasses.dataclass(frozen=True)
+class ExpertCounts:
+    counts: tuple[int, ...]
 
 
 def rank_device(base: torch.device, rank: int) -> torch.device:
@@ -46,21 +60,14 @@ def rank_device(base: torch.device, rank: int) -> torch.device:
     return base
 
 
-def _die_with_parent() -> None:
-    import ctypes
-    import signal
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class TPDriver:
+    """Rank 0's side of the followers: `send_step` and `call` on the engine thread (or before it
+    starts); `on_rank_death(message)` is called from the monitor thread."""
+
     def __init__(
-        self,
-        config: EngineConfig,
-        device: torch.device,
-        extension: str | None = None,
-        extension_options: dict[str, Any] | None = None,
+        self, config: EngineConfig, device: torch.device, connector_options: object | None = None
     ) -> None:
+        """connector_options: what each follower builds its KV connector from (None: none)."""
         size = config.tensor_parallel_size
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -71,15 +78,14 @@ class TPDriver:
                 "size": size,
                 "init_method": init_method,
                 "device": str(rank_device(device, rank)),
-                "extension": extension,
-                "extension_options": extension_options or {},
+                "kv_connector": encode(connector_options).decode(),
             }
             env = {**os.environ, "PDMESH_TP_SPEC": json.dumps(spec)}
             self.procs.append(
                 subprocess.Popen(
                     [sys.executable, "-m", "pdmesh.engine.tp_follower"],
                     env=env,
-                    preexec_fn=_die_with_parent,
+                    preexec_fn=die_with_parent,
                 )
             )
         self.on_rank_death: Callable[[str], None] | None = None
@@ -90,22 +96,19 @@ class TPDriver:
             0, size, init_method, rank_device(device, 0), config.enable_expert_parallel
         )
 
-    def attach(self, runner: ModelRunner) -> None:
-        runner.before_forward = self._send_step
-
-    def _send_step(self, inputs: StepInputs, plan: torch.Tensor | None) -> None:
+    def send_step(self, inputs: StepInputs, plan: torch.Tensor | None) -> None:
+        """The step's inputs and KV plan to every follower, before rank 0 runs it."""
         step_codec.send(OP_STEP, inputs, plan, self.group)
 
-    def control(self, op: str, args: dict[str, Any]) -> list[dict[str, Any]]:
-        """Run control `op` on every follower (between steps); their replies, rank 1 first."""
+    def call(self, message: object) -> list[object | None]:
+        """Run a control message on every follower (between steps); their replies, rank 1
+        first. A follower's failure is raised here as its kind (see `raise_failures`)."""
         broadcast_ints([OP_CONTROL], step_codec.HEADER_LEN, self.group)
-        broadcast_bytes(json.dumps({"op": op, "args": args}).encode(), self.group)
+        broadcast_bytes(encode(message), self.group)
         replies = gather_bytes(b"", self.group)
-        return [json.loads(r) if r else {} for r in replies[1:]]
+        return raise_failures([decode(r) for r in replies[1:]])
 
     def _watch(self) -> None:
-        import time
-
         while not self._stopping:
             for rank, proc in enumerate(self.procs, start=1):
                 code = proc.poll()

@@ -1,54 +1,52 @@
 """A follower rank of a tensor-parallel worker: `python -m pdmesh.engine.tp_follower`.
 
-It loads its shard of the model and then runs whatever rank 0 broadcasts: steps (the same
-forward as rank 0 on its shard), control operations (handled by a service's rank extension,
-e.g. registering a KV transfer on this rank's receiver), or stop.
+It loads its shard of the model, builds the KV connector rank 0 names (if any), and then runs
+whatever rank 0 broadcasts: steps (the same forward as rank 0 on its shard, with the step's KV
+plan), control messages (the engine's own, or the connector's: e.g. registering a KV transfer on
+this rank's receiver), or stop. A control message that fails is answered with `Failed`, which
+rank 0 raises; the follower goes on.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from pdmesh import envs
+from pdmesh.checkpoint.source import resolve_model_folder
 from pdmesh.engine import step_codec
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.distributed import broadcast_bytes, destroy, gather_bytes, init_group
 from pdmesh.engine.model_info import ModelInfo
 from pdmesh.engine.model_runner import ModelRunner
-from pdmesh.engine.model_source import resolve_model_folder
 from pdmesh.engine.parallel import ParallelGroup
-from pdmesh.engine.tp_driver import OP_CONTROL, OP_STEP, OP_STOP, _die_with_parent
+from pdmesh.engine.tp_driver import OP_CONTROL, OP_STEP, OP_STOP, CountExperts, ExpertCounts
+from pdmesh.kv_transfer.connector import (
+    Failed,
+    KVConnector,
+    create_connector,
+    decode,
+    encode,
+)
 from pdmesh.logger import get_logger
+from pdmesh.processes import die_with_parent
 
 log = get_logger(__name__)
 
 
-class RankExtension(Protocol):
-    """A service's code on a follower rank (KV receivers / senders of that rank)."""
-
-    def handle(self, op: str, args: dict[str, Any]) -> dict[str, Any]: ...
-
-    def close(self) -> None: ...
-
-
-def load_extension(
-    path: str, runner: ModelRunner, group: ParallelGroup, options: dict[str, Any]
-) -> RankExtension:
-    module, _, name = path.partition(":")
-    cls = getattr(importlib.import_module(module), name)
-    return cls(runner, group, options)
-
-
 def build_runner(
-    config: EngineConfig, info: ModelInfo, device: torch.device, group: ParallelGroup
+    config: EngineConfig,
+    info: ModelInfo,
+    device: torch.device,
+    group: ParallelGroup,
+    connector: KVConnector | None,
 ) -> ModelRunner:
     from pdmesh.engine.llm_engine import resolve_max_model_len
 
-    return ModelRunner(info, config, device, resolve_max_model_len(config, info), tp=group)
+    max_len = resolve_max_model_len(config, info)
+    return ModelRunner(info, config, device, max_len, tp=group, kv_connector=connector)
 
 
 def serve_rank(spec: dict[str, Any]) -> None:
@@ -58,12 +56,9 @@ def serve_rank(spec: dict[str, Any]) -> None:
         spec["rank"], spec["size"], spec["init_method"], device, config.enable_expert_parallel
     )
     info = ModelInfo.load(resolve_model_folder(config.model))
-    runner = build_runner(config, info, device, group)
-    ext = (
-        load_extension(spec["extension"], runner, group, spec["extension_options"])
-        if spec.get("extension")
-        else None
-    )
+    options = decode(spec["kv_connector"].encode())
+    connector = create_connector(options) if options is not None else None
+    runner = build_runner(config, info, device, group, connector)
     try:
         while True:
             header = step_codec.receive_header(group)
@@ -72,33 +67,33 @@ def serve_rank(spec: dict[str, Any]) -> None:
                 inputs, plan = step_codec.receive_step(header, group, device)
                 runner.forward_with_plan(inputs, plan)
             elif op == OP_CONTROL:
-                msg = json.loads(broadcast_bytes(None, group))
-                reply = _control(runner, ext, msg["op"], msg["args"])
-                gather_bytes(json.dumps(reply).encode(), group)
+                message = decode(broadcast_bytes(None, group))
+                gather_bytes(encode(_control(runner, connector, message)), group)
             elif op == OP_STOP:
                 return
             else:
                 raise RuntimeError(f"unknown op {op} from rank 0")
     finally:
-        if ext is not None:
-            ext.close()
+        if connector is not None:
+            connector.close()
         destroy()
 
 
-def _control(
-    runner: ModelRunner, ext: RankExtension | None, op: str, args: dict[str, Any]
-) -> dict[str, Any]:
-    if op == "expert_counts":
-        return {"counts": runner.expert_counts() or []}
-    if op == "all_to_all_count":
-        return {"count": runner.tp.counters["all_to_all"]}
-    if ext is None:
-        raise RuntimeError(f"control op {op!r} needs a rank extension")
-    return ext.handle(op, args)
+def _control(runner: ModelRunner, connector: KVConnector | None, message: object) -> object:
+    """The reply to one control message; a failure is a `Failed` reply, raised on rank 0."""
+    try:
+        if isinstance(message, CountExperts):
+            return ExpertCounts(tuple(runner.expert_counts() or ()))
+        if connector is None:
+            raise RuntimeError(f"control message {message!r} needs a KV connector")
+        return connector.handle(message)
+    except Exception as e:
+        log.warning("control message %r failed on rank %d: %s", message, runner.tp.rank, e)
+        return Failed.of(e)
 
 
 def main() -> None:
-    _die_with_parent()
+    die_with_parent()
     serve_rank(json.loads(envs.tp_spec()))
 
 

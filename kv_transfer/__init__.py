@@ -1,7 +1,10 @@
-"""Moving paged KV blocks between workers: one interface, several transports (DESIGN.md §6).
-Knows blocks and bytes, never models."""
+"""Moving paged KV blocks between workers (docs/architecture.md): transports behind one
+sender / receiver interface, and the KV connectors (`connector.py`) through which the engine
+meets them. Knows blocks and bytes, never models."""
 
 from pdmesh.kv_transfer import p2p as p2p  # registers the "nccl" and "gloo" transports
+from pdmesh.kv_transfer import push_connector as push_connector  # registers PushConnector
+from pdmesh.kv_transfer import receive_connector as receive_connector  # and ReceiveConnector
 from pdmesh.kv_transfer import tcp as tcp  # registers the "tcp" transport
 from pdmesh.kv_transfer.base import (
     KVReceiver,

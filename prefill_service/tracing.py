@@ -56,20 +56,20 @@ def record_prefill(
         attributes={"pdmesh.prompt_tokens": len(task.prompt)},
         error=None if first_token_ns else error,
     )
-    receiver = tracing.extract(task.trace_context)
+    receiver = tracing.extract(task.target.trace_context)
     tracing.record_span(
         "kv.send",
         forward_ns,
         now,
         parent=receiver,  # None: under the Prefill call
         attributes={
-            "pdmesh.kv.transfer_id": task.transfer_id,
+            "pdmesh.kv.transfer_id": task.target.transfer_id,
             "pdmesh.kv.bytes": sum(s.bytes for s in sent),
             "pdmesh.kv.frames": sum(s.frames for s in sent),
             "pdmesh.kv.seconds": max((s.seconds for s in sent), default=0.0),
-            "pdmesh.kv.blocks": task.num_blocks,
+            "pdmesh.kv.blocks": task.target.num_blocks,
             "pdmesh.kv.layers": num_layers,
-            "pdmesh.kv.destinations": ",".join(d.address for d in task.destinations),
+            "pdmesh.kv.destinations": ",".join(d.address for d in task.target.endpoints),
         },
         error=error,
         links=[trace.Link(call.get_span_context())] if receiver is not None else (),

@@ -1,42 +1,32 @@
 """The prefill worker: runs a prompt and pushes its KV blocks, layer by layer while the forward
 runs, to the decode worker that holds the destination blocks; returns the first token.
 
-Before each step rank 0 plans which prompt blocks the step completes; right after layer L
-stored its K/V, every rank queues its heads of those blocks on its KV sender (which sends from
-its own thread) while layers L+1... compute (see pusher.py).
+The KV side is `pdmesh.kv_transfer.push_connector`: rank 0 plans each step, and right after
+layer L stored its K/V every rank queues its heads of the completed blocks on its KV sender
+(which sends from its own thread) while layers L+1... compute.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-
-import torch
+from dataclasses import dataclass
 
 from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.outputs import StepDelta
-from pdmesh.engine.sampling_params import SamplingParams
-from pdmesh.engine.scheduler import ScheduledBatch
+from pdmesh.errors import InvalidRequest, Unavailable
+from pdmesh.kv_transfer import TransferError
+from pdmesh.kv_transfer.push_connector import PushConnector, PushJob
+from pdmesh.kv_transfer.target import KVTarget
 from pdmesh.logger import get_logger
-from pdmesh.observability.worker_collector import TransferTotals, WorkerSnapshot
+from pdmesh.observability.worker_collector import TransferTotals
 from pdmesh.prefill_service.config import PrefillConfig
 from pdmesh.prefill_service.metrics import PrefillMetrics
-from pdmesh.prefill_service.pusher import ALL_LAYERS, ONE_LAYER, Endpoint, KVPusher
 from pdmesh.prefill_service.tracing import record_prefill
-from pdmesh.serving.convert import worker_stat_fields
-from pdmesh.serving.engine_loop import EngineLoop
+from pdmesh.sampling_params import SamplingParams
+from pdmesh.serving.worker_process import WorkerProcess
 
 log = get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class Destination:
-    address: str
-    head_start: int
-    num_heads: int
 
 
 @dataclass(frozen=True)
@@ -44,15 +34,7 @@ class PrefillTask:
     request_id: str
     prompt: list[int]
     params: SamplingParams
-    transport: str
-    transfer_id: str
-    token: bytes
-    first_block: int  # prompt blocks the decode worker already holds
-    num_blocks: int  # blocks to push: prompt blocks first_block .. first_block + num_blocks - 1
-    block_size: int
-    destinations: list[Destination]
-    timeout_s: float
-    trace_context: Mapping[str, str] = field(default_factory=dict)  # the receiver's span
+    target: KVTarget
 
 
 @dataclass(frozen=True)
@@ -65,85 +47,58 @@ class PrefillOutcome:
 
 
 @dataclass
-class _Push:
-    job_id: int
-    first_block: int
-    end_block: int
-    sent: int  # the next prompt block to push
+class _Pending:
     done: asyncio.Future[tuple[int, int]]  # (first token, cached prompt tokens)
-    forward_ns: int = 0  # unix ns of the first forward step that ran this prompt
+    job: PushJob | None = None
 
 
-class PrefillWorker:
+class PrefillWorker(WorkerProcess):
     """Rank 0 of a prefill worker (the only rank without tensor parallelism)."""
 
-    RANK_EXTENSION = "pdmesh.prefill_service.rank_extension:PrefillRankExtension"
+    role = "prefill"
 
-    def __init__(self, config: PrefillConfig, engine: LLMEngine) -> None:
+    def __init__(self, config: PrefillConfig, connector: PushConnector, engine: LLMEngine) -> None:
+        super().__init__(engine, connector)
         self.config = config
-        self.engine = engine
-        self.pusher = KVPusher(engine.runner)
-        self.geometry = self.pusher.geometry
-        engine.runner.set_step_planner(self._plan_step)
-        self.loop = EngineLoop(engine, self._on_engine_deltas, on_fatal=self._on_fatal)
-        if engine.tp_driver is not None:
-            engine.tp_driver.on_rank_death = self.loop.fail
-        self.fatal: BaseException | None = None
+        self.kv = connector
+        self.geometry = connector.geometry
         self.prefills = 0
-        self._jobs: dict[str, _Push] = {}  # engine thread only
-        self._job_ids = itertools.count(1)
-        self._aio: asyncio.AbstractEventLoop | None = None
+        self._pending: dict[str, _Pending] = {}  # engine thread only
         self.metrics = PrefillMetrics(self.metrics_snapshot)
 
-    def start(self, aio_loop: asyncio.AbstractEventLoop) -> None:
-        self._aio = aio_loop
-        self.stopped = asyncio.Event()
-        self.loop.start()
-
-    async def close(self) -> None:
-        self.loop.stop()
-        self.pusher.close()
-        self.engine.close()
-
-    def _on_fatal(self, exc: BaseException) -> None:
-        self.fatal = exc
-        if self._aio is not None:
-            self._aio.call_soon_threadsafe(self.stopped.set)
-
     def check(self, task: PrefillTask) -> None:
-        """Reject a task this worker cannot serve (ValueError naming the field)."""
+        """Reject a task this worker cannot serve (InvalidRequest naming the field)."""
+        target = task.target
         try:
-            self.pusher.check(task.transport)
+            self.kv.check(target.transport)
         except ValueError as e:
-            raise ValueError(f"kv_target.transport: {e}") from None
-        if task.block_size != self.geometry.block_size:
-            raise ValueError(
-                f"kv_target.block_size {task.block_size} differs from this worker's "
-                f"{self.geometry.block_size}; prefill and decode workers need one block size."
+            raise InvalidRequest(f"kv_target.transport: {e}", "kv_target.transport") from None
+        if target.block_size != self.geometry.block_size:
+            raise InvalidRequest(
+                f"kv_target.block_size {target.block_size} differs from this worker's "
+                f"{self.geometry.block_size}; prefill and decode workers need one block size.",
+                "kv_target.block_size",
             )
-        prompt_blocks = -(-len(task.prompt) // task.block_size)
-        if task.num_blocks < 1 or task.first_block + task.num_blocks != prompt_blocks:
-            raise ValueError(
-                f"kv_target names blocks {task.first_block}..{task.first_block + task.num_blocks}"
-                f" of a prompt of {prompt_blocks} blocks."
+        prompt_blocks = -(-len(task.prompt) // target.block_size)
+        end = target.first_block + target.num_blocks
+        if target.num_blocks < 1 or end != prompt_blocks:
+            raise InvalidRequest(
+                f"kv_target names blocks {target.first_block}..{end} of a prompt of "
+                f"{prompt_blocks} blocks.",
+                "kv_target.block_ids",
             )
-        if not task.destinations:
-            raise ValueError("kv_target.endpoints must name at least one decode rank.")
+        if not target.endpoints:
+            raise InvalidRequest(
+                "kv_target.endpoints must name at least one decode rank.", "kv_target.endpoints"
+            )
 
     async def prefill(self, task: PrefillTask) -> PrefillOutcome:
         self.check(task)
-        if self.fatal is not None:
-            raise RuntimeError("this prefill worker's engine failed")
+        self.check_serving()
         started = time.perf_counter_ns()
         received_ns = time.time_ns()
         assert self._aio is not None
-        push = _Push(
-            next(self._job_ids),
-            task.first_block,
-            task.first_block + task.num_blocks,
-            task.first_block,
-            self._aio.create_future(),
-        )
+        pending = _Pending(self._aio.create_future())
         # The first token is sampled as the request asks; nothing stops it early.
         params = SamplingParams(
             max_tokens=1,
@@ -153,145 +108,97 @@ class PrefillWorker:
             seed=task.params.seed,
             ignore_eos=True,
         )
+        timeout_s = task.target.timeout_s
         try:
-            await self.loop.acall(lambda e: self._begin(e, task, params, push))
-            first_token, cached = await push.done
+            await self.loop.acall(lambda e: self._begin(e, task, params, pending))
+            job = pending.job
+            assert job is not None
+            first_token, cached = await pending.done
             prefill_ns = time.perf_counter_ns() - started
-            if self.pusher.done(push.job_id):  # usually, by the time the first token is out
-                stats = self.pusher.finish(push.job_id, task.timeout_s)
+            if self.kv.done(job):  # usually, by the time the first token is out
+                stats = self.kv.finish(job, timeout_s)
             else:
-                stats = await asyncio.to_thread(self.pusher.finish, push.job_id, task.timeout_s)
-            if self.engine.tp_driver is not None:  # no hop to the engine thread without them
-                await self.loop.acall(lambda e: self._followers(e, "kv.push_end", push, task))
+                stats = await asyncio.to_thread(self.kv.finish, job, timeout_s)
+            if self.kv.has_followers:  # no hop to the engine thread without them
+                await self.loop.acall(lambda e: self.kv.finish_followers(job, timeout_s))
         except BaseException as exc:
             # Off the engine thread's books first, so no layer hook sends on an aborted handle.
-            await self.loop.acall(lambda e: self._cancel(e, task, push))
-            record_prefill(task, self.geometry.num_layers, received_ns, push.forward_ns, 0, (), exc)
+            await self.loop.acall(lambda e: self._cancel(e, task.request_id, pending))
+            forward_ns = pending.job.forward_ns if pending.job is not None else 0
+            record_prefill(task, self.geometry.num_layers, received_ns, forward_ns, 0, (), exc)
+            if isinstance(exc, TransferError):
+                raise Unavailable(f"KV transfer failed: {exc}") from None
             raise
         first_token_ns = received_ns + prefill_ns
         record_prefill(
-            task, self.geometry.num_layers, received_ns, push.forward_ns, first_token_ns, stats
+            task, self.geometry.num_layers, received_ns, job.forward_ns, first_token_ns, stats
         )
         transfer_s = max((s.seconds for s in stats), default=0.0)
-        self.metrics.prefilled(prefill_ns, push.forward_ns - received_ns, transfer_s)
+        self.metrics.prefilled(prefill_ns, job.forward_ns - received_ns, transfer_s)
         self.prefills += 1
         return PrefillOutcome(
             first_token=first_token,
             cached_prompt_tokens=cached,
             prefill_ns=prefill_ns,
             kv_bytes=sum(s.bytes for s in stats),
-            kv_send_ns=int(max((s.seconds for s in stats), default=0.0) * 1e9),
+            kv_send_ns=int(transfer_s * 1e9),
         )
 
     # -- engine thread ----------------------------------------------------------------------------
-    def _followers(self, engine: LLMEngine, op: str, push: _Push, task: PrefillTask) -> None:
-        if engine.tp_driver is None:
-            return
-        args: dict[str, object] = {"job_id": push.job_id, "timeout_s": task.timeout_s}
-        if op == "kv.push_start":
-            args.update(
-                transport=task.transport,
-                transfer_id=task.transfer_id,
-                token=task.token.hex(),
-                num_blocks=task.num_blocks,
-                endpoints=[vars(d) for d in task.destinations],
-            )
-        engine.tp_driver.control(op, args)
-
     def _begin(
-        self, engine: LLMEngine, task: PrefillTask, params: SamplingParams, push: _Push
+        self, engine: LLMEngine, task: PrefillTask, params: SamplingParams, pending: _Pending
     ) -> None:
-        endpoints = [Endpoint(d.address, d.head_start, d.num_heads) for d in task.destinations]
-        self.pusher.start(
-            push.job_id, task.transport, task.transfer_id, task.token, task.num_blocks, endpoints
-        )
+        job = self.kv.start(task.request_id, task.target)
         try:
-            self._followers(engine, "kv.push_start", push, task)
             engine.add_request(task.request_id, task.prompt, params)
         except BaseException:
-            self.pusher.abort(push.job_id)
+            self.kv.abort(job)
             raise
-        self._jobs[task.request_id] = push
+        pending.job = job
+        self._pending[task.request_id] = pending
 
-    def _cancel(self, engine: LLMEngine, task: PrefillTask, push: _Push) -> None:
-        self._jobs.pop(task.request_id, None)
-        if engine.abort_request(task.request_id) is not None:
-            engine.release(task.request_id)
-        self.pusher.abort(push.job_id)
-        self._followers(engine, "kv.push_abort", push, task)
-
-    def _plan_step(self, batch: ScheduledBatch) -> torch.Tensor | None:
-        bs = self.geometry.block_size
-        items: list[int] = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            push = self._jobs.get(seq.request_id)
-            if push is None:
-                continue
-            if not push.forward_ns:
-                push.forward_ns = time.time_ns()
-            # Blocks complete before this step (cached here): every layer at once.
-            cached = min(seq.num_computed_tokens // bs, push.end_block)
-            if cached > push.sent:
-                ids = seq.block_table[push.sent : cached]
-                items += [push.job_id, push.sent - push.first_block, len(ids), ALL_LAYERS, *ids]
-                push.sent = cached
-            end = seq.num_computed_tokens + n
-            # Blocks whose K/V this step completes; the prompt's last one may be partial.
-            upto = (
-                push.end_block if end >= seq.num_prompt_tokens else min(end // bs, push.end_block)
-            )
-            if upto <= push.sent:
-                continue
-            ids = seq.block_table[push.sent : upto]
-            items += [push.job_id, push.sent - push.first_block, len(ids), ONE_LAYER, *ids]
-            push.sent = upto
-        return torch.tensor(items, dtype=torch.int64) if items else None
+    def _cancel(self, engine: LLMEngine, request_id: str, pending: _Pending) -> None:
+        self._pending.pop(request_id, None)
+        if engine.abort_request(request_id) is not None:
+            engine.release(request_id)
+        if pending.job is not None:
+            self.kv.abort(pending.job)
 
     def _on_engine_deltas(self, deltas: list[StepDelta]) -> None:
         for d in deltas:
             if d.finish_reason is None:
                 continue
-            push = self._jobs.pop(d.request_id, None)
+            pending = self._pending.pop(d.request_id, None)
+            self.kv.forget(d.request_id)
             out = self.engine.get_output(d.request_id)
             self.engine.release(d.request_id)
-            if push is not None and d.token_ids and self._aio is not None:
+            if pending is not None and d.token_ids and self._aio is not None:
                 result = (d.token_ids[0], out.num_cached_tokens)
-                self._aio.call_soon_threadsafe(_resolve, push.done, result)
+                self._aio.call_soon_threadsafe(_resolve, pending.done, result)
 
-    def metrics_snapshot(self) -> WorkerSnapshot:
-        """State for a Prometheus scrape, read from the scraping thread (no engine wait)."""
-        e = self.engine.stats()
-        return WorkerSnapshot(
-            **worker_stat_fields(e),
-            transfers=[
-                TransferTotals(
-                    "send",
-                    name,
-                    tx.bytes_sent,
-                    tx.seconds_sending,
-                    tx.transfers,
-                    tx.transfers_failed,
-                )
-                for name, tx in self.pusher.stats_by_transport().items()
-            ],
-            expert_token_counts=self.engine.runner.expert_counts() or (),
-            prefills={"remote": self.prefills},
-        )
+    # -- figures ------------------------------------------------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self.geometry.block_size
 
-    async def stats(self) -> dict[str, object]:
-        engine_stats = await self.loop.acall(lambda e: e.stats())
-        experts = await self.loop.acall(lambda e: e.expert_counts())
-        sent = [self.pusher.stats.bytes_sent]
-        if self.engine.tp_driver is not None:
-            replies = await self.loop.acall(lambda e: e.tp_driver.control("kv.stats", {}))
-            sent += [r["bytes_sent"] for r in replies]
-        tx = self.pusher.stats
+    def transfer_totals(self) -> list[TransferTotals]:
+        return [
+            TransferTotals(
+                "send", name, tx.bytes_sent, tx.seconds_sending, tx.transfers, tx.transfers_failed
+            )
+            for name, tx in self.kv.stats_by_transport().items()
+        ]
+
+    def prefill_counts(self) -> dict[str, int]:
+        return {"remote": self.prefills}
+
+    def kv_report(self, engine: LLMEngine) -> dict[str, object]:
+        tx = self.kv.stats
         return {
-            "engine": engine_stats,
-            "kv_bytes_sent": sum(sent),
+            "kv_bytes_sent": self.kv.bytes_sent(),  # every rank's
             "kv_seconds": tx.seconds_sending,
             "kv_transfers": tx.transfers,
-            "expert_token_counts": experts or [],
+            "remote_prefills": self.prefills,
         }
 
 

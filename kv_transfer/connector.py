@@ -1,0 +1,330 @@
+"""The KV connector: the one seam between the engine and the KV plane (docs/architecture.md).
+
+The engine knows this module and nothing else of the KV plane; a service hands the engine a
+connector (`LLMEngine(config, kv_connector=...)`) and every rank of the worker runs one. Two
+sides, as vLLM's KV connector:
+
+- scheduler side, rank 0 on the engine thread: `plan_step` says what a step moves (its plan
+  travels with the step to every rank); `reserve` / `commit` / `release` handle prompts whose
+  KV comes from elsewhere.
+- worker side, every rank (tensor-parallel followers included): `bind` once to the rank's KV
+  cache, then for a step with a plan `start_step(plan)` before the forward, `save_layer(layer)`
+  right after each attention layer stored its K/V, `end_step()` after the forward; `handle`
+  runs a control message from rank 0.
+
+Rank 0 and its followers talk in control messages: frozen dataclasses registered with
+`@control_message`, one JSON codec (`encode` / `decode`, no pickle), one error convention (a
+follower's exception comes back as a `Failed` reply, and `raise_failures` raises it on rank 0 as
+the same kind: TransferError, ValueError, else RuntimeError). This module imports nothing from
+the engine: what it needs of the engine is described by the protocols below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, TypeVar
+
+import torch
+
+from pdmesh.kv_transfer.base import PageGeometry, TransferError
+
+T = TypeVar("T")
+
+
+# -- geometry -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KVHeads:
+    """Which global KV heads a tensor-parallel rank holds."""
+
+    start: int  # first global KV head held by this rank
+    count: int  # heads held
+    total: int  # the model's KV heads
+    replicas: int  # ranks holding each head (> 1 when there are fewer KV heads than ranks)
+    rank: int
+
+    @property
+    def sends(self) -> bool:
+        """Whether this rank pushes its heads: one rank per replicated head does."""
+        return self.rank % self.replicas == 0
+
+    @staticmethod
+    def of_rank(total: int, rank: int, size: int) -> KVHeads:
+        """Rank `rank` of `size`'s heads: an equal share, or one head replicated over
+        `size / total` ranks when there are fewer heads than ranks (as the QKV projection
+        splits them)."""
+        if total >= size:
+            count = total // size
+            return KVHeads(rank * count, count, total, 1, rank)
+        replicas = size // total
+        return KVHeads(rank // replicas, 1, total, replicas, rank)
+
+
+class ControlChannel(Protocol):
+    """Rank 0's line to its followers (engine thread, between steps)."""
+
+    def call(self, message: object) -> list[object | None]:
+        """Run `message` on every follower; their replies, rank 1 first. A follower's failure
+        is raised here (see `raise_failures`)."""
+        ...
+
+
+@dataclass(frozen=True)
+class KVBinding:
+    """What the engine gives a connector on each rank once the KV cache exists."""
+
+    cache: torch.Tensor  # [num_layers, 2 (k, v), num_blocks, block_size, heads.count, head_dim]
+    heads: KVHeads
+    followers: ControlChannel | None = None  # rank 0 of a tensor-parallel worker only
+
+    @property
+    def geometry(self) -> PageGeometry:
+        layers, _, _, block_size, count, head_dim = self.cache.shape
+        return PageGeometry(layers, block_size, count, self.heads.start, head_dim, self.cache.dtype)
+
+
+# -- what the scheduler side reads of the engine -------------------------------------------------
+class StepSeq(Protocol):
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def num_computed_tokens(self) -> int: ...
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def block_table(self) -> list[int]: ...
+
+
+class StepBatch(Protocol):
+    """A scheduled step: run `num_new_tokens[i]` tokens of `seqs[i]`."""
+
+    @property
+    def seqs(self) -> Sequence[StepSeq]: ...
+    @property
+    def num_new_tokens(self) -> Sequence[int]: ...
+
+
+class PrefillHost(Protocol):
+    """The engine's public methods for prompts prefilled elsewhere (LLMEngine has them)."""
+
+    def cached_prefix_tokens(self, prompt: list[int]) -> int: ...
+    def reserve_prefill(
+        self, request_id: str, prompt: list[int], params: Any, num_output_tokens: int = 0
+    ) -> Any: ...
+    def commit_prefill(
+        self, request_id: str, first_token: int, defer_caching: bool = False
+    ) -> Any: ...
+    def release_prefill(self, request_id: str) -> None: ...
+    def is_reserved(self, request_id: str) -> bool: ...
+
+
+@dataclass(frozen=True)
+class ExternalBlocks:
+    """Blocks reserved for a prompt whose KV another worker computes."""
+
+    first_block: int  # prompt blocks already here (prefix cache): not to be sent
+    block_ids: list[int]  # this worker's blocks for the rest of the prompt, in order
+    uncached_tokens: int
+
+
+# -- the interface ------------------------------------------------------------------------------
+class KVConnector:
+    """The engine's view of the KV plane (a base class: every method has a default but `bind`).
+
+    Callers may rely on: the engine calls `bind` once per rank before any step; `plan_step` only
+    on rank 0, on the engine thread, once per step; `start_step` / `save_layer` / `end_step` on
+    every rank in that order for each step whose plan is not None (steps without a plan call
+    none of them, and may replay CUDA graphs); `handle` on a follower between steps. A connector
+    never raises out of `save_layer` for a transfer that failed: the failure surfaces where the
+    service waits for the transfer.
+    """
+
+    options: object
+
+    def follower_options(self) -> object:
+        """What each follower rank builds its connector from (`create_connector`)."""
+        return self.options
+
+    # -- scheduler side (rank 0, engine thread) -----------------------------------------------
+    @property
+    def plans_steps(self) -> bool:
+        """True when steps carry plans: the engine then launches them one at a time."""
+        return False
+
+    def plan_step(self, batch: StepBatch) -> torch.Tensor | None:
+        """The step's plan (flat int64 that this connector alone reads), sent to every rank; None:
+        the step moves no KV."""
+        return None
+
+    def reserve(
+        self,
+        engine: PrefillHost,
+        request_id: str,
+        prompt: list[int],
+        params: Any,
+        num_output_tokens: int,
+        min_tokens: int,
+    ) -> ExternalBlocks | None:
+        """Blocks for a prompt whose KV will come from elsewhere, or None: compute it here
+        (this connector receives nothing, too few uncached tokens, or no blocks now)."""
+        return None
+
+    def commit(self, engine: PrefillHost, request_id: str, first_token: int) -> Any | None:
+        """The reserved prompt's KV arrived and `first_token` was sampled: the engine's delta,
+        or None when the request was aborted meanwhile."""
+        if not engine.is_reserved(request_id):
+            return None
+        # The prompt's blocks join the prefix cache after the next step: TTFT.
+        return engine.commit_prefill(request_id, first_token, defer_caching=True)
+
+    def release(self, engine: PrefillHost, request_id: str) -> bool:
+        """The KV will not come: free the reservation and queue the prompt to be computed here.
+        False when the request was aborted meanwhile."""
+        if not engine.is_reserved(request_id):
+            return False
+        engine.release_prefill(request_id)
+        return True
+
+    # -- worker side (every rank) -------------------------------------------------------------
+    def bind(self, binding: KVBinding) -> None:
+        """Attach to this rank's KV cache (once, before any step)."""
+        raise NotImplementedError
+
+    def start_step(self, plan: torch.Tensor) -> None:
+        """Before the forward of a step with a plan (load / wait would go here)."""
+
+    def save_layer(self, layer: int) -> None:
+        """Right after attention layer `layer` stored the step's K/V."""
+
+    def end_step(self) -> None:
+        """After the forward of a step with a plan."""
+
+    def handle(self, message: object) -> object | None:
+        """A follower runs a control message from rank 0; its reply (a control message or
+        None). Raise to fail it: rank 0 raises the same kind."""
+        raise RuntimeError(f"{type(self).__name__} has no control message {message!r}")
+
+    def close(self) -> None:
+        """Stop transfers and release transports. Idempotent."""
+
+
+_CONNECTORS: dict[type, Callable[[Any], KVConnector]] = {}
+
+
+def register_connector(options: type) -> Callable[[type[T]], type[T]]:
+    """Register a connector class built from an `options` control message."""
+
+    def register(cls: type[T]) -> type[T]:
+        _CONNECTORS[options] = cls  # type: ignore[assignment]
+        return cls
+
+    return register
+
+
+def create_connector(options: object) -> KVConnector:
+    """The connector a follower rank runs for rank 0's `options`."""
+    try:
+        return _CONNECTORS[type(options)](options)
+    except KeyError:
+        raise ValueError(f"no KV connector is registered for {type(options).__name__}") from None
+
+
+# -- control messages ---------------------------------------------------------------------------
+_MESSAGES: dict[str, type] = {}
+
+
+def control_message(cls: type[T]) -> type[T]:
+    """Register a frozen dataclass as a control message (by class name: names are unique)."""
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls.__name__} is not a dataclass")
+    if cls.__name__ in _MESSAGES:
+        raise ValueError(f"control message {cls.__name__} is registered twice")
+    _MESSAGES[cls.__name__] = cls
+    return cls
+
+
+@control_message
+@dataclass(frozen=True)
+class Failed:
+    """A follower's reply when it could not run a message."""
+
+    KINDS: ClassVar[dict[str, type[Exception]]] = {
+        "TransferError": TransferError,
+        "ValueError": ValueError,
+    }
+    kind: str  # "TransferError", "ValueError" or "RuntimeError"
+    message: str
+
+    @staticmethod
+    def of(exc: Exception) -> Failed:
+        kind = next((k for k, t in Failed.KINDS.items() if isinstance(exc, t)), "RuntimeError")
+        return Failed(kind, f"{type(exc).__name__}: {exc}")
+
+
+@control_message
+@dataclass(frozen=True)
+class Count:
+    """A follower's reply that is one number (bytes sent, bytes received, ...)."""
+
+    value: int
+
+
+def raise_failures(replies: list[object | None]) -> list[object | None]:
+    """`replies` (rank 1 first) unless one is `Failed`: then its kind, raised on rank 0."""
+    for rank, reply in enumerate(replies, start=1):
+        if isinstance(reply, Failed):
+            kind = Failed.KINDS.get(reply.kind, RuntimeError)
+            raise kind(f"tensor-parallel rank {rank}: {reply.message}")
+    return replies
+
+
+def _to_json(value: object) -> object:
+    if isinstance(value, bytes):
+        return value.hex()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, list | tuple):
+        return [_to_json(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_json(v) for k, v in value.items()}
+    return value
+
+
+def _from_json(hint: Any, value: Any) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is bytes:
+        return bytes.fromhex(value)
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        hints = typing.get_type_hints(hint)
+        return hint(**{k: _from_json(hints[k], v) for k, v in value.items()})
+    if origin in (tuple, list):
+        return origin(_from_json(args[0], v) for v in value)
+    if origin is dict:
+        return {k: _from_json(args[1], v) for k, v in value.items()}
+    if value is not None and args and type(None) in args:  # X | None
+        return _from_json(next(a for a in args if a is not type(None)), value)
+    return value
+
+
+def encode(message: object | None) -> bytes:
+    """A control message (or None) as JSON: its class name and its fields."""
+    if message is None:
+        return b""
+    name = type(message).__name__
+    if _MESSAGES.get(name) is not type(message):
+        raise TypeError(f"{name} is not a registered control message")
+    return json.dumps({"type": name, "fields": _to_json(message)}).encode()
+
+
+def decode(data: bytes) -> object | None:
+    """The message `encode` made; ValueError for an unknown type."""
+    if not data:
+        return None
+    raw = json.loads(data)
+    cls = _MESSAGES.get(raw["type"])
+    if cls is None:
+        raise ValueError(f"unknown control message {raw['type']!r}")
+    return _from_json(cls, raw["fields"])

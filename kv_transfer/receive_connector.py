@@ -1,0 +1,305 @@
+"""The decode worker's KV connector: one receiver per tensor-parallel rank and transport in use,
+each holding its rank's KV heads, and the scheduler side that reserves blocks for prompts a
+prefill worker computes.
+
+The transport is chosen per pair: `transport_for` names it for a prefill worker. Rank 0's
+receivers live in its connector; each follower's connector holds that rank's and is driven by
+control messages (`Expect`, `AwaitTransfer`, `CancelTransfer`, `DescribeEndpoints`,
+`CountReceived`), which rank 0 sends on the engine thread because they are collectives over the
+worker's process group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pdmesh.kv_transfer.base import (
+    KVReceiver,
+    PageGeometry,
+    TransferError,
+    TransferSpec,
+    TransferStats,
+)
+from pdmesh.kv_transfer.connector import (
+    ControlChannel,
+    Count,
+    ExternalBlocks,
+    KVBinding,
+    KVConnector,
+    PrefillHost,
+    control_message,
+    register_connector,
+)
+from pdmesh.kv_transfer.registry import create_receiver, resolve_transport
+from pdmesh.kv_transfer.stats import ReceiverStats, total_stats
+from pdmesh.kv_transfer.target import KVEndpoint
+
+
+@control_message
+@dataclass(frozen=True)
+class ReceiveOptions:
+    """transports: those this worker's pairs use, the default first (`auto` resolved for the
+    cache's device). bind: where the first listens (the others bind a free port of its host).
+    advertise: HOST or HOST:PORT prefill workers are told to push to (None: the bound address).
+    transport_for: prefill worker host:port -> transport, for pairs not on the default."""
+
+    transports: tuple[str, ...]
+    bind: str
+    advertise: str | None = None
+    transport_for: Mapping[str, str] = field(default_factory=dict)
+
+
+@control_message
+@dataclass(frozen=True)
+class Expect:
+    transport: str
+    transfer_id: str
+    token: bytes
+    block_ids: tuple[int, ...]
+    timeout_s: float
+
+
+@control_message
+@dataclass(frozen=True)
+class AwaitTransfer:
+    transfer_id: str
+    timeout_s: float
+
+
+@control_message
+@dataclass(frozen=True)
+class CancelTransfer:
+    transfer_id: str
+
+
+@control_message
+@dataclass(frozen=True)
+class DescribeEndpoints:
+    """Asks a follower where its receivers listen; it replies `RankEndpoints`."""
+
+
+@control_message
+@dataclass(frozen=True)
+class RankEndpoints:
+    endpoints: dict[str, KVEndpoint]  # transport -> that rank's receiver
+
+
+@control_message
+@dataclass(frozen=True)
+class CountReceived:
+    """Asks a follower for its KV bytes received; it replies `Count`."""
+
+
+def split_advertise(advertise: str) -> tuple[str, int | None]:
+    """HOST or HOST:PORT (an IPv6 host in brackets) -> (host, port or None)."""
+    host, sep, port = advertise.rpartition(":")
+    if sep and port.isdigit() and (":" not in host or host.endswith("]")):
+        return host, int(port)
+    return advertise, None
+
+
+def advertised(endpoint: str, advertise: str | None) -> str:
+    """The endpoint prefill workers are told to push to: the bound one, with its host replaced
+    by `advertise` (HOST), or host and port replaced (HOST:PORT, e.g. behind a port mapping)."""
+    if advertise is None:
+        return endpoint
+    host, port = split_advertise(advertise)
+    return f"tcp://{host}:{port if port is not None else endpoint.rsplit(':', 1)[1]}"
+
+
+@dataclass(frozen=True)
+class IncomingTransfer:
+    """A transfer rank 0 announced: its spec, its transport, and rank 0's arrival."""
+
+    spec: TransferSpec
+    transport: str
+    arrived: Future[TransferStats]
+
+
+@register_connector(ReceiveOptions)
+class ReceiveConnector(KVConnector):
+    """Callers may rely on: `expect`, `cancel`, `transport_for`, `endpoints` and the stats from
+    any thread once bound; `expect_followers`, `await_followers`, `cancel_followers` and
+    `bytes_received` on the engine thread (no-ops without followers)."""
+
+    def __init__(self, options: ReceiveOptions) -> None:
+        self.options = options
+        self.receivers: dict[str, KVReceiver] = {}
+        self.geometry: PageGeometry | None = None
+        self._followers: ControlChannel | None = None
+        self._endpoints: dict[str, list[KVEndpoint]] = {}
+        self._default = ""
+        self._transport_for: dict[str, str] = {}
+        self._futures: dict[str, tuple[KVReceiver, Future[TransferStats]]] = {}  # followers'
+
+    # -- the connector interface --------------------------------------------------------------
+    def bind(self, binding: KVBinding) -> None:
+        cache, geometry = binding.cache, binding.geometry
+        self.geometry = geometry
+        resolved = [resolve_transport(n, cache.device) for n in self.options.transports]
+        self._default = resolved[0]
+        self._transport_for = {
+            address: resolve_transport(name, cache.device)
+            for address, name in self.options.transport_for.items()
+        }
+        try:
+            for name in dict.fromkeys(resolved):
+                at = self.options.bind if not self.receivers else self._any_port()
+                self.receivers[name] = create_receiver(name, cache, geometry, at)
+        except BaseException:
+            self.close()
+            raise
+        # A HOST:PORT advertise is the first (default) receiver's port mapping; the others keep
+        # their ports.
+        advertise = self.options.advertise
+        host = split_advertise(advertise)[0] if advertise else None
+        for i, (name, r) in enumerate(self.receivers.items()):
+            address = advertised(r.endpoint, advertise if i == 0 else host)
+            self._endpoints[name] = [
+                KVEndpoint(address, geometry.head_start, geometry.num_kv_heads)
+            ]
+        self._followers = binding.followers
+        if self._followers is not None:  # while the engine is built: no engine thread yet
+            for reply in self._followers.call(DescribeEndpoints()):
+                assert isinstance(reply, RankEndpoints)
+                for name, endpoint in reply.endpoints.items():
+                    self._endpoints[name].append(endpoint)
+
+    def _any_port(self) -> str:
+        return f"{self.options.bind.rsplit(':', 1)[0]}:0"
+
+    def follower_options(self) -> ReceiveOptions:
+        """Every other rank binds a port of its own: only the advertised host is shared."""
+        advertise = self.options.advertise
+        host = split_advertise(advertise)[0] if advertise else None
+        return replace(self.options, advertise=host, transport_for={})
+
+    def reserve(
+        self,
+        engine: PrefillHost,
+        request_id: str,
+        prompt: list[int],
+        params: Any,
+        num_output_tokens: int,
+        min_tokens: int,
+    ) -> ExternalBlocks | None:
+        uncached = len(prompt) - engine.cached_prefix_tokens(prompt)
+        if uncached < max(1, min_tokens):
+            return None
+        res = engine.reserve_prefill(
+            request_id, prompt, params, num_output_tokens=num_output_tokens
+        )
+        if res is None:
+            return None
+        return ExternalBlocks(res.first_block, list(res.block_ids), res.uncached_tokens)
+
+    def handle(self, message: object) -> object | None:
+        match message:
+            case DescribeEndpoints():
+                return RankEndpoints({name: eps[0] for name, eps in self._endpoints.items()})
+            case Expect(transport, transfer_id, token, block_ids, timeout_s):
+                g = self._geometry
+                spec = TransferSpec(transfer_id, token, block_ids, g.head_start, g.num_kv_heads)
+                receiver = self.receivers[transport]
+                self._futures[transfer_id] = receiver, receiver.expect(spec, timeout_s)
+            case AwaitTransfer(transfer_id, timeout_s):
+                self._await(transfer_id, timeout_s)
+            case CancelTransfer(transfer_id):
+                entry = self._futures.pop(transfer_id, None)
+                if entry is not None:
+                    entry[0].cancel(transfer_id)
+            case CountReceived():
+                return Count(self.stats.bytes_received)
+            case _:
+                return super().handle(message)
+        return None
+
+    def _await(self, transfer_id: str, timeout_s: float) -> None:
+        entry = self._futures.pop(transfer_id, None)
+        if entry is None:
+            raise TransferError(f"unknown transfer {transfer_id}")
+        receiver, future = entry
+        try:
+            future.result(timeout=timeout_s)
+        except FutureTimeout:
+            receiver.cancel(transfer_id)
+            raise TransferError(f"transfer {transfer_id} timed out") from None
+        except TransferError:
+            raise
+        except Exception as e:
+            raise TransferError(str(e)) from e
+
+    def close(self) -> None:
+        for r in self.receivers.values():
+            r.close()
+
+    # -- rank 0, any thread -------------------------------------------------------------------
+    @property
+    def _geometry(self) -> PageGeometry:
+        if self.geometry is None:
+            raise RuntimeError("the KV connector is not bound to an engine yet")
+        return self.geometry
+
+    def transport_for(self, prefill_address: str) -> str:
+        """The transport of the pair with the prefill worker at `prefill_address`."""
+        return self._transport_for.get(prefill_address, self._default)
+
+    def endpoints(self, transport: str) -> tuple[KVEndpoint, ...]:
+        """Every rank's receiver of `transport`, rank 0 first."""
+        return tuple(self._endpoints[transport])
+
+    @property
+    def addresses(self) -> dict[str, str]:
+        """Rank 0's advertised address per transport."""
+        return {name: eps[0].address for name, eps in self._endpoints.items()}
+
+    def expect(self, transport: str, block_ids: list[int], timeout_s: float) -> IncomingTransfer:
+        """Announce a transfer to rank 0's receiver."""
+        g = self._geometry
+        spec = TransferSpec.new(block_ids, g.head_start, g.num_kv_heads)
+        return IncomingTransfer(
+            spec, transport, self.receivers[transport].expect(spec, timeout=timeout_s)
+        )
+
+    def cancel(self, transfer: IncomingTransfer) -> None:
+        self.receivers[transfer.transport].cancel(transfer.spec.transfer_id)
+
+    @property
+    def stats(self) -> ReceiverStats:
+        """This rank's counters over its transports (thread-safe)."""
+        return total_stats(ReceiverStats, self.stats_by_transport().values())
+
+    def stats_by_transport(self) -> dict[str, ReceiverStats]:
+        return {name: r.stats for name, r in self.receivers.items()}
+
+    # -- rank 0, engine thread ----------------------------------------------------------------
+    @property
+    def has_followers(self) -> bool:
+        return self._followers is not None
+
+    def expect_followers(self, transfer: IncomingTransfer, timeout_s: float) -> None:
+        if self._followers is not None:
+            s = transfer.spec
+            self._followers.call(
+                Expect(transfer.transport, s.transfer_id, s.token, s.block_ids, timeout_s)
+            )
+
+    def await_followers(self, transfer: IncomingTransfer, timeout_s: float) -> None:
+        """Wait until every other rank has its heads of the transfer (TransferError if not)."""
+        if self._followers is not None:
+            self._followers.call(AwaitTransfer(transfer.spec.transfer_id, timeout_s))
+
+    def cancel_followers(self, transfer: IncomingTransfer) -> None:
+        if self._followers is not None:
+            self._followers.call(CancelTransfer(transfer.spec.transfer_id))
+
+    def bytes_received(self) -> int:
+        """Over every rank."""
+        total = self.stats.bytes_received
+        if self._followers is not None:
+            total += sum(r.value for r in self._followers.call(CountReceived()))  # type: ignore[union-attr]
+        return total

@@ -1,0 +1,104 @@
+"""Where a prompt's KV goes: the decode ranks' endpoints and the transfer they announced, as the
+decode worker sends them to a prefill worker (proto `KVTarget`; protobuf only in `to_pb` /
+`from_pb`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from pdmesh.kv_transfer.base import TransferSpec
+from pdmesh.kv_transfer.connector import control_message
+from pdmesh.v1 import worker_pb2
+
+
+@control_message
+@dataclass(frozen=True)
+class KVEndpoint:
+    """One decode rank's receiver: its address and the global KV heads it holds."""
+
+    address: str
+    head_start: int
+    num_heads: int
+
+    def overlaps(self, start: int, count: int) -> bool:
+        return self.head_start < start + count and start < self.head_start + self.num_heads
+
+    def to_pb(self) -> worker_pb2.KVEndpoint:
+        return worker_pb2.KVEndpoint(
+            address=self.address, head_start=self.head_start, num_heads=self.num_heads
+        )
+
+    @staticmethod
+    def from_pb(pb: worker_pb2.KVEndpoint) -> KVEndpoint:
+        return KVEndpoint(pb.address, pb.head_start, pb.num_heads)
+
+
+@dataclass(frozen=True)
+class KVTarget:
+    """A transfer announced by a decode worker: push prompt blocks first_block .. first_block +
+    len(block_ids) - 1 over `transport` to `endpoints` (one per decode rank)."""
+
+    transport: str
+    transfer_id: str
+    token: bytes = field(repr=False)
+    first_block: int  # prompt blocks the decode worker already holds
+    block_ids: tuple[int, ...]  # the decode worker's blocks for the rest, in order
+    block_size: int
+    endpoints: tuple[KVEndpoint, ...]
+    timeout_s: float
+    trace_context: Mapping[str, str] = field(default_factory=dict)  # the receiver's span
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+    @staticmethod
+    def of(
+        spec: TransferSpec,
+        transport: str,
+        first_block: int,
+        block_size: int,
+        endpoints: tuple[KVEndpoint, ...],
+        timeout_s: float,
+        trace_context: Mapping[str, str] | None = None,
+    ) -> KVTarget:
+        return KVTarget(
+            transport,
+            spec.transfer_id,
+            spec.token,
+            first_block,
+            spec.block_ids,
+            block_size,
+            endpoints,
+            timeout_s,
+            dict(trace_context or {}),
+        )
+
+    def to_pb(self) -> worker_pb2.KVTarget:
+        return worker_pb2.KVTarget(
+            transport=self.transport,
+            transfer_id=self.transfer_id,
+            token=self.token,
+            first_block=self.first_block,
+            block_ids=list(self.block_ids),
+            block_size=self.block_size,
+            endpoints=[e.to_pb() for e in self.endpoints],
+            timeout_ms=int(self.timeout_s * 1000),
+            trace_context=dict(self.trace_context),
+        )
+
+    @staticmethod
+    def from_pb(pb: worker_pb2.KVTarget, default_timeout_s: float) -> KVTarget:
+        """`default_timeout_s` when the message names none."""
+        return KVTarget(
+            transport=pb.transport,
+            transfer_id=pb.transfer_id,
+            token=pb.token,
+            first_block=pb.first_block,
+            block_ids=tuple(pb.block_ids),
+            block_size=pb.block_size,
+            endpoints=tuple(KVEndpoint.from_pb(e) for e in pb.endpoints),
+            timeout_s=pb.timeout_ms / 1000 if pb.timeout_ms else default_timeout_s,
+            trace_context=dict(pb.trace_context),
+        )

@@ -1,0 +1,176 @@
+"""The skeleton every worker process shares (decode and prefill): the engine with its KV
+connector on its own thread, a fatal error or a dead tensor-parallel rank taking the process
+down, Prometheus and GetStats figures, and `serve_worker` running it all behind gRPC until a
+signal. A service keeps only what differs: its requests, its KV side, its extra figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar, Protocol, TypeVar
+
+from pdmesh.engine.llm_engine import LLMEngine
+from pdmesh.engine.outputs import StepDelta
+from pdmesh.errors import Unavailable
+from pdmesh.kv_transfer.connector import KVConnector
+from pdmesh.logger import get_logger
+from pdmesh.observability import tracing
+from pdmesh.observability.metrics_server import MetricsServer
+from pdmesh.observability.worker_collector import TransferTotals, WorkerSnapshot
+from pdmesh.serving.convert import worker_stat_fields
+from pdmesh.serving.engine_loop import EngineLoop
+from pdmesh.serving.grpc_server import ServiceSpec, build_server
+from pdmesh.serving.runner import serve_until_stopped
+from pdmesh.serving.tls import TLSConfig
+
+log = get_logger(__name__)
+
+
+class WorkerProcess(ABC):
+    """Rank 0 of a worker. Callers may rely on: `start` once on the event loop, then requests;
+    `stopped` is set (on the event loop) when the engine fails or a rank dies, and the process
+    should then exit; `close` stops the engine thread, the connector and the other ranks."""
+
+    role: ClassVar[str]  # "decode" / "prefill": metrics labels and GetStats
+    metrics: Any  # the service's metrics; `metrics.registry` is served at /metrics
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        connector: KVConnector,
+        on_tick: Callable[[LLMEngine], None] | None = None,
+    ) -> None:
+        """on_tick: run between steps and when idle, on the engine thread."""
+        self.engine = engine
+        self.connector = connector
+        self.loop = EngineLoop(engine, self._on_engine_deltas, on_tick, self._on_fatal)
+        if engine.tp_driver is not None:  # a dead rank stops the engine from any thread
+            engine.tp_driver.on_rank_death = self.loop.fail
+        self.fatal: BaseException | None = None
+        self._aio: asyncio.AbstractEventLoop | None = None
+
+    def start(self, aio_loop: asyncio.AbstractEventLoop) -> None:
+        self._aio = aio_loop
+        self.stopped = asyncio.Event()
+        self.loop.start()
+
+    async def close(self) -> None:
+        self.loop.stop()
+        self.connector.close()
+        self.engine.close()
+
+    def _on_fatal(self, exc: BaseException) -> None:
+        self.fatal = exc
+        if self._aio is not None:
+            self._aio.call_soon_threadsafe(self.stopped.set)
+
+    def check_serving(self) -> None:
+        """Unavailable once the engine has failed."""
+        if self.fatal is not None:
+            raise Unavailable(f"this {self.role} worker's engine failed")
+
+    # -- what a service adds ------------------------------------------------------------------
+    @abstractmethod
+    def _on_engine_deltas(self, deltas: list[StepDelta]) -> None:
+        """Each step's deltas, on the engine thread."""
+
+    @abstractmethod
+    def transfer_totals(self) -> Sequence[TransferTotals]:
+        """Rank 0's KV transfer counters per transport (scrape thread: no engine wait)."""
+
+    @abstractmethod
+    def prefill_counts(self) -> Mapping[str, int]:
+        """Prompts prefilled, by mode (local, remote, fallback)."""
+
+    @abstractmethod
+    def kv_report(self, engine: LLMEngine) -> dict[str, Any]:
+        """The service's WorkerStats fields (engine thread: may ask the other ranks)."""
+
+    @property
+    @abstractmethod
+    def block_size(self) -> int: ...
+
+    def banner(self) -> str:
+        """What the start-up log line adds after the port."""
+        return ""
+
+    # -- figures ------------------------------------------------------------------------------
+    def metrics_snapshot(self) -> WorkerSnapshot:
+        """State for a Prometheus scrape, read from the scraping thread (no engine wait)."""
+        return WorkerSnapshot(
+            **worker_stat_fields(self.engine.stats()),
+            transfers=list(self.transfer_totals()),
+            expert_token_counts=self.engine.runner.expert_counts() or (),
+            prefills=dict(self.prefill_counts()),
+        )
+
+    async def report(self) -> dict[str, Any]:
+        """The fields of a WorkerStats message (GetStats)."""
+
+        def read(e: LLMEngine) -> dict[str, Any]:
+            return {
+                **worker_stat_fields(e.stats()),
+                **self.kv_report(e),
+                "expert_token_counts": e.expert_counts() or [],
+            }
+
+        fields = await self.loop.acall(read)
+        return {
+            "role": self.role,
+            **fields,
+            "block_size": self.block_size,
+            "tensor_parallel_size": 1,
+        }
+
+
+class WorkerSettings(Protocol):
+    """What `serve_worker` reads of a service's config."""
+
+    @property
+    def engine(self) -> Any: ...
+    @property
+    def bind(self) -> str: ...
+    @property
+    def metrics_bind(self) -> str | None: ...
+    @property
+    def tls(self) -> TLSConfig | None: ...
+
+
+W = TypeVar("W", bound=WorkerProcess)
+
+
+async def serve_worker(
+    role: str,
+    config: WorkerSettings,
+    connector: KVConnector,
+    make_worker: Callable[[LLMEngine], W],
+    service: Callable[[W], ServiceSpec],
+    on_ready: Callable[[int], None] | None = None,
+) -> None:
+    """Build the engine (off the event loop) with `connector`, the worker, its metrics
+    endpoint and its gRPC server; serve until a signal or the worker's `stopped`."""
+    tracing.setup(f"pdmesh-{role}")
+    try:
+        engine = await asyncio.to_thread(LLMEngine, config.engine, connector)
+    except BaseException:
+        connector.close()
+        raise
+    worker = make_worker(engine)
+    worker.start(asyncio.get_running_loop())
+    bind = config.metrics_bind
+    metrics = MetricsServer(bind, worker.metrics.registry) if bind else None
+    server, health, port = build_server(config.bind, [service(worker)], tls=config.tls)
+    await server.start()
+    log.info("%s worker on port %d%s", role, port, worker.banner())
+    if on_ready is not None:
+        on_ready(port)
+
+    async def stop() -> None:
+        await worker.close()
+        if metrics is not None:
+            metrics.stop()
+        tracing.shutdown()
+
+    await serve_until_stopped(server, health, stop, worker.stopped)
