@@ -1,10 +1,8 @@
 """Engine configuration: one frozen dataclass, checked when built.
 
-Each field carries the help of its command-line flag (`field(metadata={"help": ...})`):
-`pdmesh/flags.py` makes the flags (`max_num_seqs` is `--max-num-seqs`) and the pass-through of
-`pdmesh up` to its workers from these fields, so an option is listed here and nowhere else.
-A flag spelled otherwise than its field (one that turns a default-on option off) says so in
-`metadata["flag"]`.
+Each field carries its command-line help (`metadata["help"]`; `metadata["flag"]` where the flag
+is not `--field-name`): pdmesh/flags.py makes every engine command's flags and the pass-through
+of `pdmesh up` to its workers from these fields, so an option is listed here only.
 """
 
 from __future__ import annotations
@@ -49,41 +47,23 @@ class EngineConfig:
     device: str = option("auto", "auto | cpu | cuda[:N]")
     tensor_parallel_size: int = option(1, "ranks (GPUs) the model is sharded over")
     block_size: int = option(16, "tokens per KV cache block")
-    kv_cache_tokens: int | None = option(
-        None, "KV cache size in tokens (default: --kv-cache-memory-fraction of the memory)"
-    )
+    kv_cache_tokens: int | None = option(None, "KV cache tokens (default: by memory fraction)")
     kv_cache_memory_fraction: float | None = option(
-        None,
-        "share of the device's memory for the KV cache (GPU: total; CPU: available RAM); "
-        "default 0.9 on GPU, 0.1 on CPU",
+        None, "KV cache share of the GPU's memory (default 0.9) or of free RAM (default 0.1)"
     )
     max_num_seqs: int = option(256, "requests running at once, at most")
-    max_num_batched_tokens: int = option(
-        2048, "the per-step token budget (prefill chunks + decodes)"
-    )
-    max_model_len: int | None = option(
-        None, "prompt + output tokens at most (default: the model's)"
-    )
-    enable_prefix_caching: bool = option(
-        True,
-        "do not reuse the KV blocks of prompt prefixes seen before",
-        flag="--no-prefix-caching",
-    )
+    max_num_batched_tokens: int = option(2048, "per-step token budget (prefill chunks + decodes)")
+    max_model_len: int | None = option(None, "prompt + output tokens (default: the model's)")
+    enable_prefix_caching: bool = option(True, "no KV reuse across prompts", "--no-prefix-caching")
     enable_expert_parallel: bool = option(
         False, "MoE experts split over the tensor-parallel ranks (all-to-all) instead of sharded"
     )
     seed: int = option(0, "seed of unseeded sampling and of dummy weights")
-    load_format: str = option(
-        "auto", "auto (the checkpoint's weights) | dummy (random weights of its shapes: speed)"
-    )
-    skip_tokenizer_init: bool = option(
-        False, "no tokenizer: prompts must be token ids and outputs carry no text"
-    )
+    load_format: str = option("auto", "auto (the checkpoint's) | dummy (random weights: speed)")
+    skip_tokenizer_init: bool = option(False, "no tokenizer: token ids in and out, no text")
     enforce_eager: bool = option(False, "no CUDA graphs (GPU decode steps run eagerly)")
     async_scheduling: bool | None = option(
-        None,
-        "launch each decode step before reading the previous one's tokens "
-        "(default: on where decode steps replay CUDA graphs; the CPU gains nothing)",
+        None, "launch each decode step before reading the last one's tokens (default: with graphs)"
     )
 
     def __post_init__(self) -> None:

@@ -122,10 +122,25 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 # -- services ---------------------------------------------------------------------------------
+def _service(sub: Any, name: str, help: str, port: int, func: Any) -> argparse.ArgumentParser:
+    """A service's subcommand: where it listens, TLS, and the function that runs it."""
+    p = sub.add_parser(name, help=help)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=port)
+    tls_args(p)
+    p.set_defaults(func=func)
+    return p
+
+
+def _worker(sub: Any, name: str, port: int, func: Any) -> argparse.ArgumentParser:
+    p = _service(sub, name, f"run a {name} worker", port, func)
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics; 0: off")
+    engine_args(p)
+    return p
+
+
 def add_services(sub: Any) -> None:
-    r = sub.add_parser("router", help="run the router (gRPC API + HTTP gateway)")
-    r.add_argument("--host", default="127.0.0.1")
-    r.add_argument("--port", type=int, default=50051)
+    r = _service(sub, "router", "run the router (gRPC API + HTTP gateway)", 50051, cmd_router)
     r.add_argument("--http-port", type=int, default=8000, help="0: no HTTP gateway")
     r.add_argument("--prefill", default="", help="prefill workers: HOST:PORT,HOST:PORT")
     r.add_argument("--decode", default="", help="decode workers: HOST:PORT,HOST:PORT")
@@ -142,12 +157,8 @@ def add_services(sub: Any) -> None:
         help="times a request moves to another decode worker when its worker is lost",
     )
     _api_key_args(r)
-    tls_args(r)
-    r.set_defaults(func=cmd_router)
 
-    d = sub.add_parser("decode", help="run a decode worker")
-    d.add_argument("--host", default="127.0.0.1")
-    d.add_argument("--port", type=int, default=50061)
+    d = _worker(sub, "decode", 50061, cmd_decode)
     d.add_argument(
         "--kv-transport",
         default="auto",
@@ -170,20 +181,10 @@ def add_services(sub: Any) -> None:
     )
     d.add_argument("--prefill-failure-policy", default="recompute", help="recompute | fail")
     d.add_argument("--kv-timeout", type=float, default=30.0)
-    d.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics; 0: off")
     _reliability_args(d)
-    engine_args(d)
-    tls_args(d)
-    d.set_defaults(func=cmd_decode)
 
-    p = sub.add_parser("prefill", help="run a prefill worker")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50071)
+    p = _worker(sub, "prefill", 50071, cmd_prefill)
     p.add_argument("--kv-send-timeout", type=float, default=30.0)
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics; 0: off")
-    engine_args(p)
-    tls_args(p)
-    p.set_defaults(func=cmd_prefill)
 
 
 def _reliability_args(p: argparse.ArgumentParser) -> None:

@@ -1,12 +1,11 @@
-"""Command-line flags more than one command shares: the engine's (made from `EngineConfig`'s
-fields), TLS, sampling, and defaults from `PDMESH_<FLAG>` environment variables.
+"""Flags several commands share: the engine's (made from `EngineConfig`'s fields), TLS and
+sampling; and defaults from `PDMESH_<FLAG>` environment variables.
 
-Engine flags are generated: field `max_num_seqs` is `--max-num-seqs` with the field's type,
-default and help; a bool that is off by default is a switch (`--enforce-eager`), one that is on
-by default is the switch its metadata names (`--no-prefix-caching`), one that may be unset is
-`--x / --no-x`. `engine_options` reads them back into `EngineConfig` keyword arguments and
-`engine_argv` writes such options as flags again (what `pdmesh up` hands its workers), so a new
-field is a flag of every engine command and passes through `pdmesh up` with no edit here.
+Field `max_num_seqs` is `--max-num-seqs` with the field's type, default and help; a bool off by
+default is a switch (`--enforce-eager`), one on by default the switch its metadata names
+(`--no-prefix-caching`), one that may be unset `--x / --no-x`. `engine_options` reads the flags
+into `EngineConfig` keyword arguments, `engine_argv` writes those back as flags (what `pdmesh up`
+hands its workers): a new field needs no edit here.
 """
 
 from __future__ import annotations
@@ -36,25 +35,15 @@ def _value_type(f: Field[Any]) -> type:
     return hint
 
 
-def engine_flag(f: Field[Any]) -> str:
-    """The command-line flag of one `EngineConfig` field."""
+def _flag(f: Field[Any]) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
-
-
-def _dest(f: Field[Any]) -> str:
-    return engine_flag(f)[2:].replace("-", "_")
-
-
-def _inverted(f: Field[Any]) -> bool:
-    """A default-on bool: its flag turns it off."""
-    return _value_type(f) is bool and f.default is True
 
 
 def engine_args(p: argparse.ArgumentParser) -> None:
     """Add a flag for every `EngineConfig` field, in an "engine" group."""
     g = p.add_argument_group("engine")
     for f in fields(EngineConfig):
-        flag, kind, help = engine_flag(f), _value_type(f), f.metadata["help"]
+        flag, kind, help = _flag(f), _value_type(f), f.metadata["help"]
         if kind is not bool:
             g.add_argument(flag, type=kind, default=f.default, help=help)
         elif f.default is None:
@@ -69,8 +58,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine flags of a parsed command line as `EngineConfig` keyword arguments."""
     options = {}
     for f in fields(EngineConfig):
-        value = getattr(args, _dest(f))
-        options[f.name] = not value if _inverted(f) else value
+        value = getattr(args, _flag(f)[2:].replace("-", "_"))
+        options[f.name] = not value if f.default is True else value  # --no-x: off
     return options
 
 
@@ -79,7 +68,7 @@ def engine_argv(options: Mapping[str, Any]) -> list[str]:
     flags that `engine_args` parses back to the same options."""
     argv: list[str] = []
     for f in fields(EngineConfig):
-        value, flag = options.get(f.name, f.default), engine_flag(f)
+        value, flag = options.get(f.name, f.default), _flag(f)
         if value is None:
             continue
         if _value_type(f) is not bool:

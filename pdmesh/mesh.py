@@ -33,14 +33,11 @@ class GpuPlacement:
     def __init__(self, device: str | None) -> None:
         import torch
 
-        self.count = 0
-        self.first = 0
-        if (device in (None, "auto") and torch.cuda.is_available()) or (device or "").startswith(
-            "cuda"
-        ):
-            self.count = torch.cuda.device_count()
-            if device and ":" in device:
-                self.first = int(device.split(":", 1)[1])
+        if device is None or device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        on_gpu = device.startswith("cuda")
+        self.count = torch.cuda.device_count() if on_gpu else 0
+        self.first = int(device.split(":", 1)[1]) if on_gpu and ":" in device else 0
         self.next = self.first
 
     def take(self, tp: int) -> range | None:

@@ -31,6 +31,16 @@ def test_import_pdmesh_is_light_and_exports_the_offline_api() -> None:
     assert out.stdout.split() == ["pdmesh.engine.llm", "SamplingParams"]
 
 
+def test_the_command_line_parser_imports_no_torch() -> None:
+    # Every `pdmesh` command builds the whole parser, engine flags included: the router and
+    # `pdmesh healthcheck` must not pay for torch.
+    code = (
+        "import sys; from pdmesh.cli import build_parser; build_parser(); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+
+
 def test_no_top_level_name_but_pdmesh() -> None:
     # `kernels` and `router` would collide with other distributions (DESIGN.md §1).
     names = ("kernels", "router", "engine", "kv_transfer")
