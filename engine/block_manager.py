@@ -31,7 +31,8 @@ class Block:
 
 class BlockManager:
     """Protocol: `match_prefix` -> `can_allocate` -> `allocate`, then `cache_full_blocks` after each
-    step that computed KV, and `free` when the sequence finishes or is preempted."""
+    step that computed KV, and `free` when the sequence finishes or is preempted. The engine's
+    scheduler is its only caller (engine/scheduler.py)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks < 1 or block_size < 1:
@@ -57,10 +58,6 @@ class BlockManager:
     @property
     def num_used_blocks(self) -> int:
         return len(self.blocks) - len(self._free)
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self._cached)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

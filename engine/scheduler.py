@@ -103,7 +103,7 @@ class Scheduler:
     def num_reserved(self) -> int:
         return len(self._reserved)
 
-    def waiting_demand(self) -> tuple[int, int]:
+    def _waiting_demand(self) -> tuple[int, int]:
         """(blocks the waiting sequences that fit now will take, how many wait beyond them): in
         arrival order, up to the first that the free blocks and sequence slots cannot take
         (nobody overtakes it). Prefix-cache hits are not counted: an upper bound on blocks."""
@@ -121,7 +121,7 @@ class Scheduler:
 
     def num_waiting_for_blocks(self) -> int:
         """Waiting sequences that the free blocks and sequence slots cannot take now."""
-        return self.waiting_demand()[1]
+        return self._waiting_demand()[1]
 
     def cached_prefix_tokens(self, token_ids: list[int]) -> int:
         """Tokens of `token_ids` the prefix cache holds now."""
@@ -156,7 +156,7 @@ class Scheduler:
         new_tokens = seq.num_tokens - len(prefix) * bm.block_size
         # No overtaking: the blocks of sequences queued ahead stay theirs, and nothing is held
         # while one of them waits for blocks.
-        queued_blocks, beyond = self.waiting_demand()
+        queued_blocks, beyond = self._waiting_demand()
         if (
             len(self.running) + len(self._reserved) >= self.max_num_seqs
             or beyond
