@@ -2,8 +2,8 @@
 payload, both over the host group; and the input ids over the model's group when they exist only
 on the device (a step launched before the step sampling them finished: async scheduling).
 
-Followers rebuild exactly the `StepInputs` rank 0 runs, plus an optional int64 `extra` payload
-that a service extension attaches (the prefill worker's KV push plan).
+Followers rebuild exactly the `StepInputs` rank 0 runs, plus an optional int64 `extra` payload:
+the step's plan from the KV connector (`KVConnector.plan_step`, e.g. the prefill worker's pushes).
 """
 
 from __future__ import annotations

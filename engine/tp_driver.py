@@ -43,13 +43,11 @@ MONITOR_INTERVAL_S = 0.2
 
 
 @control_message
-@dataclasses.dataclass(frozen=True)
 class CountExperts:
     """Asks a follower for the tokens its MoE layers routed to each expert (`ExpertCounts`)."""
 
 
 @control_message
-@dataclasses.dataclass(frozen=True)
 class ExpertCounts:
     counts: tuple[int, ...]
 

@@ -236,18 +236,17 @@ def create_connector(options: object) -> KVConnector:
 _MESSAGES: dict[str, type] = {}
 
 
+@typing.dataclass_transform(frozen_default=True)
 def control_message(cls: type[T]) -> type[T]:
-    """Register a frozen dataclass as a control message (by class name: names are unique)."""
-    if not dataclasses.is_dataclass(cls):
-        raise TypeError(f"{cls.__name__} is not a dataclass")
+    """Make `cls` a frozen dataclass and register it as a control message (by class name:
+    names are unique)."""
     if cls.__name__ in _MESSAGES:
         raise ValueError(f"control message {cls.__name__} is registered twice")
-    _MESSAGES[cls.__name__] = cls
-    return cls
+    _MESSAGES[cls.__name__] = message = dataclass(frozen=True)(cls)
+    return message
 
 
 @control_message
-@dataclass(frozen=True)
 class Failed:
     """A follower's reply when it could not run a message."""
 
@@ -265,7 +264,6 @@ class Failed:
 
 
 @control_message
-@dataclass(frozen=True)
 class Count:
     """A follower's reply that is one number (bytes sent, bytes received, ...)."""
 

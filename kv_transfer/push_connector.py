@@ -34,33 +34,28 @@ log = get_logger(__name__)
 
 
 @control_message
-@dataclass(frozen=True)
 class PushOptions:
     """A push connector needs no settings: senders are made per transport on first use."""
 
 
 @control_message
-@dataclass(frozen=True)
 class PushStart:
     job_id: int
     target: KVTarget
 
 
 @control_message
-@dataclass(frozen=True)
 class PushEnd:
     job_id: int
     timeout_s: float
 
 
 @control_message
-@dataclass(frozen=True)
 class PushAbort:
     job_id: int
 
 
 @control_message
-@dataclass(frozen=True)
 class CountSent:
     """Asks a follower for its KV bytes sent; it replies `Count`."""
 

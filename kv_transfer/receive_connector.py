@@ -40,7 +40,6 @@ from pdmesh.kv_transfer.target import KVEndpoint
 
 
 @control_message
-@dataclass(frozen=True)
 class ReceiveOptions:
     """transports: those this worker's pairs use, the default first (`auto` resolved for the
     cache's device). bind: where the first listens (the others bind a free port of its host).
@@ -54,7 +53,6 @@ class ReceiveOptions:
 
 
 @control_message
-@dataclass(frozen=True)
 class Expect:
     transport: str
     transfer_id: str
@@ -64,32 +62,27 @@ class Expect:
 
 
 @control_message
-@dataclass(frozen=True)
 class AwaitTransfer:
     transfer_id: str
     timeout_s: float
 
 
 @control_message
-@dataclass(frozen=True)
 class CancelTransfer:
     transfer_id: str
 
 
 @control_message
-@dataclass(frozen=True)
 class DescribeEndpoints:
     """Asks a follower where its receivers listen; it replies `RankEndpoints`."""
 
 
 @control_message
-@dataclass(frozen=True)
 class RankEndpoints:
     endpoints: dict[str, KVEndpoint]  # transport -> that rank's receiver
 
 
 @control_message
-@dataclass(frozen=True)
 class CountReceived:
     """Asks a follower for its KV bytes received; it replies `Count`."""
 

@@ -13,7 +13,6 @@ from pdmesh.v1 import worker_pb2
 
 
 @control_message
-@dataclass(frozen=True)
 class KVEndpoint:
     """One decode rank's receiver: its address and the global KV heads it holds."""
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.outputs import StepDelta
 from pdmesh.errors import InvalidRequest, Unavailable
-from pdmesh.kv_transfer import TransferError
+from pdmesh.kv_transfer.base import TransferError, check_token, check_transfer_id
 from pdmesh.kv_transfer.push_connector import PushConnector, PushJob
 from pdmesh.kv_transfer.target import KVTarget
 from pdmesh.logger import get_logger
@@ -69,10 +69,16 @@ class PrefillWorker(WorkerProcess):
     def check(self, task: PrefillTask) -> None:
         """Reject a task this worker cannot serve (InvalidRequest naming the field)."""
         target = task.target
-        try:
-            self.kv.check(target.transport)
-        except ValueError as e:
-            raise InvalidRequest(f"kv_target.transport: {e}", "kv_target.transport") from None
+        checks = (
+            ("transport", lambda: self.kv.check(target.transport)),
+            ("transfer_id", lambda: check_transfer_id(target.transfer_id)),
+            ("token", lambda: check_token(target.token)),
+        )
+        for name, check in checks:
+            try:
+                check()
+            except ValueError as e:
+                raise InvalidRequest(f"kv_target.{name}: {e}", f"kv_target.{name}") from None
         if target.block_size != self.geometry.block_size:
             raise InvalidRequest(
                 f"kv_target.block_size {target.block_size} differs from this worker's "
