@@ -194,27 +194,16 @@ class TokenSourceServicer:
 
 def add_to_server(servicer: TokenSourceServicer, server: grpc.aio.Server) -> None:
     """DecodeWorker's handlers, with Subscribe sending pre-serialised StepUpdate bytes."""
+    unary, stream = grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler
+    rpcs = {  # name: (handler kind, request type, response serializer)
+        "Submit": (unary, worker_pb2.DecodeRequest, worker_pb2.SubmitReply.SerializeToString),
+        "Subscribe": (stream, worker_pb2.SubscribeRequest, bytes),
+        "Abort": (unary, worker_pb2.AbortRequest, worker_pb2.AbortReply.SerializeToString),
+        "GetStats": (unary, worker_pb2.StatsRequest, worker_pb2.WorkerStats.SerializeToString),
+    }
     handlers = {
-        "Submit": grpc.unary_unary_rpc_method_handler(
-            servicer.Submit,
-            request_deserializer=worker_pb2.DecodeRequest.FromString,
-            response_serializer=worker_pb2.SubmitReply.SerializeToString,
-        ),
-        "Subscribe": grpc.unary_stream_rpc_method_handler(
-            servicer.Subscribe,
-            request_deserializer=worker_pb2.SubscribeRequest.FromString,
-            response_serializer=bytes,
-        ),
-        "Abort": grpc.unary_unary_rpc_method_handler(
-            servicer.Abort,
-            request_deserializer=worker_pb2.AbortRequest.FromString,
-            response_serializer=worker_pb2.AbortReply.SerializeToString,
-        ),
-        "GetStats": grpc.unary_unary_rpc_method_handler(
-            servicer.GetStats,
-            request_deserializer=worker_pb2.StatsRequest.FromString,
-            response_serializer=worker_pb2.WorkerStats.SerializeToString,
-        ),
+        name: kind(getattr(servicer, name), request.FromString, serialize)
+        for name, (kind, request, serialize) in rpcs.items()
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
 
