@@ -149,6 +149,7 @@ def wait_for_workers(
 
 
 def _print_endpoints(args: argparse.Namespace, client: RouterClient, children: list[Child]) -> None:
+    # bench/soak.py, bench/disagg_gpu.py and tests/mesh_support.py read these lines.
     print(f"pdmesh is up: gRPC {client.target} (pdmesh.v1.Generation)", flush=True)
     if args.http_port:
         scheme = "https" if client.tls is not None else "http"
