@@ -18,6 +18,7 @@ from pdmesh.engine.sampler import Sampler
 from pdmesh.engine.scheduler import Reservation, Scheduler
 from pdmesh.engine.sequence import Sequence
 from pdmesh.engine.tp_driver import CountExperts, ExpertCounts, TPDriver, rank_device
+from pdmesh.errors import InvalidRequest
 from pdmesh.kv_transfer.connector import KVConnector
 from pdmesh.logger import get_logger
 from pdmesh.sampling_params import SamplingParams
@@ -109,7 +110,9 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError("prompt must be token ids: this engine runs without a tokenizer.")
+            raise InvalidRequest(
+                "prompt must be token ids: this engine runs without a tokenizer.", "prompt"
+            )
         return list(self.tokenizer.encode(prompt))
 
     def add_request(
@@ -138,18 +141,21 @@ class LLMEngine:
     ) -> Request:
         """A request's record, not yet registered; raises ValueError for bad input."""
         if request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise InvalidRequest(f"request_id {request_id!r} is already in use", "request_id")
         if not isinstance(params, SamplingParams):
-            raise ValueError("sampling_params must be a SamplingParams")
+            raise InvalidRequest("sampling_params must be a SamplingParams", "sampling_params")
         if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this engine runs without one.")
+            raise InvalidRequest(
+                "stop strings need a tokenizer; this engine runs without one.", "stop"
+            )
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(token_ids)
         if not 0 <= num_output_tokens < min(len(token_ids), params.max_tokens):
-            raise ValueError(
+            raise InvalidRequest(
                 f"num_output_tokens_sent must be in [0, {min(len(token_ids), params.max_tokens)})"
-                f" (fewer than the prompt's tokens and max_tokens), got {num_output_tokens}."
+                f" (fewer than the prompt's tokens and max_tokens), got {num_output_tokens}.",
+                "num_output_tokens_sent",
             )
         seq = Sequence(request_id, token_ids, params, text, arrival_time, num_output_tokens)
         return Request.start(seq, self.tokenizer, self.info.vocab_size)
