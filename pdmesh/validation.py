@@ -95,10 +95,11 @@ class Prompt:
 class MaxTokens:
     """The client's max_tokens and how to complete it.
 
-    value: as given (None: unset). name: its field in the client's API. default: used when
-    unset, at most the room left after the prompt (None: all of that room). must_fit: prompt +
-    value must fit in max_model_len (else value must only be at most max_model_len, and the
-    request ends with "length" where the model's length ends)."""
+    value: as given (None: unset). name: its field in the client's API. must_fit: prompt + value
+    must fit in max_model_len (else value need only be at most max_model_len, and the request
+    ends with "length" where the model's length ends). default: what an unset value becomes, at
+    most the room left after the prompt; None: all of that room if must_fit, else
+    SamplingParams' default."""
 
     value: int | None = None
     name: str = "max_tokens"

@@ -41,7 +41,8 @@ def chat_token_ids(tokenizer: Tokenizer, messages: list[Message]) -> list[int]:
             )
     if tokenizer.chat_template is None:
         raise InvalidRequest(
-            "this model's tokenizer has no chat template; send a prompt instead.", "messages"
+            "this model's tokenizer has no chat template; send a prompt (text or token ids).",
+            "messages",
         )
     try:
         text = _compile(tokenizer.chat_template).render(

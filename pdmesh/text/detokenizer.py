@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from pdmesh.text.tokenizer import Tokenizer
+
 # Tokens of prompt context decoded with each new token, so that tokenizers which drop a leading
 # space at the start of a decode (SentencePiece) still give the right text.
 _CONTEXT_TOKENS = 6
@@ -23,7 +25,7 @@ class TextDelta(NamedTuple):
 class IncrementalDetokenizer:
     def __init__(
         self,
-        tokenizer: object,
+        tokenizer: Tokenizer | None,
         prompt_token_ids: list[int],
         skip_special_tokens: bool = True,
         stop: tuple[str, ...] = (),
@@ -39,7 +41,8 @@ class IncrementalDetokenizer:
         self._emitted = 0  # characters of `text` already handed out
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)  # type: ignore[attr-defined]
+        assert self._tokenizer is not None
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
 
     def add(self, token_id: int) -> TextDelta:
         """Feed one output token; return the text that is now final."""
