@@ -31,7 +31,6 @@ import gc
 import json
 import math
 import os
-import re
 import signal
 import statistics
 import subprocess
@@ -47,7 +46,7 @@ from typing import Any
 from pdmesh.bench.gpu_models import write_llama_8b
 from pdmesh.bench.latency_stats import Slo, summarize
 from pdmesh.bench.serving import LoadConfig, make_workload, run_load
-from pdmesh.mesh import pdmesh_command
+from pdmesh.mesh import READY, SERVICE_LINE, pdmesh_command
 from pdmesh.processes import free_port
 
 SLO = Slo(ttft_ms=1500, tpot_ms=40)
@@ -112,9 +111,9 @@ def mesh(folder: Path, layout: str, log: Path, spans: Path | None = None) -> Ite
             start = time.monotonic()
             metrics: dict[str, str] = {}
             for line in proc.stdout:
-                if m := re.match(r"\s+((?:prefill|decode)-\d+): .* metrics (\S+)", line):
-                    metrics[m.group(1)] = m.group(2)
-                if line.startswith("Ctrl-C stops everything"):
+                if (m := SERVICE_LINE.match(line)) and m["metrics"]:
+                    metrics[m["name"]] = m["metrics"]
+                if line.startswith(READY):
                     break
             else:
                 raise RuntimeError(f"{layout}: the mesh did not come up; see {log}")

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import json
 import random
-import re
 import subprocess
 import threading
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 import grpc
 
 from pdmesh.flags import engine_argv, engine_options
-from pdmesh.mesh import pdmesh_command
+from pdmesh.mesh import READY, SERVICE_LINE, pdmesh_command
 from pdmesh.processes import free_port
 from pdmesh.v1 import generation_pb2 as gen_pb
 from pdmesh.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -270,8 +269,6 @@ def run_soak(cfg: SoakConfig) -> SoakResult:
 
 
 # -- `pdmesh bench --soak`: a mesh of its own, the soak, the verdict ----------------------------
-_WORKER_LINE = re.compile(r"\s+(prefill|decode)-\d+: (\S+) \(pid (\d+)\)")
-_ROUTER_LINE = re.compile(r"\s+router: (\S+) \(pid (\d+)\)")
 MAX_RSS_GROWTH = 0.05
 
 
@@ -290,12 +287,11 @@ def _start_mesh(args: argparse.Namespace, port: int) -> tuple[subprocess.Popen[s
     prefill: list[str] = []
     pids: list[int] = []
     for line in proc.stdout:
-        if m := _WORKER_LINE.match(line):
-            (decode if m.group(1) == "decode" else prefill).append(m.group(2))
-            pids.append(int(m.group(3)))
-        elif m := _ROUTER_LINE.match(line):
-            pids.append(int(m.group(2)))
-        elif line.startswith("Ctrl-C stops everything"):
+        if m := SERVICE_LINE.match(line):
+            pids.append(int(m["pid"]))
+            if m["role"] != "router":
+                (decode if m["role"] == "decode" else prefill).append(m["address"])
+        elif line.startswith(READY):
             break
     else:
         raise RuntimeError(f"pdmesh up exited with code {proc.wait()}")

@@ -11,6 +11,7 @@ and client); API keys go to the router through its environment, not its command 
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 import sys
 import time
@@ -22,6 +23,14 @@ from pdmesh.client import RouterClient
 from pdmesh.flags import engine_argv, engine_options, tls_argv
 from pdmesh.processes import free_port
 from pdmesh.supervisor import Child, ProcessSpec, spawn, stop_all, supervise, wait_ready
+
+# What `pdmesh up` prints once it is up, a line a service and then READY: bench/soak.py,
+# bench/disagg_gpu.py and tests/mesh_support.py read them.
+SERVICE_LINE = re.compile(
+    r"\s+(?P<name>(?P<role>prefill|decode|router)(?:-\d+)?): (?P<address>\S+) \(pid (?P<pid>\d+)\)"
+    r"(?:, metrics (?P<metrics>\S+))?"
+)
+READY = "Ctrl-C stops everything."
 
 
 class GpuPlacement:
@@ -149,7 +158,6 @@ def wait_for_workers(
 
 
 def _print_endpoints(args: argparse.Namespace, client: RouterClient, children: list[Child]) -> None:
-    # bench/soak.py, bench/disagg_gpu.py and tests/mesh_support.py read these lines.
     print(f"pdmesh is up: gRPC {client.target} (pdmesh.v1.Generation)", flush=True)
     if args.http_port:
         scheme = "https" if client.tls is not None else "http"
@@ -180,7 +188,7 @@ def run_up(args: argparse.Namespace) -> int:
         _print_endpoints(args, client, children)
         if args.ask:
             print(f"Q: {args.ask}\nA: {client.ask(args.ask)}", flush=True)
-        print("Ctrl-C stops everything.", flush=True)
+        print(READY, flush=True)
         while not stopping:
             if not supervise(children):
                 return 1

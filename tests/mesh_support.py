@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdmesh.mesh import READY, SERVICE_LINE
 from pdmesh.processes import free_port
 from pdmesh.v1 import generation_pb2 as gen_pb
 from pdmesh.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -77,12 +77,11 @@ def start_mesh(*args: str, http: bool = False, timeout_s: float = 300) -> Mesh:
             mesh.stop()
             raise RuntimeError("pdmesh up exited:\n" + "".join(mesh.output[-40:]))
         mesh.output.append(line)
-        if m := re.match(r"\s+(prefill|decode)-\d+: (\S+) \(pid (\d+)\)", line):
-            getattr(mesh, m.group(1)).append(m.group(2))
-            mesh.pids[m.group(2)] = int(m.group(3))
-        if m := re.match(r"\s+router: (\S+) \(pid (\d+)\)", line):
-            mesh.pids[m.group(1)] = int(m.group(2))
-        if line.startswith("Ctrl-C stops everything"):
+        if m := SERVICE_LINE.match(line):
+            if m["role"] != "router":
+                getattr(mesh, m["role"]).append(m["address"])
+            mesh.pids[m["address"]] = int(m["pid"])
+        if line.startswith(READY):
             _drain(proc, mesh)
             return mesh
     mesh.stop()
