@@ -1,9 +1,17 @@
 """The prefill worker's KV connector: every rank pushes its heads of a prompt's blocks, layer by
-layer while the forward runs, to the decode ranks that hold them (see pusher.py).
+layer while the forward runs, to the decode ranks that hold them.
 
 Rank 0 plans each step (`plan_step`): for every prompt with a transfer, the prompt blocks whose
-K/V this step completes. Rank 0 tells its followers about transfers in control messages
+K/V this step completes. The plan (flat int64: job, first transfer block, n, layers, then n
+block ids, repeated) travels with the step to every rank; after each layer, each rank sends its
+own KV heads of those blocks. Blocks complete before the step (a prompt prefix this worker had
+cached) are planned with layers = ALL_LAYERS and go at once, every layer, right after the first
+layer (`KVSender.send_layers`: a transport may send several layers as one message), rather than
+at the pace of a short forward. Rank 0 tells its followers about transfers in control messages
 (`PushStart`, `PushEnd`, `PushAbort`, `CountSent`).
+
+The decode worker names the transport of each transfer (it is chosen per pair); every rank
+keeps one sender per transport it was asked for, made on first use.
 """
 
 from __future__ import annotations
@@ -15,22 +23,32 @@ from dataclasses import dataclass
 
 import torch
 
-from pdmesh.kv_transfer.base import PageGeometry, TransferError, TransferStats
+from pdmesh.kv_transfer.base import (
+    KVSender,
+    PageGeometry,
+    SendHandle,
+    TransferError,
+    TransferStats,
+)
 from pdmesh.kv_transfer.connector import (
     ControlChannel,
     Count,
     KVBinding,
     KVConnector,
+    KVHeads,
     StepBatch,
     control_message,
     register_connector,
 )
-from pdmesh.kv_transfer.pusher import ALL_LAYERS, ONE_LAYER, KVPusher
-from pdmesh.kv_transfer.stats import SenderStats
+from pdmesh.kv_transfer.registry import check_transport, create_sender
+from pdmesh.kv_transfer.stats import SenderStats, total_stats
 from pdmesh.kv_transfer.target import KVTarget
 from pdmesh.logger import get_logger
 
 log = get_logger(__name__)
+# A plan item's `layers`: ONE_LAYER = blocks this step completes, pushed after each layer;
+# ALL_LAYERS = blocks complete before it, every layer pushed at once after the first.
+ONE_LAYER, ALL_LAYERS = 1, 0
 
 
 @control_message
@@ -72,49 +90,56 @@ class PushJob:
     forward_ns: int = 0  # unix ns of the first forward step that ran this prompt
 
 
+@dataclass
+class _Sends:
+    """One job's sends from this rank."""
+
+    job_id: int
+    sender: KVSender
+    handles: list[SendHandle]
+    broken: bool = False
+
+
 @register_connector(PushOptions)
 class PushConnector(KVConnector):
     """Callers may rely on: `check` and `geometry` once bound; `start`, `finish_followers`,
     `abort`, `forget` and `bytes_sent` on the engine thread; `done`, `finish` and the stats from
-    any thread (`finish` blocks until the rank 0 sends are acknowledged)."""
+    any thread (`finish` blocks until rank 0's frames are acknowledged)."""
 
     def __init__(self, options: PushOptions | None = None) -> None:
         self.options = options or PushOptions()
-        self._pusher: KVPusher | None = None
+        self._cache: torch.Tensor | None = None  # [L, 2, NB, BS, Hkv_local, D]
+        self._heads: KVHeads | None = None
+        self._geometry: PageGeometry | None = None
         self._followers: ControlChannel | None = None
-        self._jobs: dict[str, PushJob] = {}  # request id -> its push (engine thread)
+        self._senders: dict[str, KVSender] = {}
+        self._sends: dict[int, _Sends] = {}  # job id -> this rank's sends
+        self._pushes: list[tuple[_Sends, int, int, torch.Tensor]] = []  # the bound plan, parsed
+        self._jobs: dict[str, PushJob] = {}  # rank 0: request id -> its push (engine thread)
         self._job_ids = itertools.count(1)
 
     @property
-    def pusher(self) -> KVPusher:
-        if self._pusher is None:
-            raise RuntimeError("the KV connector is not bound to an engine yet")
-        return self._pusher
-
-    @property
     def geometry(self) -> PageGeometry:
-        return self.pusher.geometry
+        if self._geometry is None:
+            raise RuntimeError("the KV connector is not bound to an engine yet")
+        return self._geometry
 
     def check(self, transport: str) -> None:
         """ValueError unless this worker can push over `transport`."""
-        self.pusher.check(transport)
+        assert self._cache is not None
+        check_transport(transport, self._cache.device)
 
     # -- rank 0, engine thread ----------------------------------------------------------------
     def start(self, request_id: str, target: KVTarget) -> PushJob:
         """Open the sends of every rank; the prompt's blocks go as steps complete them."""
-        job = PushJob(
-            next(self._job_ids),
-            request_id,
-            target.first_block,
-            target.first_block + target.num_blocks,
-            target.first_block,
-        )
-        self.pusher.start(job.job_id, target)
+        first = target.first_block
+        job = PushJob(next(self._job_ids), request_id, first, first + target.num_blocks, first)
+        self._open(job.job_id, target)
         try:
             if self._followers is not None:
                 self._followers.call(PushStart(job.job_id, target))
         except BaseException:
-            self.pusher.abort(job.job_id)
+            self._abort(job.job_id)
             raise
         self._jobs[request_id] = job
         return job
@@ -131,15 +156,16 @@ class PushConnector(KVConnector):
 
     def abort(self, job: PushJob) -> None:
         self.forget(job.request_id)
-        self.pusher.abort(job.job_id)
+        self._abort(job.job_id)
         if self._followers is not None:
             self._followers.call(PushAbort(job.job_id))
 
     def bytes_sent(self) -> int:
         """Over every rank."""
-        sent = self.pusher.stats.bytes_sent
-        if self._followers is not None:
-            sent += sum(r.value for r in self._followers.call(CountSent()))  # type: ignore[union-attr]
+        sent = self.stats.bytes_sent
+        for reply in self._followers.call(CountSent()) if self._followers is not None else ():
+            assert isinstance(reply, Count)
+            sent += reply.value
         return sent
 
     @property
@@ -148,19 +174,59 @@ class PushConnector(KVConnector):
 
     # -- rank 0, any thread -------------------------------------------------------------------
     def done(self, job: PushJob) -> bool:
-        return self.pusher.done(job.job_id)
+        """Every send of the job is done: `finish` returns at once."""
+        sends = self._sends.get(job.job_id)
+        return (
+            sends is not None
+            and not sends.broken
+            and all(sends.sender.done(h) for h in sends.handles)
+        )
 
     def finish(self, job: PushJob, timeout_s: float) -> list[TransferStats]:
         """Wait until rank 0's frames are acknowledged (TransferError if they are not)."""
-        return self.pusher.finish(job.job_id, timeout_s)
+        return self._finish(job.job_id, timeout_s)
 
     @property
     def stats(self) -> SenderStats:
-        """Rank 0's counters over its transports (thread-safe)."""
-        return self.pusher.stats
+        """This rank's counters over its transports (thread-safe)."""
+        return total_stats(SenderStats, self.stats_by_transport().values())
 
     def stats_by_transport(self) -> dict[str, SenderStats]:
-        return self.pusher.stats_by_transport()
+        """Any thread: a sender made meanwhile on the engine thread is counted next time."""
+        return {name: s.stats for name, s in list(self._senders.items())}
+
+    # -- every rank ---------------------------------------------------------------------------
+    def _open(self, job_id: int, target: KVTarget) -> None:
+        sender = self._senders.get(target.transport)
+        if sender is None:
+            self.check(target.transport)
+            sender = self._senders[target.transport] = create_sender(
+                target.transport, self.geometry
+            )
+        handles: list[SendHandle] = []
+        heads = self._heads
+        assert heads is not None
+        for e in target.endpoints if heads.sends else ():
+            if e.overlaps(heads.start, heads.count):
+                handles.append(
+                    sender.start(
+                        e.address,
+                        target.transfer_id,
+                        target.token,
+                        target.num_blocks,
+                        (e.head_start, e.num_heads),
+                    )
+                )
+        self._sends[job_id] = _Sends(job_id, sender, handles)
+
+    def _finish(self, job_id: int, timeout_s: float) -> list[TransferStats]:
+        sends = self._sends.pop(job_id)
+        return [sends.sender.finish(h, timeout_s) for h in sends.handles]
+
+    def _abort(self, job_id: int) -> None:
+        sends = self._sends.pop(job_id, None)
+        for h in sends.handles if sends is not None else ():
+            sends.sender.abort(h)
 
     # -- the connector interface --------------------------------------------------------------
     @property
@@ -193,39 +259,74 @@ class PushConnector(KVConnector):
         return torch.tensor(items, dtype=torch.int64) if items else None
 
     def bind(self, binding: KVBinding) -> None:
-        self._pusher = KVPusher(binding)
+        self._cache, self._heads = binding.cache, binding.heads
+        self._geometry = binding.geometry
         self._followers = binding.followers
 
     def start_step(self, plan: torch.Tensor) -> None:
-        self.pusher.bind_plan(plan)
+        """Parse the plan once: (sends, first transfer block, layers, block ids on the cache's
+        device). The ids are copied without a sync: a blocking copy in a layer hook would make
+        the host wait for the GPU at every layer."""
+        assert self._cache is not None
+        items = plan.tolist() if plan.numel() else []
+        pushes = []
+        i = 0
+        while i < len(items):
+            job_id, offset, n, layers = items[i : i + 4]
+            ids = torch.tensor(items[i + 4 : i + 4 + n], dtype=torch.int64)
+            i += 4 + n
+            sends = self._sends.get(job_id)
+            if sends is None or sends.broken or not sends.handles:
+                continue
+            if self._cache.is_cuda:
+                ids = ids.pin_memory().to(self._cache.device, non_blocking=True)
+            pushes.append((sends, offset, layers, ids))
+        self._pushes = pushes
 
     def save_layer(self, layer: int) -> None:
-        self.pusher.push_layer(layer)
+        assert self._cache is not None
+        for sends, offset, layers, ids in self._pushes:
+            if sends.broken or (layers == ALL_LAYERS and layer != 0):
+                continue
+            try:
+                if layers == ALL_LAYERS:
+                    sends.sender.send_layers(sends.handles, offset, self._cache, ids)
+                else:
+                    pages = self._cache[layer]
+                    sends.sender.send_blocks(sends.handles, layer, offset, pages, ids)
+            except (TransferError, ValueError) as e:
+                # A broken transfer must never stop the forward; finish() reports it.
+                log.warning("KV push of job %d stopped: %s", sends.job_id, e)
+                sends.broken = True
 
     def end_step(self) -> None:
-        self.pusher.unbind_plan()
+        self._pushes = []
 
     def handle(self, message: object) -> object | None:
         match message:
             case PushStart(job_id, target):
-                self.pusher.start(job_id, target)
+                self._open(job_id, target)
             case PushEnd(job_id, timeout_s):
                 # Rank 0 does not wait: the decode worker checks that every rank's heads arrived.
-                threading.Thread(target=self._finish, args=(job_id, timeout_s), daemon=True).start()
+                threading.Thread(
+                    target=self._finish_quietly, args=(job_id, timeout_s), daemon=True
+                ).start()
             case PushAbort(job_id):
-                self.pusher.abort(job_id)
+                self._abort(job_id)
             case CountSent():
-                return Count(self.pusher.stats.bytes_sent)
+                return Count(self.stats.bytes_sent)
             case _:
                 return super().handle(message)
         return None
 
-    def _finish(self, job_id: int, timeout_s: float) -> None:
+    def _finish_quietly(self, job_id: int, timeout_s: float) -> None:
         try:
-            self.pusher.finish(job_id, timeout_s)
+            self._finish(job_id, timeout_s)
         except TransferError as e:
             log.warning("KV push of job %d failed on this rank: %s", job_id, e)
 
     def close(self) -> None:
-        if self._pusher is not None:
-            self._pusher.close()
+        for job_id in list(self._sends):
+            self._abort(job_id)
+        for sender in self._senders.values():
+            sender.close()
