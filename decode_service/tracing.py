@@ -96,7 +96,7 @@ class DecodeTraces:
         span.set_attribute("pdmesh.finish_reason", d.finish_reason or "")
         if d.usage is not None:
             span.set_attribute("pdmesh.cached_prompt_tokens", d.usage.cached_prompt_tokens)
-        error = (d.error_message or "failed") if d.error_code else None
+        error = (d.error_message or "failed") if d.error_status else None
         tracing.end_span(span, max(end, entry.submit_ns), error)
 
     # -- the KV transfer of a remote prefill (inside the request's span) -------------------------
