@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.sampling_params import SamplingParams
 
 _ids = iter(range(10**9))
 
@@ -113,7 +113,7 @@ def prefill_time(engine: Any, tokens: int) -> tuple[float, float]:
             engine.step()
         times.append(time.perf_counter() - start)
         engine.release(rid)
-    engine.block_manager.reset_prefix_cache()
+    engine.scheduler.reset_prefix_cache()
     return statistics.median(times[1:]), flops
 
 
