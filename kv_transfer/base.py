@@ -18,12 +18,16 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import torch
 
 from pdmesh.kv_transfer.frame import DTYPE_CODES, ID_NBYTES, TOKEN_NBYTES
 from pdmesh.kv_transfer.pages import gather_blocks
 from pdmesh.kv_transfer.stats import ReceiverStats, SenderStats, TransferStats
+
+if TYPE_CHECKING:  # inbox.py builds on this module
+    from pdmesh.kv_transfer.inbox import TransferInbox
 
 _TRANSFER_ID = re.compile(r"[0-9a-f]{32}")
 _U32 = 1 << 32  # frame header fields are u32
@@ -169,7 +173,7 @@ class TransferSpec:
         )
 
 
-def handle_heads(geometry: PageGeometry, heads: tuple[int, int] | None) -> tuple[int, int]:
+def _handle_heads(geometry: PageGeometry, heads: tuple[int, int] | None) -> tuple[int, int]:
     """The (start, count) of the sender's heads that a receiver holding `heads` needs."""
     if heads is None:
         return geometry.head_start, geometry.num_kv_heads
@@ -183,35 +187,48 @@ def handle_heads(geometry: PageGeometry, heads: tuple[int, int] | None) -> tuple
     return start, count
 
 
+@dataclass(eq=False, repr=False)
 class SendHandle:
-    """One outgoing transfer: returned by `KVSender.start`, passed back to its other methods."""
+    """One outgoing transfer: returned by `KVSender.start`, passed back to its other methods.
+    A transport subclasses it (keyword-only fields) for its own progress."""
 
-    def __init__(
-        self,
-        endpoint: str,
-        transfer_id: str,
-        token: bytes,
-        num_blocks: int,
-        head_start: int = 0,
-        num_heads: int = 0,
-    ) -> None:
-        check_transfer_id(transfer_id)
-        check_token(token)
-        _check_count("SendHandle", "num_blocks", num_blocks, 1)
-        self.endpoint = endpoint
-        self.transfer_id = transfer_id
-        self.raw_id = bytes.fromhex(transfer_id)
-        self.token = token
-        self.num_blocks = num_blocks
-        # The global KV heads this transfer carries (the sender's heads the receiver holds).
-        self.head_start = head_start
-        self.num_heads = num_heads
+    endpoint: str
+    transfer_id: str
+    token: bytes
+    num_blocks: int
+    # The global KV heads this transfer carries (the sender's heads the receiver holds).
+    head_start: int
+    num_heads: int
+    ended: bool = field(default=False, init=False)  # caller side: finish() or abort() was called
+    nbytes: int = field(default=0, init=False)  # payload bytes sent
+    first_sent_at: float | None = field(default=None, init=False)  # time.monotonic()
+
+    def __post_init__(self) -> None:
+        check_transfer_id(self.transfer_id)
+        check_token(self.token)
+        _check_count("SendHandle", "num_blocks", self.num_blocks, 1)
+        self.raw_id = bytes.fromhex(self.transfer_id)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.transfer_id} -> {self.endpoint})"
 
 
-class KVReceiver(ABC):
+class _Closes(ABC):
+    """`with` closes it."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class KVReceiver(_Closes):
     """Receives pages into one rank's KV cache.
 
     Callers may rely on: `expect`, `cancel` and `stats` are thread-safe; the returned futures are
@@ -223,44 +240,38 @@ class KVReceiver(ABC):
     so its blocks may be freed; cancelling the future itself has the same effect.
     """
 
-    def __init__(self, cache: torch.Tensor, geometry: PageGeometry, bind: str) -> None:
-        self.num_blocks = geometry.check_cache(cache)
-        self.cache = cache  # [L, 2, num_blocks, block_size, num_kv_heads, head_dim]
-        self.geometry = geometry
+    def __init__(self, inbox: TransferInbox) -> None:
+        """Every transport checks and writes frames through one `TransferInbox`, which also
+        answers `expect`, `cancel` and `stats`."""
+        self.inbox = inbox
+        self.cache = inbox.cache  # [L, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.geometry = inbox.geometry
 
     @property
     @abstractmethod
     def endpoint(self) -> str:
         """The address senders connect to, e.g. "tcp://127.0.0.1:41234"."""
 
-    @abstractmethod
     def expect(self, spec: TransferSpec, timeout: float) -> Future[TransferStats]:
         """Announce a transfer. Fails with TransferError after `timeout` seconds without
         completion. ValueError when the spec cannot fit this rank (block ids beyond the cache, no
         head in common, an id already announced)."""
+        return self.inbox.expect(spec, timeout)
 
-    @abstractmethod
     def cancel(self, transfer_id: str) -> None:
         """Fail the transfer's future with TransferError and forget it; a no-op when unknown."""
+        self.inbox.cancel(transfer_id)
 
     @property
-    @abstractmethod
-    def stats(self) -> ReceiverStats: ...
+    def stats(self) -> ReceiverStats:
+        return self.inbox.stats
 
     @abstractmethod
     def close(self) -> None:
         """Stop receiving; open transfers fail. Idempotent."""
 
-    def __enter__(self) -> KVReceiver:
-        return self
 
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
-
-class KVSender(ABC):
+class KVSender(_Closes):
     """Pushes pages from one rank's KV cache.
 
     Callers may rely on: `send_layer` never blocks on the network (it copies and queues) and
@@ -270,10 +281,11 @@ class KVSender(ABC):
     from different threads.
     """
 
+    Handle: ClassVar[type[SendHandle]] = SendHandle  # what `start` makes for `_open`
+
     def __init__(self, geometry: PageGeometry) -> None:
         self.geometry = geometry
 
-    @abstractmethod
     def start(
         self,
         endpoint: str,
@@ -287,6 +299,15 @@ class KVSender(ABC):
         heads: (start, count) of the global KV heads the receiver holds; only this sender's heads
         inside that range are sent (default: all of them). ValueError if none are.
         """
+        handle = self.Handle(
+            endpoint, spec_id, token, num_blocks, *_handle_heads(self.geometry, heads)
+        )
+        self._open(handle)
+        return handle
+
+    @abstractmethod
+    def _open(self, handle: Any) -> None:
+        """Start `handle` (of this transport's `Handle` type) on this sender."""
 
     @abstractmethod
     def send_layer(
@@ -351,11 +372,3 @@ class KVSender(ABC):
     @abstractmethod
     def close(self) -> None:
         """Stop sending; open transfers fail. Idempotent."""
-
-    def __enter__(self) -> KVSender:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()

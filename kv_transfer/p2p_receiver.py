@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pdmesh.kv_transfer.base import KVReceiver, PageGeometry, TransferSpec
+from pdmesh.kv_transfer.base import KVReceiver, PageGeometry
 from pdmesh.kv_transfer.frame import (
     HEADER_NBYTES,
     MAX_FRAME_PAYLOAD,
@@ -45,7 +45,6 @@ from pdmesh.kv_transfer.p2p_pairs import (
     pair_group,
     serve_store,
 )
-from pdmesh.kv_transfer.stats import ReceiverStats
 from pdmesh.logger import get_logger
 
 log = get_logger(__name__)
@@ -68,7 +67,6 @@ class P2PReceiver(KVReceiver):
     backend = "gloo"
 
     def __init__(self, cache: torch.Tensor, geometry: PageGeometry, bind: str) -> None:
-        geometry.check_cache(cache)
         if cache.is_cuda != (self.backend == "nccl"):
             raise ValueError(
                 f"the {self.backend} KV transport needs a cache on "
@@ -77,8 +75,7 @@ class P2PReceiver(KVReceiver):
         # As on the sending side (p2p_sender.py): a pair thread waiting for the GIL behind a
         # thread running Python would hold the next recv back by up to the switch interval.
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
-        self._cache = cache
-        self._inbox = TransferInbox(cache, geometry)
+        super().__init__(TransferInbox(cache, geometry))
         self._store = serve_store(bind)
         self._endpoint = f"tcp://{host_port(bind)[0]}:{self._store.port}"
         self._stop = threading.Event()
@@ -89,24 +86,14 @@ class P2PReceiver(KVReceiver):
     def endpoint(self) -> str:
         return self._endpoint
 
-    def expect(self, spec: TransferSpec, timeout: float):  # type: ignore[override]
-        return self._inbox.expect(spec, timeout)
-
-    def cancel(self, transfer_id: str) -> None:
-        self._inbox.cancel(transfer_id)
-
-    @property
-    def stats(self) -> ReceiverStats:
-        return self._inbox.stats
-
     def close(self) -> None:
         # Pair threads blocked in recv end with the process (daemon threads).
         self._stop.set()
-        self._inbox.close("the KV receiver closed")
+        self.inbox.close("the KV receiver closed")
 
     def _accept(self) -> None:
         while not self._stop.wait(TICK_S):
-            self._inbox.expire()
+            self.inbox.expire()
             try:
                 fresh = announced_pairs(self._store, self._seen)
             except Exception as e:
@@ -135,7 +122,7 @@ class P2PReceiver(KVReceiver):
                 inbox.close()
 
     def _receive_frames(self, inbox: HeaderInbox, group: dist.ProcessGroup) -> None:
-        device = self._cache.device
+        device = self.cache.device
         cuda = device.type == "cuda"
         # None on the CPU: torch.cuda.stream(None) changes nothing.
         recvs = torch.cuda.Stream(device) if cuda else None
@@ -157,7 +144,7 @@ class P2PReceiver(KVReceiver):
         the pair (its stream would be out of step)."""
         count, rest = divmod(len(raw), HEADER_NBYTES)
         if rest or not 0 < count <= MAX_BATCH_FRAMES:
-            self._inbox.deliver(raw, None)  # counted as malformed
+            self.inbox.deliver(raw, None)  # counted as malformed
             raise MalformedFrame(f"a batch of {len(raw)} header bytes")
         headers = [raw[i * HEADER_NBYTES : (i + 1) * HEADER_NBYTES] for i in range(count)]
         parsed = []
@@ -165,11 +152,11 @@ class P2PReceiver(KVReceiver):
             try:
                 parsed.append(FrameHeader.unpack(header))
             except MalformedFrame:
-                self._inbox.deliver(header, None)
+                self.inbox.deliver(header, None)
                 raise
         sizes = [h.payload_nbytes for h in parsed]
         if max(sizes) > MAX_FRAME_PAYLOAD or sum(sizes) > BATCH_BYTES:
-            self._inbox.deliver(headers[0], None)
+            self.inbox.deliver(headers[0], None)
             raise MalformedFrame(f"a batch announces {sum(sizes)} bytes, over the limit")
         payload = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
         posted_at = time.monotonic()
@@ -185,7 +172,7 @@ class P2PReceiver(KVReceiver):
         for first, layers in _runs(batch.headers, batch.parsed):
             size = batch.parsed[first].payload_nbytes * layers
             part = batch.payload[offset : offset + size]
-            self._inbox.deliver(batch.parsed[first], part, layers, since=batch.posted_at)
+            self.inbox.deliver(batch.parsed[first], part, layers, since=batch.posted_at)
             offset += size
 
 

@@ -15,10 +15,11 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
-from pdmesh.kv_transfer.base import KVSender, PageGeometry, SendHandle, TransferError, handle_heads
+from pdmesh.kv_transfer.base import KVSender, PageGeometry, SendHandle, TransferError
 from pdmesh.kv_transfer.frame import DTYPE_CODES, FrameHeader, payload_nbytes
 from pdmesh.kv_transfer.p2p_pairs import (
     BATCH_BYTES,
@@ -38,22 +39,10 @@ log = get_logger(__name__)
 POLL_S = 0.0002  # NCCL send completion, polled: a prefill reply waits on it
 
 
+@dataclass(eq=False, repr=False)
 class _Handle(SendHandle):
-    def __init__(
-        self,
-        pair: Pair,
-        endpoint: str,
-        transfer_id: str,
-        token: bytes,
-        num_blocks: int,
-        heads: tuple[int, int],
-    ) -> None:
-        super().__init__(endpoint, transfer_id, token, num_blocks, *heads)
-        self.pair = pair
-        self.frames: list[Frame] = []  # queued, in order
-        self.bytes = 0
-        self.first_sent_at: float | None = None
-        self.ended = False
+    pair: Pair = field(init=False)
+    frames: list[Frame] = field(default_factory=list, init=False)  # queued, in order
 
 
 def _stuck(h: _Handle, timeout: float) -> TransferError:
@@ -64,6 +53,7 @@ def _stuck(h: _Handle, timeout: float) -> TransferError:
 
 
 class P2PSender(KVSender):
+    Handle = _Handle
     backend = "gloo"
 
     def __init__(self, geometry: PageGeometry) -> None:
@@ -88,16 +78,8 @@ class P2PSender(KVSender):
                 self._pairs[endpoint] = pair
             return pair
 
-    def start(
-        self,
-        endpoint: str,
-        spec_id: str,
-        token: bytes,
-        num_blocks: int,
-        heads: tuple[int, int] | None = None,
-    ) -> SendHandle:
-        span = handle_heads(self.geometry, heads)
-        return _Handle(self._pair(endpoint), endpoint, spec_id, token, num_blocks, span)
+    def _open(self, handle: _Handle) -> None:
+        handle.pair = self._pair(handle.endpoint)
 
     def send_layer(
         self, handle: SendHandle, layer: int, first_block: int, k: torch.Tensor, v: torch.Tensor
@@ -206,7 +188,7 @@ class P2PSender(KVSender):
         except TransferError as e:
             raise TransferError(f"transfer {h.transfer_id} to {h.endpoint}: {e}") from None
         h.frames += frames
-        h.bytes += sum(f.payload.numel() for f in frames)
+        h.nbytes += sum(f.payload.numel() for f in frames)
         if h.first_sent_at is None:
             h.first_sent_at = time.monotonic()
 
@@ -241,11 +223,11 @@ class P2PSender(KVSender):
         frames = len(h.frames)
         h.frames.clear()
         with self._lock:
-            self._counts.bytes_sent += h.bytes
+            self._counts.bytes_sent += h.nbytes
             self._counts.frames_sent += frames
             self._counts.transfers += 1
             self._counts.seconds_sending += seconds
-        return TransferStats(bytes=h.bytes, seconds=seconds, frames=frames)
+        return TransferStats(bytes=h.nbytes, seconds=seconds, frames=frames)
 
     def _wait(self, frame: Frame, deadline: float, h: _Handle, timeout: float) -> None:
         """Until the frame's send was posted; TransferError if that failed or took too long."""

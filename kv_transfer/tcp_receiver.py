@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from concurrent.futures import Future
 
 import torch
 import zmq
 
-from pdmesh.kv_transfer.base import KVReceiver, PageGeometry, TransferSpec
+from pdmesh.kv_transfer.base import KVReceiver, PageGeometry
 from pdmesh.kv_transfer.frame import HEADER_NBYTES, MAX_FRAME_PAYLOAD, Ack
 from pdmesh.kv_transfer.inbox import TransferInbox
-from pdmesh.kv_transfer.stats import ReceiverStats, TransferStats
 from pdmesh.kv_transfer.zmq_options import (
     ACK_HWM,
     FRAME_HWM,
@@ -41,11 +39,10 @@ class TcpReceiver(KVReceiver):
         *,
         max_frame_bytes: int = MAX_FRAME_PAYLOAD,
     ) -> None:
-        super().__init__(cache, geometry, bind)
         check_endpoint(bind, binding=True)
         if max_frame_bytes < HEADER_NBYTES:
             raise ValueError(f"max_frame_bytes {max_frame_bytes} is below one frame header")
-        self._inbox = TransferInbox(cache, geometry)
+        super().__init__(TransferInbox(cache, geometry))
         self._context = zmq.Context(io_threads=1)
         sock = self._context.socket(zmq.ROUTER)
         tune(sock, bind)
@@ -74,16 +71,6 @@ class TcpReceiver(KVReceiver):
     def endpoint(self) -> str:
         return self._endpoint
 
-    def expect(self, spec: TransferSpec, timeout: float) -> Future[TransferStats]:
-        return self._inbox.expect(spec, timeout)
-
-    def cancel(self, transfer_id: str) -> None:
-        self._inbox.cancel(transfer_id)
-
-    @property
-    def stats(self) -> ReceiverStats:
-        return self._inbox.stats
-
     def close(self) -> None:
         with self._close_lock:
             if self._closed:
@@ -91,7 +78,7 @@ class TcpReceiver(KVReceiver):
             self._closed = True
         self._stop.set()
         self._thread.join(timeout=1.0 + 2 * POLL_MS / 1000)
-        self._inbox.close("the KV receiver closed")
+        self.inbox.close("the KV receiver closed")
         if self._thread.is_alive():  # stuck in a write; the daemon thread dies with the process
             log.warning("KV receiver thread at %s did not stop within 1 s", self._endpoint)
             return
@@ -110,21 +97,21 @@ class TcpReceiver(KVReceiver):
                         except zmq.Again:
                             break
                         self._handle(parts)
-                self._inbox.expire()
+                self.inbox.expire()
         except Exception:
             log.exception("KV receiver thread at %s failed", self._endpoint)
         finally:
             self._socket.close(linger=0)
             # Nobody will deliver or expire any more: fail what is open now, not at its deadline.
             stopped = "closed" if self._stop.is_set() else "thread failed"
-            self._inbox.close(f"the KV receiver {stopped}")
+            self.inbox.close(f"the KV receiver {stopped}")
 
     def _handle(self, parts: list[zmq.Frame]) -> None:
         identity, body = parts[0], parts[1:]
         header = body[0].buffer if body else b""
         payload = body[1].buffer if len(body) == 2 else None  # missing or extra parts: malformed
         try:
-            verdict, parsed = self._inbox.deliver(header, payload)
+            verdict, parsed = self.inbox.deliver(header, payload)
         except Exception:  # never let one message stop the thread
             log.exception("KV frame from %r could not be handled", identity.bytes)
             return

@@ -22,7 +22,7 @@ from typing import Literal, NamedTuple
 import torch
 import zmq
 
-from pdmesh.kv_transfer.base import KVSender, PageGeometry, SendHandle, TransferError, handle_heads
+from pdmesh.kv_transfer.base import KVSender, PageGeometry, SendHandle, TransferError
 from pdmesh.kv_transfer.frame import MAX_FRAME_PAYLOAD, Ack, MalformedFrame, Verdict
 from pdmesh.kv_transfer.staging import StagedFrame, blocks_per_frame, stage_layer
 from pdmesh.kv_transfer.stats import SendCounters, SenderStats, TransferStats
@@ -34,26 +34,14 @@ log = get_logger(__name__)
 IDLE_LINK_SECONDS = 300.0  # a socket to an endpoint unused this long is closed
 
 
+@dataclass(eq=False, repr=False)
 class _TcpHandle(SendHandle):
-    def __init__(
-        self,
-        owner: TcpSender,
-        endpoint: str,
-        transfer_id: str,
-        token: bytes,
-        num_blocks: int,
-        heads: tuple[int, int],
-    ) -> None:
-        super().__init__(endpoint, transfer_id, token, num_blocks, *heads)
-        self.owner = owner
-        self.future: Future[TransferStats] = Future()
-        self.ended = False  # caller side: finish() or abort() was called
-        # Written by the I/O thread only.
-        self.queued = 0
-        self.acked = 0
-        self.bytes = 0
-        self.sealed = False
-        self.first_sent_at: float | None = None
+    owner: TcpSender = field(init=False)
+    future: Future[TransferStats] = field(default_factory=Future, init=False)
+    # Written by the I/O thread only.
+    queued: int = field(default=0, init=False)
+    acked: int = field(default=0, init=False)
+    sealed: bool = field(default=False, init=False)
 
 
 class _Command(NamedTuple):
@@ -72,6 +60,8 @@ class _Link:
 
 
 class TcpSender(KVSender):
+    Handle = _TcpHandle
+
     def __init__(self, geometry: PageGeometry, *, max_frame_bytes: int = MAX_FRAME_PAYLOAD) -> None:
         super().__init__(geometry)
         blocks_per_frame(geometry, max_frame_bytes)  # refuse a geometry now, not at the first push
@@ -95,25 +85,19 @@ class TcpSender(KVSender):
         self._thread.start()
 
     # -- caller side --------------------------------------------------------------------------
-    def start(
-        self,
-        endpoint: str,
-        spec_id: str,
-        token: bytes,
-        num_blocks: int,
-        heads: tuple[int, int] | None = None,
-    ) -> SendHandle:
-        check_endpoint(endpoint, binding=False)
-        span = handle_heads(self.geometry, heads)
-        handle = _TcpHandle(self, endpoint, spec_id, token, num_blocks, span)
-        key = (endpoint, handle.raw_id)
+    def _open(self, handle: _TcpHandle) -> None:
+        check_endpoint(handle.endpoint, binding=False)
+        handle.owner = self
+        key = (handle.endpoint, handle.raw_id)
         with self._lock:
             if self._stop.is_set():
                 raise TransferError("the KV sender is closed")
             if key in self._active:
-                raise ValueError(f"transfer {spec_id} to {endpoint} is already open on this sender")
+                raise ValueError(
+                    f"transfer {handle.transfer_id} to {handle.endpoint} is already open on this "
+                    "sender"
+                )
             self._active.add(key)
-        return handle
 
     def send_layer(
         self, handle: SendHandle, layer: int, first_block: int, k: torch.Tensor, v: torch.Tensor
@@ -281,7 +265,7 @@ class TcpSender(KVSender):
             link.last_used = now = time.monotonic()
             if h.first_sent_at is None:
                 h.first_sent_at = now
-            h.bytes += frame.nbytes
+            h.nbytes += frame.nbytes
             with self._lock:
                 self._counts.bytes_sent += frame.nbytes
                 self._counts.frames_sent += 1
@@ -319,7 +303,9 @@ class TcpSender(KVSender):
             return
         self._forget(h)
         now = time.monotonic()
-        stats = TransferStats(bytes=h.bytes, seconds=now - (h.first_sent_at or now), frames=h.acked)
+        stats = TransferStats(
+            bytes=h.nbytes, seconds=now - (h.first_sent_at or now), frames=h.acked
+        )
         with self._lock:
             self._counts.transfers += 1
             self._counts.seconds_sending += stats.seconds
