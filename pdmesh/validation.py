@@ -6,18 +6,26 @@ the tokenizer, and returns a `ValidRequest`, the only thing the router generates
 rule and its message lives here (or, for sampling values, in `SamplingParams`, which the engine
 checks too); a broken rule raises `InvalidRequest(message, field)`, which the edges answer with
 INVALID_ARGUMENT / 400 naming the field. Torch-free.
+
+The tokenizer runs on a thread of its own: a text of megabytes takes seconds to tokenize, which
+on the event loop would stall every stream the router relays (the Rust tokenizer releases the
+GIL while it works). One thread only: a fast tokenizer used from two threads at once can fail
+("Already borrowed").
 """
 
 from __future__ import annotations
 
-import time
+import asyncio
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdmesh.errors import InvalidRequest
 from pdmesh.sampling_params import SamplingParams
+from pdmesh.text.chat_template import chat_token_ids
+from pdmesh.text.tokenizer import Tokenizer
 
 MAX_REQUEST_ID_LEN = 256
 # Stop rules are checked at every token of a request, on the engine thread: bounded so that no
@@ -25,7 +33,6 @@ MAX_REQUEST_ID_LEN = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
-INPUT_KINDS = "text, token_ids or chat"
 
 
 def check_text(value: str, name: str) -> str:
@@ -92,30 +99,23 @@ class Prompt:
 
 
 @dataclass(frozen=True)
-class MaxTokens:
-    """The client's max_tokens and how to complete it.
-
-    value: as given (None: unset). name: its field in the client's API. must_fit: prompt + value
-    must fit in max_model_len (else value need only be at most max_model_len, and the request
-    ends with "length" where the model's length ends). default: what an unset value becomes, at
-    most the room left after the prompt; None: all of that room if must_fit, else
-    SamplingParams' default."""
-
-    value: int | None = None
-    name: str = "max_tokens"
-    default: int | None = None
-    must_fit: bool = False
-
-
-@dataclass(frozen=True)
 class RequestSpec:
-    """One request as an edge parsed it: field types checked, not yet validated."""
+    """One request as an edge parsed it: field types checked, not yet validated.
+
+    max_tokens: as given (None: unset), named `max_tokens_field` in the client's API. With
+    `must_fit` (OpenAI's rule), prompt + max_tokens must fit in max_model_len and an unset value
+    becomes `default_max_tokens` (None: all the room after the prompt), at most that room.
+    Without, max_tokens need only be at most max_model_len (the request ends with "length"
+    where the model's length ends) and an unset one is SamplingParams' default."""
 
     prompt: Prompt
     prompt_field: str = "prompt"
     model: str = ""
     request_id: str = ""
-    max_tokens: MaxTokens = field(default_factory=MaxTokens)
+    max_tokens: int | None = None
+    max_tokens_field: str = "max_tokens"
+    must_fit: bool = False
+    default_max_tokens: int | None = None
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams but max_tokens
     deadline: float | None = None  # unix seconds
 
@@ -130,103 +130,103 @@ class ValidRequest:
     deadline: float | None = None  # unix seconds
 
 
-Encode = Callable[[str], Awaitable[list[int]]]
-EncodeChat = Callable[[list[dict[str, str]]], Awaitable[list[int]]]
-
-
 class Validator:
-    """The rules of one served model. `encode` / `encode_chat` tokenize (the router runs them
-    off its event loop); `id_prefix` starts generated request ids."""
+    """The rules of one served model, and its tokenizer on a thread of its own (`close` stops
+    it). Texts that cannot fit in `max_model_len` tokens whatever they say (more characters than
+    that many of the vocabulary's longest tokens) are refused before any tokenizer work."""
 
     def __init__(
-        self,
-        model_name: str,
-        vocab_size: int,
-        max_model_len: int,
-        encode: Encode,
-        encode_chat: EncodeChat,
+        self, model_name: str, vocab_size: int, max_model_len: int, tokenizer: Tokenizer
     ) -> None:
         self.model_name = model_name
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self._encode = encode
-        self._encode_chat = encode_chat
+        self.tokenizer = tokenizer
+        # A token's vocabulary string bounds the characters it stands for (byte-level BPE
+        # spells each byte as one character, SentencePiece a space as one).
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=1) + 1
+        self.max_chars = max_model_len * longest
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="pdmesh-tokenizer")
 
-    def check_model(self, name: str) -> None:
-        check_text(name, "model")
-        if name and name != self.model_name:
-            raise InvalidRequest(
-                f"model {name!r} is not served here; this mesh serves {self.model_name!r}.",
-                "model",
-            )
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
 
     async def tokenize(self, prompt: Prompt, name: str = "prompt") -> list[int]:
         """The prompt's token ids (its text checked first); InvalidRequest naming `name`."""
         if prompt.messages is not None:
-            for i, m in enumerate(prompt.messages):
-                for key in ("role", "content"):
-                    if isinstance(m.get(key), str):
-                        check_text(m[key], f"{name}[{i}].{key}")
-            return await self._encode_chat(prompt.messages)
+            messages = prompt.messages
+            for i, m in enumerate(messages):
+                check_text(m["role"], f"{name}[{i}].role")
+                check_text(m["content"], f"{name}[{i}].content")
+            self._check_chars(sum(len(m["content"]) for m in messages), "the chat", "messages")
+            return await self._run(lambda: chat_token_ids(self.tokenizer, messages))
         if prompt.text is not None:
-            return await self._encode(check_text(prompt.text, name))
+            self._check_chars(len(check_text(prompt.text, name)), "the prompt", "prompt")
+            return await self._run(lambda: self.tokenizer.encode(prompt.text))
         if prompt.token_ids is not None:
             return list(prompt.token_ids)
-        raise InvalidRequest(f"input must be one of {INPUT_KINDS} (none was set).", "input")
+        raise InvalidRequest(
+            "input must be one of text, token_ids or chat (none was set).",
+            "input",
+        )
+
+    def _check_chars(self, n: int, what: str, field: str) -> None:
+        if n > self.max_chars:
+            raise InvalidRequest(
+                f"{what} has {n:,} characters, more than any prompt that fits in the model's "
+                f"max length can have ({self.max_chars:,}).",
+                field,
+            )
+
+    async def _run(self, fn: Callable[[], list[int]]) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn)
 
     async def validate(self, spec: RequestSpec, id_prefix: str = "") -> ValidRequest:
         """Everything but the prompt first (cheap), then the prompt through the tokenizer."""
-        self.check_model(spec.model)
+        check_text(spec.model, "model")
+        if spec.model and spec.model != self.model_name:
+            raise InvalidRequest(
+                f"model {spec.model!r} is not served here; this mesh serves {self.model_name!r}.",
+                "model",
+            )
         check_text(spec.request_id, "request_id")
         if len(spec.request_id) > MAX_REQUEST_ID_LEN:
             raise InvalidRequest(
                 f"request_id must be at most {MAX_REQUEST_ID_LEN} characters.", "request_id"
             )
         check_stop_rules(spec.sampling.get("stop", ()), spec.sampling.get("stop_token_ids", ()))
-        wanted = spec.max_tokens
-        params = self._sampling(spec.sampling, wanted)
-        if wanted.value is not None and not wanted.must_fit and wanted.value > self.max_model_len:
+        params = self._sampling(spec)
+        given, name = spec.max_tokens, spec.max_tokens_field
+        if given is not None and not spec.must_fit and given > self.max_model_len:
             raise InvalidRequest(
-                f"{wanted.name} must be at most {self.max_model_len} (the model's max length), "
-                f"got {wanted.value}.",
-                wanted.name,
+                f"{name} must be at most {self.max_model_len} (the model's max length), "
+                f"got {given}.",
+                name,
             )
         prompt = await self.tokenize(spec.prompt, spec.prompt_field)
         check_prompt_ids(prompt, self.vocab_size, self.max_model_len, spec.prompt_field)
-        max_tokens = self._max_tokens(wanted, len(prompt))
-        if max_tokens is not None:
-            params = replace(params, max_tokens=max_tokens)
+        room = self.max_model_len - len(prompt)
+        if spec.must_fit and given is None:
+            params = replace(params, max_tokens=min(spec.default_max_tokens or room, room))
+        elif spec.must_fit and given is not None and given > room:
+            raise InvalidRequest(
+                f"this model's maximum context length is {self.max_model_len} tokens; the "
+                f"request asks for {len(prompt) + given} ({len(prompt)} in the prompt, "
+                f"{given} in the completion); lower {name} or shorten the prompt.",
+                name,
+            )
         request_id = spec.request_id or f"{id_prefix}{uuid.uuid4().hex}"
         return ValidRequest(request_id, prompt, params, spec.deadline)
 
     @staticmethod
-    def _sampling(sampling: dict[str, Any], wanted: MaxTokens) -> SamplingParams:
+    def _sampling(spec: RequestSpec) -> SamplingParams:
         """SamplingParams with the client's max_tokens if given (checked by SamplingParams, the
         one place its rules are written), named as the client's API names it."""
-        given = {"max_tokens": wanted.value} if wanted.value is not None else {}
+        given = {"max_tokens": spec.max_tokens} if spec.max_tokens is not None else {}
         try:
-            return SamplingParams(**sampling, **given)
+            return SamplingParams(**spec.sampling, **given)
         except InvalidRequest as e:
-            name = wanted.name if e.field == "max_tokens" else e.field
-            raise InvalidRequest(str(e).replace("max_tokens", wanted.name), name) from None
-
-    def _max_tokens(self, wanted: MaxTokens, prompt_len: int) -> int | None:
-        """The request's max_tokens once its prompt is known (None: as SamplingParams has it)."""
-        room = self.max_model_len - prompt_len
-        if wanted.value is None:
-            if wanted.default is None and not wanted.must_fit:
-                return None
-            return max(1, min(room if wanted.default is None else wanted.default, room))
-        if wanted.must_fit and prompt_len + wanted.value > self.max_model_len:
+            name = spec.max_tokens_field
             raise InvalidRequest(
-                f"this model's maximum context length is {self.max_model_len} tokens; the "
-                f"request asks for {prompt_len + wanted.value} ({prompt_len} in the prompt, "
-                f"{wanted.value} in the completion); lower {wanted.name} or shorten the prompt.",
-                wanted.name,
-            )
-        return None
-
-
-def deadline_in(remaining_s: float | None) -> float | None:
-    """A unix-time deadline `remaining_s` from now (None: none)."""
-    return time.time() + remaining_s if remaining_s is not None else None
+                str(e).replace("max_tokens", name), name if e.field == "max_tokens" else e.field
+            ) from None

@@ -3,14 +3,13 @@ tokens, moving the request to another worker if its worker is lost. Shared by th
 the HTTP gateway.
 
 A request's path: `Validator.validate` (pdmesh.validation) -> `Router.generate`, which loops
-over attempts: `Dispatcher.submit` (dispatch.py) -> `relay` (relay.py) until a chunk carries a
+over attempts: `Dispatcher.submit` -> `Attempt.relay` (dispatch.py) until a chunk carries a
 finish reason; a lost worker hands the request to `Failover`, which re-submits prompt + the
 tokens already streamed.
 """
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -21,18 +20,14 @@ from pdmesh.logger import get_logger
 from pdmesh.router.config import RouterConfig
 from pdmesh.router.decode_link import LinkLost
 from pdmesh.router.dispatch import Dispatcher
-from pdmesh.router.policies import DispatchPolicy
-from pdmesh.router.registry import Worker, WorkerRegistry
-from pdmesh.router.relay import Chunk, relay
+from pdmesh.router.registry import WorkerRegistry
 from pdmesh.router.request_telemetry import RequestTelemetry
 from pdmesh.router.stream_pacing import StreamPacer
-from pdmesh.router.tokenization import RouterTokenizer
 from pdmesh.text.tokenizer import Tokenizer
+from pdmesh.v1 import generation_pb2 as gen_pb
 from pdmesh.validation import Validator, ValidRequest
 
 log = get_logger(__name__)
-
-__all__ = ["Chunk", "Failover", "Router"]
 
 
 @dataclass
@@ -67,28 +62,17 @@ class Failover:
 
 
 class Router:
-    def __init__(
-        self,
-        config: RouterConfig,
-        info: ModelConfig,
-        tokenizer: Tokenizer,
-        registry: WorkerRegistry,
-        policy: DispatchPolicy,
-    ) -> None:
+    """The workers of `config` (registry, dispatch policy) and the validator of the model whose
+    config and tokenizer are given."""
+
+    def __init__(self, config: RouterConfig, info: ModelConfig, tokenizer: Tokenizer) -> None:
         self.config = config
         self.info = info
-        self.registry = registry
         self.model_name = config.served_model_name or model_display_name(config.model)
         self.max_model_len = config.max_model_len or info.max_position
-        self.text = RouterTokenizer(tokenizer, self.max_model_len)
-        self.validator = Validator(
-            self.model_name,
-            info.vocab_size,
-            self.max_model_len,
-            self.text.encode,
-            self.text.encode_chat,
-        )
-        self.dispatcher = Dispatcher(config, registry, policy, f"router-{uuid.uuid4().hex[:8]}")
+        self.validator = Validator(self.model_name, info.vocab_size, self.max_model_len, tokenizer)
+        self.registry = WorkerRegistry(config)
+        self.dispatcher = Dispatcher(config, self.registry)
         self.pacer = StreamPacer()
         self._active_ids: set[str] = set()  # client request ids in flight
 
@@ -99,19 +83,12 @@ class Router:
     async def close(self) -> None:
         await self.dispatcher.close()
         await self.registry.close()
-        self.text.close()
+        self.validator.close()
 
-    def decode_ready(self) -> list[Worker]:
-        return self.dispatcher.decode_ready()
-
-    @property
-    def block_size(self) -> int:
-        return self.dispatcher.block_size
-
-    async def generate(self, inp: ValidRequest) -> AsyncIterator[Chunk]:
-        """The request's chunks; the last has a finish reason. Raises `pdmesh.errors` classes:
-        InvalidRequest (its id is in use), Overloaded / Unavailable (no worker took it, or its
-        workers were lost), or what its decode worker reported."""
+    async def generate(self, inp: ValidRequest) -> AsyncIterator[gen_pb.GenerateResponse]:
+        """The request's chunks; the last has a finish reason, usage and timings. Raises
+        `pdmesh.errors` classes: InvalidRequest (its id is in use), Overloaded / Unavailable (no
+        worker took it, or its workers were lost), or what its decode worker reported."""
         if inp.request_id in self._active_ids:
             raise InvalidRequest(
                 f"request_id {inp.request_id!r} is already in use by a request.", "request_id"
@@ -127,7 +104,7 @@ class Router:
             while not finished:
                 attempt = await self.dispatcher.submit(inp, failover.sent, failover.lost, telemetry)
                 try:
-                    async for chunk in relay(inp.request_id, attempt, self.pacer):
+                    async for chunk in attempt.relay(self.pacer):
                         failover.sent += chunk.token_ids
                         finished = attempt.finished  # before the yield: the client may leave
                         yield chunk

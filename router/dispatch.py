@@ -1,7 +1,9 @@
-"""Submitting a request to a decode worker: pick the workers (the dispatch policy), book their
-load, send `Submit`, and move on to another decode worker while one is unreachable or its queue
-is full. One submission is an `Attempt`; `Dispatcher.end` undoes its booking (and aborts it on
-its worker unless it finished there).
+"""Submitting a request to a decode worker and relaying its tokens.
+
+`Dispatcher.submit` picks the workers (the dispatch policy), books their load, sends `Submit`,
+and moves on to another decode worker while one is unreachable or its queue is full. One
+submission is an `Attempt`: `Attempt.relay` streams its tokens, paced; `Dispatcher.end` undoes
+its booking (and aborts it on its worker unless it finished there).
 
 This is the router's gRPC client edge toward decode workers: their status codes become
 `pdmesh.errors` here.
@@ -11,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -21,10 +25,12 @@ from pdmesh.logger import get_logger
 from pdmesh.prefix_hash import hash_prefix_blocks
 from pdmesh.router.config import RouterConfig
 from pdmesh.router.decode_link import DecodeLink, DeltaQueue, LinkLost
-from pdmesh.router.policies import Decision, DispatchPolicy, PromptInfo
+from pdmesh.router.policies import PromptInfo, create_policy
 from pdmesh.router.registry import Worker, WorkerRegistry
 from pdmesh.router.request_telemetry import RequestTelemetry
+from pdmesh.router.stream_pacing import StreamPacer
 from pdmesh.serving.convert import sampling_to_pb
+from pdmesh.v1 import generation_pb2 as gen_pb
 from pdmesh.v1 import worker_pb2
 from pdmesh.validation import ValidRequest
 
@@ -41,38 +47,32 @@ _RETRY_SUBMIT = (
     grpc.StatusCode.CANCELLED,
     grpc.StatusCode.FAILED_PRECONDITION,
 )
+# A decode worker reports a failed request's status as its gRPC code's number.
+_STATUS_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
 
 
 @dataclass(eq=False)
 class Attempt:
-    """One submission of a request to a decode worker, and the load the router booked for it.
-    `finished`: its last chunk was relayed; `lost`: its worker's stream broke first."""
+    """One submission of a request to a decode worker, and the load the router booked for it
+    (booked when made). `finished`: its last chunk was relayed; `lost`: its worker's stream
+    broke first."""
 
+    request_id: str  # the client's
+    wire_id: str  # the request's id on the decode worker
     link: DecodeLink
     decode: Worker
     prefill: Worker | None
-    wire_id: str  # the request's id on the decode worker
-    queue: DeltaQueue
     blocks: int
     prefill_blocks: int
+    queue: DeltaQueue = field(init=False)
     finished: bool = False
     lost: LinkLost | None = None
 
-    @classmethod
-    def begin(cls, link: DecodeLink, decision: Decision, wire_id: str, blocks: int) -> Attempt:
-        decision.decode.inflight_blocks += blocks
-        if decision.prefill is not None:
-            decision.prefill.inflight_blocks += decision.prefill_miss_blocks
-        queue = link.register(wire_id)
-        return cls(
-            link,
-            decision.decode,
-            decision.prefill,
-            wire_id,
-            queue,
-            blocks,
-            decision.prefill_miss_blocks,
-        )
+    def __post_init__(self) -> None:
+        self.queue = self.link.register(self.wire_id)
+        self.decode.inflight_blocks += self.blocks
+        if self.prefill is not None:
+            self.prefill.inflight_blocks += self.prefill_blocks
 
     def first_tokens(self) -> None:
         """The prefill is over (tokens came, or the attempt ended): release its booking."""
@@ -80,20 +80,62 @@ class Attempt:
             self.prefill.inflight_blocks -= self.prefill_blocks
             self.prefill = None
 
+    async def relay(self, pacer: StreamPacer) -> AsyncIterator[gen_pb.GenerateResponse]:
+        """Chunks of whatever piled up on the queue since the last one (under load it first
+        waits out the pacer's interval, so tokens gather rather than go one message per step;
+        see stream_pacing.py). Ends after the chunk with the finish reason (`finished`), or when
+        the worker's stream broke (`lost`); a request that failed on its worker raises the
+        `pdmesh.errors` class of the worker's status. This is the router's per-token path."""
+        loop = asyncio.get_running_loop()
+        sent_at: float | None = None  # when the last message went out
+        while True:
+            if sent_at is not None and (wait := sent_at + pacer.interval() - loop.time()) > 0:
+                await asyncio.sleep(wait)
+            chunk, lost = _merge(self.request_id, await self.queue.take_all())
+            if chunk.token_ids or chunk.finish_reason:
+                self.first_tokens()
+                self.finished = chunk.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED
+                yield chunk
+                if self.finished:
+                    return
+                sent_at = loop.time()
+            if lost is not None:
+                self.lost = lost
+                return
+
+
+def _merge(request_id: str, items: list[Any]) -> tuple[gen_pb.GenerateResponse, LinkLost | None]:
+    """One chunk from a request's pending deltas (usage and timings on the last), and the
+    LinkLost marker if its worker's stream broke after them."""
+    chunk = gen_pb.GenerateResponse(request_id=request_id)
+    texts: list[str] = []
+    lost = None
+    for item in items:
+        if item.__class__ is LinkLost:
+            lost = item
+            break
+        chunk.token_ids.extend(item.token_ids)
+        texts.append(item.text)
+        if item.error_code:
+            status = _STATUS_NAMES.get(item.error_code, "UNKNOWN")
+            raise from_status(status, item.error_message or status)
+        if item.finish_reason:
+            chunk.finish_reason = item.finish_reason
+            chunk.usage.CopyFrom(item.usage)
+            chunk.timings.CopyFrom(item.timings)
+            break
+    chunk.text = "".join(texts)
+    return chunk, lost
+
 
 class Dispatcher:
-    """Decode links, worker choice and submission for one router."""
+    """Decode links, worker choice (the configured policy) and submission for one router."""
 
-    def __init__(
-        self,
-        config: RouterConfig,
-        registry: WorkerRegistry,
-        policy: DispatchPolicy,
-        router_id: str,
-    ) -> None:
+    def __init__(self, config: RouterConfig, registry: WorkerRegistry) -> None:
         self.config = config
         self.registry = registry
-        self.policy = policy
+        self.policy = create_policy(config.policy, config.overlap_weight, config.disagg_min_tokens)
+        router_id = f"router-{uuid.uuid4().hex[:8]}"
         self.links = {w.address: DecodeLink(w, router_id) for w in registry.by_role("decode")}
         self._background: set[asyncio.Task[Any]] = set()
         self._submits = 0
@@ -111,27 +153,13 @@ class Dispatcher:
         healthy = self.registry.healthy("decode")
         return [w for w in healthy if self.links[w.address].connected.is_set()]
 
-    async def ready_decode_workers(self, wait_s: float) -> list[Worker]:
-        """Ready decode workers; if none, wait up to `wait_s` for one (a link reconnecting)."""
-        loop = asyncio.get_running_loop()
-        ready = self.decode_ready()
-        deadline = loop.time() + wait_s
-        while not ready and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-            ready = self.decode_ready()
-        return ready
-
     @property
     def block_size(self) -> int:
         sizes = [w.load.block_size for w in self.registry.by_role("decode") if w.load.block_size]
         return sizes[0] if sizes else DEFAULT_BLOCK_SIZE
 
     async def submit(
-        self,
-        inp: ValidRequest,
-        sent: list[int],
-        lost: set[str],
-        telemetry: RequestTelemetry,
+        self, inp: ValidRequest, sent: list[int], lost: set[str], telemetry: RequestTelemetry
     ) -> Attempt:
         """Submit `inp` with the tokens already `sent` to the client appended to its prompt
         (they count as output), avoiding the decode workers in `lost`. Overloaded when every
@@ -153,66 +181,64 @@ class Dispatcher:
             telemetry.dispatched(decision)
             self._submits += 1
             resumed = bool(sent) or bool(refused or unreachable)
-            attempt = Attempt.begin(
-                self.links[decision.decode.address],
-                decision,
+            d = decision.decode
+            attempt = Attempt(
+                inp.request_id,
                 f"{inp.request_id}~{self._submits}" if resumed else inp.request_id,
+                self.links[d.address],
+                d,
+                decision.prefill,
                 prompt.num_blocks,
+                decision.prefill_miss_blocks,
+            )
+            request = worker_pb2.DecodeRequest(
+                request_id=attempt.wire_id,
+                subscriber_id=attempt.link.subscriber_id,
+                prompt_token_ids=prompt_ids,
+                sampling=sampling_to_pb(inp.params),
+                prefill_address=decision.prefill.address if decision.prefill is not None else "",
+                disagg_min_tokens=self.config.disagg_min_tokens,
+                deadline_unix_ms=int(inp.deadline * 1000) if inp.deadline else 0,
+                arrival_unix_ns=time.time_ns(),
+                num_output_tokens_sent=len(sent),
             )
             try:
                 with telemetry.active():
-                    await attempt.decode.stub.Submit(  # type: ignore[attr-defined]
-                        self._request(inp, attempt, prompt_ids, len(sent)),
-                        timeout=SUBMIT_TIMEOUT_S,
-                    )
+                    await d.stub.Submit(request, timeout=SUBMIT_TIMEOUT_S)  # type: ignore[attr-defined]
             except grpc.aio.AioRpcError as e:
                 self.end(attempt)
                 code = e.code()
                 if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    refused.add(attempt.decode.address)
+                    refused.add(d.address)
                     telemetry.failover("queue_full")
                     continue
                 if code in _RETRY_SUBMIT and failures < self.config.max_failovers:
                     failures += 1
-                    unreachable.add(attempt.decode.address)
+                    unreachable.add(d.address)
                     telemetry.failover("submit_failed")
                     continue
                 raise from_status(code.name, e.details() or "decode worker refused") from None
-            attempt.decode.index.insert(prompt.block_hashes)
-            if attempt.prefill is not None:
-                attempt.prefill.index.insert(prompt.block_hashes)
+            d.index.insert(prompt.block_hashes)
+            if decision.prefill is not None:
+                decision.prefill.index.insert(prompt.block_hashes)
             return attempt
 
-    def _request(
-        self, inp: ValidRequest, attempt: Attempt, prompt_ids: list[int], num_sent: int
-    ) -> worker_pb2.DecodeRequest:
-        return worker_pb2.DecodeRequest(
-            request_id=attempt.wire_id,
-            subscriber_id=attempt.link.subscriber_id,
-            prompt_token_ids=prompt_ids,
-            sampling=sampling_to_pb(inp.params),
-            prefill_address=attempt.prefill.address if attempt.prefill is not None else "",
-            disagg_min_tokens=self.config.disagg_min_tokens,
-            deadline_unix_ms=int(inp.deadline * 1000) if inp.deadline else 0,
-            arrival_unix_ns=time.time_ns(),
-            num_output_tokens_sent=num_sent,
-        )
-
     async def _candidates(self, avoid: set[str], refused: set[str]) -> list[Worker]:
-        """Ready decode workers, preferring those not in `avoid` (waiting a little for one);
-        a worker in `avoid` serves again if it is the only one back. Never one in `refused`."""
-        ready = await self.ready_decode_workers(LINK_WAIT_S)
-        ready = [w for w in ready if w.address not in refused]
-        if not avoid:
-            return ready
+        """Ready decode workers not in `refused`: waits up to LINK_WAIT_S for any to be ready
+        (a link reconnecting), then up to LINK_WAIT_S more for one not in `avoid`; one in
+        `avoid` serves again if it is the only one back."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + LINK_WAIT_S
+        while not (ready := self.decode_ready()) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        deadline = loop.time() + LINK_WAIT_S
         while True:
+            ready = [w for w in ready if w.address not in refused]
             fresh = [w for w in ready if w.address not in avoid]
-            if fresh or loop.time() >= deadline:
+            if fresh or not avoid or loop.time() >= deadline:
                 return fresh or ready
             await asyncio.sleep(0.05)
-            ready = [w for w in self.decode_ready() if w.address not in refused]
+            ready = self.decode_ready()
 
     def end(self, attempt: Attempt) -> None:
         """Undo an attempt's bookkeeping; abort it on its worker unless it finished there."""

@@ -17,26 +17,29 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, suppress
+from functools import partial
 from typing import Any
 
 from aiohttp import web
 
 from pdmesh.errors import InvalidRequest, PdmeshError
 from pdmesh.logger import get_logger
+from pdmesh.observability.metrics_server import split_host_port
 from pdmesh.router import metrics
 from pdmesh.router.config import RouterConfig
-from pdmesh.router.core import Chunk, Router
+from pdmesh.router.core import Router
 from pdmesh.router.openai_protocol import OpenAIRequest, parse_chat, parse_completion
 from pdmesh.router.openai_responses import (
     ChunkWriter,
     ResponseHead,
-    UsageCounts,
     error_body,
     full_body,
     model_card,
     models_body,
 )
 from pdmesh.serving.auth import ApiKeys
+from pdmesh.serving.convert import FINISH_FROM_PB
+from pdmesh.v1.generation_pb2 import GenerateResponse as Chunk
 
 log = get_logger(__name__)
 
@@ -119,14 +122,8 @@ class Gateway:
         self.router = router
         self.created = int(time.time())
 
-    # -- generation ---------------------------------------------------------------------------
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, COMPLETIONS)
-
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, CHAT)
-
-    async def _serve(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+    async def generate(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        """/v1/completions and /v1/chat/completions."""
         record = metrics.RequestRecorder(endpoint)
         try:
             body = await read_json(request)
@@ -135,18 +132,19 @@ class Gateway:
                 req.spec, "chatcmpl-" if req.chat else "cmpl-"
             )
             record.prompt(len(inp.prompt))
-            head = ResponseHead(
-                inp.request_id, int(time.time()), self.router.model_name, endpoint == CHAT
-            )
+            head = ResponseHead(inp.request_id, int(time.time()), self.router.model_name, req.chat)
             async with aclosing(self.router.generate(inp)) as chunks:
                 # The first chunk comes before any header, so errors that happen before the
                 # first token (no worker, a refused submit) are still proper HTTP statuses.
                 first = await anext(chunks)
                 if req.stream:
-                    return await self._stream(
-                        request, req, head, len(inp.prompt), first, chunks, record
-                    )
-                return await self._whole(head, len(inp.prompt), first, chunks, record)
+                    return await _stream(request, req, head, first, chunks, record)
+                texts: list[str] = []
+                async for chunk in _through_last(first, chunks, record):
+                    texts.append(chunk.text)
+                record.done("200")
+                reason = FINISH_FROM_PB[chunk.finish_reason]
+                return web.json_response(full_body(head, "".join(texts), reason, chunk.usage))
         except asyncio.CancelledError:
             record.done(CLIENT_CLOSED)
             raise
@@ -155,69 +153,6 @@ class Gateway:
             record.done(str(status))
             return error_response(status, message, param)
 
-    async def _whole(
-        self,
-        head: ResponseHead,
-        prompt_len: int,
-        first: Chunk,
-        chunks: AsyncIterator[Chunk],
-        record: metrics.RequestRecorder,
-    ) -> web.Response:
-        texts: list[str] = []
-        chunk = first
-        while True:
-            record.tokens(len(chunk.token_ids))
-            texts.append(chunk.text)
-            if chunk.finish_reason is not None:
-                break
-            chunk = await anext(chunks)
-        usage = usage_of(chunk, prompt_len, record.completion_tokens)
-        record.done("200")
-        return web.json_response(full_body(head, "".join(texts), chunk.finish_reason, usage))
-
-    async def _stream(
-        self,
-        request: web.Request,
-        req: OpenAIRequest,
-        head: ResponseHead,
-        prompt_len: int,
-        first: Chunk,
-        chunks: AsyncIterator[Chunk],
-        record: metrics.RequestRecorder,
-    ) -> web.StreamResponse:
-        response = web.StreamResponse(headers=SSE_HEADERS)
-        await response.prepare(request)
-        writer = ChunkWriter(head, req.include_usage)
-        status = "200"
-        try:
-            if req.chat:
-                await response.write(writer.role())
-            chunk = first
-            while True:
-                record.tokens(len(chunk.token_ids))
-                if chunk.text:
-                    await response.write(writer.text(chunk.text, None))
-                if chunk.finish_reason is not None:
-                    # OpenAI ends with a chunk of its own carrying only the finish reason.
-                    await response.write(writer.text("", chunk.finish_reason))
-                    break
-                chunk = await anext(chunks)
-            if req.include_usage:
-                usage = usage_of(chunk, prompt_len, record.completion_tokens)
-                await response.write(writer.usage(usage))
-        except ConnectionResetError:
-            # The client left; leaving this function closes the generator, which aborts.
-            record.done(CLIENT_CLOSED)
-            return response
-        except Exception as exc:  # the headers are sent: the error goes out as an event
-            code, message, _ = status_of(exc)
-            status = str(code)
-            await _write_quietly(response, ChunkWriter.error(code, message))
-        await _write_quietly(response, ChunkWriter.DONE)
-        record.done(status)
-        return response
-
-    # -- the rest -----------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
         r = self.router
         metrics.count_request("/v1/models", "200")
@@ -247,17 +182,55 @@ class Gateway:
 
     async def metrics(self, request: web.Request) -> web.Response:
         body, content_type = metrics.exposition()
-        response = web.Response(body=body)
-        response.headers["Content-Type"] = content_type
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+async def _through_last(
+    first: Chunk, chunks: AsyncIterator[Chunk], record: metrics.RequestRecorder
+) -> AsyncIterator[Chunk]:
+    """`first`, then the rest of `chunks` up to the one with the finish reason, counted."""
+    chunk = first
+    while True:
+        record.tokens(len(chunk.token_ids))
+        yield chunk
+        if chunk.finish_reason:
+            return
+        chunk = await anext(chunks)
+
+
+async def _stream(
+    request: web.Request,
+    req: OpenAIRequest,
+    head: ResponseHead,
+    first: Chunk,
+    chunks: AsyncIterator[Chunk],
+    record: metrics.RequestRecorder,
+) -> web.StreamResponse:
+    response = web.StreamResponse(headers=SSE_HEADERS)
+    await response.prepare(request)
+    writer = ChunkWriter(head, req.include_usage)
+    status = "200"
+    try:
+        if req.chat:
+            await response.write(writer.role())
+        async for chunk in _through_last(first, chunks, record):
+            if chunk.text:
+                await response.write(writer.text(chunk.text, None))
+        # OpenAI ends with a chunk of its own carrying only the finish reason.
+        await response.write(writer.text("", FINISH_FROM_PB[chunk.finish_reason]))
+        if req.include_usage:
+            await response.write(writer.usage(chunk.usage))
+    except ConnectionResetError:
+        # The client left; leaving this function closes the generator, which aborts.
+        record.done(CLIENT_CLOSED)
         return response
-
-
-def usage_of(last: Chunk, prompt_len: int, completion_tokens: int) -> UsageCounts:
-    """The worker's usage from the last chunk, or our own counts if it sent none."""
-    u = last.usage
-    if u is None:
-        return UsageCounts(prompt_len, completion_tokens)
-    return UsageCounts(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
+    except Exception as exc:  # the headers are sent: the error goes out as an event
+        code, message, _ = status_of(exc)
+        status = str(code)
+        await _write_quietly(response, ChunkWriter.error(code, message))
+    await _write_quietly(response, ChunkWriter.DONE)
+    record.done(status)
+    return response
 
 
 async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:
@@ -271,8 +244,8 @@ def build_app(router: Router, keys: ApiKeys | None = None) -> web.Application:
     if keys is not None and keys.required:
         middlewares.insert(0, require_api_key(keys))
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
-    app.router.add_post(COMPLETIONS, gateway.completions)
-    app.router.add_post(CHAT, gateway.chat_completions)
+    app.router.add_post(COMPLETIONS, partial(gateway.generate, endpoint=COMPLETIONS))
+    app.router.add_post(CHAT, partial(gateway.generate, endpoint=CHAT))
     app.router.add_get("/v1/models", gateway.models)
     app.router.add_get("/v1/models/{model}", gateway.model)
     app.router.add_get("/health", gateway.health)
@@ -280,19 +253,12 @@ def build_app(router: Router, keys: ApiKeys | None = None) -> web.Application:
     return app
 
 
-def split_bind(bind: str) -> tuple[str, int]:
-    host, sep, port = bind.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"the HTTP bind address must be HOST:PORT, got {bind!r}.")
-    return host.strip("[]") or "0.0.0.0", int(port)
-
-
 async def start_gateway(
     router: Router, bind: str, config: RouterConfig | None = None
 ) -> web.AppRunner:
     """Serve the gateway on `bind` (host:port), over HTTPS and with API keys when `config` says
     so; stop it with `await runner.cleanup()`."""
-    host, port = split_bind(bind)
+    host, port = split_host_port(bind, "HTTP bind address")
     keys = config.api_keys if config is not None else None
     tls = config.tls if config is not None else None
     # handler_cancellation: a client that disconnects cancels its handler, so its request is

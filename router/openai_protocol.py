@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdmesh.errors import InvalidRequest
-from pdmesh.validation import MaxTokens, Prompt, RequestSpec
+from pdmesh.validation import Prompt, RequestSpec
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 TEXT_PART = "text"
@@ -220,9 +220,9 @@ def parse_completion(body: Any) -> OpenAIRequest:
     spec = RequestSpec(
         prompt=_completion_prompt(body),
         model=_model(body),
-        max_tokens=MaxTokens(
-            body.get("max_tokens"), "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS, True
-        ),
+        max_tokens=body.get("max_tokens"),
+        must_fit=True,
+        default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS,
         sampling=_sampling(body),
     )
     return OpenAIRequest(False, spec, stream, include_usage)
@@ -240,7 +240,9 @@ def parse_chat(body: Any) -> OpenAIRequest:
         prompt=_messages(body),
         prompt_field="messages",
         model=_model(body),
-        max_tokens=MaxTokens(body.get(name), name, None, True),
+        max_tokens=body.get(name),
+        max_tokens_field=name,
+        must_fit=True,
         sampling=_sampling(body),
     )
     return OpenAIRequest(True, spec, stream, include_usage)

@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from pdmesh.v1.generation_pb2 import Usage
+
 ERROR_TYPE_BY_STATUS = {
     400: "invalid_request_error",
     401: "invalid_request_error",  # OpenAI's type for a missing or wrong key (code invalid_api_key)
@@ -42,24 +44,17 @@ def error_body(
     }
 
 
-@dataclass(frozen=True)
-class UsageCounts:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0
-
-
-def usage_body(usage: UsageCounts) -> dict[str, Any]:
+def usage_body(usage: Usage) -> dict[str, Any]:
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
     }
 
 
 def full_body(
-    head: ResponseHead, text: str, finish_reason: str | None, usage: UsageCounts
+    head: ResponseHead, text: str, finish_reason: str | None, usage: Usage
 ) -> dict[str, Any]:
     """A non-streamed text_completion or chat.completion."""
     if head.chat:
@@ -94,7 +89,7 @@ class ChunkWriter:
         self.include_usage = include_usage
         self._object = "chat.completion.chunk" if head.chat else "text_completion"
 
-    def _event(self, choices: list[dict[str, Any]], usage: UsageCounts | None = None) -> bytes:
+    def _event(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> bytes:
         body: dict[str, Any] = {
             "id": self.head.id,
             "object": self._object,
@@ -121,7 +116,7 @@ class ChunkWriter:
         choice["finish_reason"] = finish_reason
         return self._event([choice])
 
-    def usage(self, usage: UsageCounts) -> bytes:
+    def usage(self, usage: Usage) -> bytes:
         return self._event([], usage)
 
     @staticmethod

@@ -7,29 +7,20 @@ fails or says otherwise; checks keep running, so it comes back when healthy agai
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
+from grpc_health.v1.health_pb2_grpc import HealthStub
 
 from pdmesh.logger import get_logger
+from pdmesh.router.config import RouterConfig
 from pdmesh.router.prefix_index import PrefixIndex
 from pdmesh.serving.grpc_server import channel
-from pdmesh.serving.tls import TLSConfig
 from pdmesh.v1 import worker_pb2, worker_pb2_grpc
 
 log = get_logger(__name__)
-
-
-@dataclass
-class Load:
-    """The last stats a worker reported."""
-
-    kv_blocks_total: int = 0
-    kv_blocks_used: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    block_size: int = 0
 
 
 @dataclass(eq=False)
@@ -37,13 +28,13 @@ class Worker:
     address: str
     role: str  # "prefill" or "decode"
     healthy: bool = False
-    load: Load = field(default_factory=Load)
+    load: worker_pb2.WorkerStats = field(default_factory=worker_pb2.WorkerStats)  # last stats
     # Blocks this router sent the worker that its last stats may not show yet.
     inflight_blocks: int = 0
     index: PrefixIndex = field(default_factory=PrefixIndex)
     channel: grpc.aio.Channel | None = None
     stub: object = None
-    health_stub: health_pb2_grpc.HealthStub | None = None
+    health_stub: HealthStub | None = None
 
     @property
     def kv_usage(self) -> float:
@@ -52,36 +43,22 @@ class Worker:
 
 
 class WorkerRegistry:
-    def __init__(
-        self,
-        prefill: tuple[str, ...],
-        decode: tuple[str, ...],
-        health_interval_s: float,
-        stats_interval_s: float,
-        tls: TLSConfig | None = None,
-    ) -> None:
+    """The workers of a router's config, checked and polled while started."""
+
+    def __init__(self, config: RouterConfig) -> None:
         self.workers: list[Worker] = []
-        for role, addresses in (("prefill", prefill), ("decode", decode)):
+        for role, addresses, stub in (
+            ("prefill", config.prefill, worker_pb2_grpc.PrefillWorkerStub),
+            ("decode", config.decode, worker_pb2_grpc.DecodeWorkerStub),
+        ):
             for address in addresses:
-                ch = channel(address, tls)
-                stub_cls = (
-                    worker_pb2_grpc.PrefillWorkerStub
-                    if role == "prefill"
-                    else worker_pb2_grpc.DecodeWorkerStub
-                )
+                ch = channel(address, config.tls)
                 self.workers.append(
-                    Worker(
-                        address,
-                        role,
-                        channel=ch,
-                        stub=stub_cls(ch),
-                        health_stub=health_pb2_grpc.HealthStub(ch),
-                    )
+                    Worker(address, role, channel=ch, stub=stub(ch), health_stub=HealthStub(ch))
                 )
-        self.health_interval_s = health_interval_s
-        self.stats_interval_s = stats_interval_s
+        self.health_interval_s = config.health_interval_s
+        self.stats_interval_s = config.stats_interval_s
         self._tasks: list[asyncio.Task[None]] = []
-        self.changed = asyncio.Event()  # set on every rotation change
 
     def start(self) -> None:
         for w in self.workers:
@@ -101,14 +78,6 @@ class WorkerRegistry:
     def by_role(self, role: str) -> list[Worker]:
         return [w for w in self.workers if w.role == role]
 
-    async def wait_healthy(self, prefill: int, decode: int, timeout_s: float) -> None:
-        async def ready() -> None:
-            while len(self.healthy("prefill")) < prefill or len(self.healthy("decode")) < decode:
-                self.changed.clear()
-                await self.changed.wait()
-
-        await asyncio.wait_for(ready(), timeout_s)
-
     async def _watch(self, w: Worker) -> None:
         next_stats = 0.0
         loop = asyncio.get_running_loop()
@@ -119,7 +88,6 @@ class WorkerRegistry:
                 log.info(
                     "%s worker %s %s the rotation", w.role, w.address, "joins" if ok else "leaves"
                 )
-                self.changed.set()
             if ok and loop.time() >= next_stats:
                 await self._poll_stats(w)
                 next_stats = loop.time() + self.stats_interval_s
@@ -135,10 +103,7 @@ class WorkerRegistry:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def _poll_stats(self, w: Worker) -> None:
-        try:
-            s = await w.stub.GetStats(worker_pb2.StatsRequest(), timeout=self.health_interval_s)  # type: ignore[attr-defined]
-        except grpc.aio.AioRpcError:
-            return
-        w.load = Load(
-            s.kv_blocks_total, s.kv_blocks_used, s.num_running, s.num_waiting, s.block_size
-        )
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            w.load = await w.stub.GetStats(  # type: ignore[attr-defined]
+                worker_pb2.StatsRequest(), timeout=self.health_interval_s
+            )

@@ -11,13 +11,11 @@ from pdmesh.logger import get_logger
 from pdmesh.observability import tracing
 from pdmesh.router.config import RouterConfig
 from pdmesh.router.core import Router
-from pdmesh.router.policies import create_policy
-from pdmesh.router.registry import WorkerRegistry
 from pdmesh.router.servicer import GenerationServicer
 from pdmesh.serving.auth import ApiKeyInterceptor
 from pdmesh.serving.grpc_server import ServiceSpec, build_server
 from pdmesh.serving.runner import serve_until_stopped
-from pdmesh.text.tokenizer import load_tokenizer
+from pdmesh.text.tokenizer import Tokenizer
 from pdmesh.v1 import generation_pb2_grpc
 
 log = get_logger(__name__)
@@ -27,16 +25,7 @@ SERVICE = "pdmesh.v1.Generation"
 async def build_router(config: RouterConfig) -> Router:
     folder = await asyncio.to_thread(resolve_model_folder, config.model)
     info = await asyncio.to_thread(ModelConfig.load, folder)
-    tokenizer = await asyncio.to_thread(load_tokenizer, folder)
-    registry = WorkerRegistry(
-        config.prefill,
-        config.decode,
-        config.health_interval_s,
-        config.stats_interval_s,
-        tls=config.tls,
-    )
-    policy = create_policy(config.policy, config.overlap_weight, config.disagg_min_tokens)
-    return Router(config, info, tokenizer, registry, policy)
+    return Router(config, info, await asyncio.to_thread(Tokenizer.load, folder))
 
 
 async def serve(config: RouterConfig, on_ready: Callable[[int], None] | None = None) -> None:

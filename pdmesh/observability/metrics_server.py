@@ -27,10 +27,11 @@ def new_registry() -> CollectorRegistry:
     return registry
 
 
-def split_host_port(bind: str) -> tuple[str, int]:
+def split_host_port(bind: str, what: str = "metrics address") -> tuple[str, int]:
+    """(host, port) of "HOST:PORT" (no host: all interfaces); ValueError naming `what`."""
     host, sep, port = bind.rpartition(":")
     if not sep or not port.isdigit():
-        raise ValueError(f"the metrics address must be HOST:PORT, got {bind!r}.")
+        raise ValueError(f"the {what} must be HOST:PORT, got {bind!r}.")
     return host.strip("[]") or "0.0.0.0", int(port)
 
 

@@ -14,6 +14,8 @@ from typing import Any
 
 import grpc
 
+from pdmesh.serving.errors import with_behavior
+
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 _BEARER = "bearer "
 MIN_KEY_LEN = 8
@@ -98,30 +100,10 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or details.method.startswith(self.open_prefixes):
+        if (
+            handler is None
+            or details.method.startswith(self.open_prefixes)
+            or self.keys.check_header(_metadata_value(details, "authorization"))
+        ):
             return handler
-        if self.keys.check_header(_metadata_value(details, "authorization")):
-            return handler
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                _deny_unary,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                _deny_stream,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(
-                _deny_unary,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return grpc.stream_stream_rpc_method_handler(
-            _deny_stream,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        return with_behavior(handler, _deny_stream if handler.response_streaming else _deny_unary)

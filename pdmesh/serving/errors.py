@@ -12,40 +12,56 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from google.protobuf import empty_pb2
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import DecodeError
+from google.protobuf.unknown_fields import UnknownFieldSet
 
 from pdmesh.errors import PdmeshError
 from pdmesh.logger import get_logger
 
 log = get_logger(__name__)
 
+# Details travel in trailing metadata (8 KiB by default): a message that echoes a huge input
+# must not become an error of its own.
+MAX_DETAILS_CHARS = 1000
+_HANDLER_KINDS = {  # (request streamed, response streamed) -> how grpc builds such a handler
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def with_behavior(
+    handler: grpc.RpcMethodHandler,
+    behavior: Callable[..., Any],
+    request_deserializer: Callable[[bytes], Any] | None = None,
+) -> grpc.RpcMethodHandler:
+    """`handler` (same kind of method, same serializers) running `behavior` instead, for
+    interceptors that wrap or replace what a method does."""
+    make = _HANDLER_KINDS[handler.request_streaming, handler.response_streaming]
+    return make(
+        behavior,
+        request_deserializer=request_deserializer or handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
 
 def status_name(exc: BaseException) -> str:
     """The name of the gRPC status `exc` is answered with (for metrics; no logging)."""
     if isinstance(exc, PdmeshError):
         return exc.status
-    if isinstance(exc, TimeoutError):
-        return grpc.StatusCode.DEADLINE_EXCEEDED.name
-    return grpc.StatusCode.INTERNAL.name
-
-
-def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """(code, details) for an exception that reached the edge; an unexpected one is logged
-    with its traceback."""
-    code = grpc.StatusCode[status_name(exc)]
-    if isinstance(exc, PdmeshError | TimeoutError):
-        return code, str(exc) or code.name.lower().replace("_", " ")
-    log.error("internal error", exc_info=exc)
-    return code, f"internal error: {type(exc).__name__}: {exc}"
-
-
-# Details travel in trailing metadata (8 KiB by default): a message that echoes a huge input
-# must not become an error of its own.
-MAX_DETAILS_CHARS = 1000
+    return "DEADLINE_EXCEEDED" if isinstance(exc, TimeoutError) else "INTERNAL"
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-    code, message = status_of(exc)
+    code = grpc.StatusCode[status_name(exc)]
+    if isinstance(exc, PdmeshError | TimeoutError):
+        message = str(exc) or code.name.lower().replace("_", " ")
+    else:
+        log.error("internal error", exc_info=exc)
+        message = f"internal error: {type(exc).__name__}: {exc}"
     # Details must be UTF-8: a lone surrogate echoed from a request is written as its escape.
     message = message.encode("utf-8", "backslashreplace").decode()
     if len(message) > MAX_DETAILS_CHARS:
@@ -63,10 +79,7 @@ class MalformedRequest:
         self.error = error
 
 
-def _tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
-    if deserialize is None:
-        return None
-
+def _tolerant(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     message_type = getattr(getattr(deserialize, "__self__", None), "DESCRIPTOR", None)
 
     def parse(raw: bytes) -> Any:
@@ -85,55 +98,27 @@ def bad_utf8_field(descriptor: Descriptor, data: bytes, prefix: str = "") -> str
     """The path ("chat.messages.content") of the first string field of a `descriptor` message
     on the wire whose bytes are not UTF-8 (protobuf refuses the whole message without saying
     which); None if there is none or `data` is no message at all."""
-    pos = 0
+    # Parsed as a message with no fields, every field is kept as raw unknown-field bytes.
+    holder = empty_pb2.Empty()
     try:
-        while pos < len(data):
-            key, pos = _varint(data, pos)
-            number, wire_type = key >> 3, key & 7
-            if wire_type != _LENGTH_DELIMITED:
-                pos = _skip(data, pos, wire_type)
-                continue
-            size, pos = _varint(data, pos)
-            value, pos = data[pos : pos + size], pos + size
-            field = descriptor.fields_by_number.get(number)
-            if field is None:
-                continue
-            name = prefix + field.name
-            if field.type == FieldDescriptor.TYPE_STRING:
-                try:
-                    value.decode()
-                except UnicodeDecodeError:
-                    return name
-            elif field.type == FieldDescriptor.TYPE_MESSAGE:
-                found = bad_utf8_field(field.message_type, value, name + ".")
-                if found is not None:
-                    return found
-    except IndexError:
+        holder.ParseFromString(data)
+    except DecodeError:
         return None
+    for raw in UnknownFieldSet(holder):
+        field = descriptor.fields_by_number.get(raw.field_number)
+        if field is None or not isinstance(raw.data, bytes):
+            continue
+        name = prefix + field.name
+        if field.type == FieldDescriptor.TYPE_STRING:
+            try:
+                raw.data.decode()
+            except UnicodeDecodeError:
+                return name
+        elif field.type == FieldDescriptor.TYPE_MESSAGE:
+            found = bad_utf8_field(field.message_type, raw.data, name + ".")
+            if found is not None:
+                return found
     return None
-
-
-_LENGTH_DELIMITED = 2
-
-
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if byte < 0x80:
-            return value, pos
-
-
-def _skip(data: bytes, pos: int, wire_type: int) -> int:
-    """The position after a field that is not length-delimited (IndexError: not a message)."""
-    if wire_type == 0:
-        return _varint(data, pos)[1]
-    if wire_type in (1, 5):
-        return pos + (8 if wire_type == 1 else 4)
-    raise IndexError(f"wire type {wire_type}")
 
 
 async def _refuse_malformed(request: MalformedRequest, context: grpc.aio.ServicerContext) -> None:
@@ -173,8 +158,8 @@ def _wrap_stream(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIt
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Wraps unary-unary and unary-stream handlers (their requests are parsed tolerantly, so a
-    malformed one is INVALID_ARGUMENT); others pass through."""
+    """Wraps handlers of single-message requests (parsed tolerantly, so a malformed one is
+    INVALID_ARGUMENT); streamed-request handlers pass through."""
 
     async def intercept_service(
         self,
@@ -182,18 +167,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None:
+        if handler is None or handler.request_streaming:
             return handler
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary),
-                request_deserializer=_tolerant(handler.request_deserializer),
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream),
-                request_deserializer=_tolerant(handler.request_deserializer),
-                response_serializer=handler.response_serializer,
-            )
-        return handler
+        if handler.response_streaming:
+            behavior = _wrap_stream(handler.unary_stream)
+        else:
+            behavior = _wrap_unary(handler.unary_unary)
+        return with_behavior(handler, behavior, _tolerant(handler.request_deserializer))
