@@ -62,9 +62,6 @@ class DecodeWorker(WorkerProcess):
         super().__init__(engine, connector, self._on_tick)
         self.config = config
         self.kv = connector  # receivers per tensor-parallel rank and transport
-        geometry = connector.geometry
-        assert geometry is not None  # bound when the engine was built
-        self.geometry = geometry
         self.counters = Counters()
         self._side = _EngineSide()
         self._subscribers: dict[str, asyncio.Queue[list[Delta]]] = {}
@@ -160,12 +157,15 @@ class DecodeWorker(WorkerProcess):
         transfer = self.kv.expect(self.kv.transport_for(address), plan.block_ids, rx_timeout)
         rx_span = self.traces.transfer_started(transfer.spec, self.geometry, transfer.transport)
         try:
-            if self.kv.has_followers:
+            if self.kv.followers is not None:
                 await self.loop.acall(lambda e: self.kv.expect_followers(transfer, rx_timeout))
-            target = KVTarget.of(
-                transfer.spec,
+            spec = transfer.spec
+            target = KVTarget(
                 transfer.transport,
+                spec.transfer_id,
+                spec.token,
                 plan.first_block,
+                spec.block_ids,
                 self.geometry.block_size,
                 self.kv.endpoints(transfer.transport),
                 timeout,
@@ -173,8 +173,8 @@ class DecodeWorker(WorkerProcess):
             )
             result = await self._prefill.prefill(address, rid, sub.prompt, sub.params, target)
             moved = await asyncio.wait_for(asyncio.wrap_future(transfer.arrived), kv_timeout)
-            if self.kv.has_followers:
-                await self.loop.acall(lambda e: self.kv.await_followers(transfer, kv_timeout))
+            if self.kv.followers is not None:
+                await self.loop.acall(lambda e: self.kv.end_followers(transfer, kv_timeout))
         except asyncio.CancelledError as exc:
             self._cancel_transfer(transfer)
             self.traces.transfer_ended(rx_span, None, exc)
@@ -193,8 +193,8 @@ class DecodeWorker(WorkerProcess):
 
     def _cancel_transfer(self, transfer: IncomingTransfer) -> None:
         self.kv.cancel(transfer)
-        if self.kv.has_followers:
-            self.loop.call(lambda e: self.kv.cancel_followers(transfer))  # fire and forget
+        if self.kv.followers is not None:
+            self.loop.call(lambda e: self.kv.end_followers(transfer, None))  # fire and forget
 
     # -- engine thread ----------------------------------------------------------------------------
     def _admit(self, engine: LLMEngine, sub: Submission) -> ExternalBlocks | None:
@@ -321,10 +321,6 @@ class DecodeWorker(WorkerProcess):
             self._aio.call_soon_threadsafe(self._dispatch, out)
 
     # -- figures ------------------------------------------------------------------------------
-    @property
-    def block_size(self) -> int:
-        return self.geometry.block_size
-
     def transfer_totals(self) -> list[TransferTotals]:
         return [
             TransferTotals(
@@ -351,7 +347,7 @@ class DecodeWorker(WorkerProcess):
         rx = self.kv.stats
         c = self.counters
         return {
-            "kv_bytes_received": self.kv.bytes_received(),  # every rank's
+            "kv_bytes_received": self.kv.bytes_moved(),  # every rank's
             "kv_seconds": rx.seconds_receiving,
             "kv_transfers": rx.transfers_completed,
             "kv_frames_dropped": rx.frames_dropped,

@@ -11,8 +11,10 @@ heads and the receiver writes the intersection with its own.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import secrets
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -285,6 +287,8 @@ class KVSender(_Closes):
 
     def __init__(self, geometry: PageGeometry) -> None:
         self.geometry = geometry
+        self._lock = threading.Lock()  # guards _counts (a transport may guard more with it)
+        self._counts = SenderStats()
 
     def start(
         self,
@@ -366,8 +370,10 @@ class KVSender(_Closes):
         """Drop the transfer's unsent frames; does not wait."""
 
     @property
-    @abstractmethod
-    def stats(self) -> SenderStats: ...
+    def stats(self) -> SenderStats:
+        """A snapshot of this sender's counters (thread-safe)."""
+        with self._lock:
+            return dataclasses.replace(self._counts)
 
     @abstractmethod
     def close(self) -> None:

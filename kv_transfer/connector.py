@@ -132,7 +132,7 @@ class ExternalBlocks:
 
 # -- the interface ------------------------------------------------------------------------------
 class KVConnector:
-    """The engine's view of the KV plane (a base class: every method has a default but `bind`).
+    """The engine's view of the KV plane (a base class: every method has a default).
 
     Callers may rely on: the engine calls `bind` once per rank before any step; `plan_step` only
     on rank 0, on the engine thread, once per step; `start_step` / `save_layer` / `end_step` on
@@ -143,10 +143,28 @@ class KVConnector:
     """
 
     options: object
+    # Set by `bind`: this rank's cache and geometry; on rank 0 of a tensor-parallel worker, the
+    # other ranks.
+    binding: KVBinding
+    geometry: PageGeometry
+    followers: ControlChannel | None = None
 
     def follower_options(self) -> object:
         """What each follower rank builds its connector from (`create_connector`)."""
         return self.options
+
+    def tell_followers(self, message: object) -> list[object | None]:
+        """Rank 0, engine thread: `message` run on every follower, their replies ([] without
+        followers). A follower's failure is raised here."""
+        return self.followers.call(message) if self.followers is not None else []
+
+    def bytes_moved(self) -> int:
+        """Rank 0, engine thread: KV bytes sent or received by every rank."""
+        return self.bytes_here() + sum(r.value for r in self.tell_followers(CountBytes()))  # type: ignore[union-attr]
+
+    def bytes_here(self) -> int:
+        """KV bytes this rank sent or received (any thread)."""
+        return 0
 
     # -- scheduler side (rank 0, engine thread) -----------------------------------------------
     @property
@@ -191,7 +209,7 @@ class KVConnector:
     # -- worker side (every rank) -------------------------------------------------------------
     def bind(self, binding: KVBinding) -> None:
         """Attach to this rank's KV cache (once, before any step)."""
-        raise NotImplementedError
+        self.binding, self.geometry, self.followers = binding, binding.geometry, binding.followers
 
     def start_step(self, plan: torch.Tensor) -> None:
         """Before the forward of a step with a plan (load / wait would go here)."""
@@ -205,6 +223,8 @@ class KVConnector:
     def handle(self, message: object) -> object | None:
         """A follower runs a control message from rank 0; its reply (a control message or
         None). Raise to fail it: rank 0 raises the same kind."""
+        if isinstance(message, CountBytes):
+            return Count(self.bytes_here())
         raise RuntimeError(f"{type(self).__name__} has no control message {message!r}")
 
     def close(self) -> None:
@@ -264,8 +284,13 @@ class Failed:
 
 
 @control_message
+class CountBytes:
+    """Asks a follower for its connector's `bytes_here`; it replies `Count`."""
+
+
+@control_message
 class Count:
-    """A follower's reply that is one number (bytes sent, bytes received, ...)."""
+    """A follower's reply that is one number."""
 
     value: int
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from pdmesh.kv_transfer.p2p_pairs import (
 )
 from pdmesh.kv_transfer.p2p_poster import Frame, Pair, Send
 from pdmesh.kv_transfer.pages import gather_blocks
-from pdmesh.kv_transfer.stats import SendCounters, SenderStats, TransferStats
+from pdmesh.kv_transfer.stats import TransferStats
 from pdmesh.logger import get_logger
 
 log = get_logger(__name__)
@@ -57,14 +56,12 @@ class P2PSender(KVSender):
     backend = "gloo"
 
     def __init__(self, geometry: PageGeometry) -> None:
-        self.geometry = geometry
+        super().__init__(geometry)
         # The pair threads post while the caller's thread runs a forward pass in Python, which
         # holds the GIL between kernel launches: by default a waiting thread gets it after 5 ms,
         # which would hold every batch back by as much. Half a millisecond keeps them flowing.
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
         self._pairs: dict[str, Pair] = {}
-        self._lock = threading.Lock()
-        self._counts = SendCounters()
 
     def _pair(self, endpoint: str) -> Pair:
         with self._lock:
@@ -278,11 +275,6 @@ class P2PSender(KVSender):
 
     def abort(self, handle: SendHandle) -> None:
         self._own(handle).ended = True
-
-    @property
-    def stats(self) -> SenderStats:
-        with self._lock:
-            return self._counts.snapshot()
 
     def close(self) -> None:
         with self._lock:

@@ -8,7 +8,7 @@ own KV heads of those blocks. Blocks complete before the step (a prompt prefix t
 cached) are planned with layers = ALL_LAYERS and go at once, every layer, right after the first
 layer (`KVSender.send_layers`: a transport may send several layers as one message), rather than
 at the pace of a short forward. Rank 0 tells its followers about transfers in control messages
-(`PushStart`, `PushEnd`, `PushAbort`, `CountSent`).
+(`PushStart`, `PushEnd`).
 
 The decode worker names the transport of each transfer (it is chosen per pair); every rank
 keeps one sender per transport it was asked for, made on first use.
@@ -25,17 +25,12 @@ import torch
 
 from pdmesh.kv_transfer.base import (
     KVSender,
-    PageGeometry,
     SendHandle,
     TransferError,
     TransferStats,
 )
 from pdmesh.kv_transfer.connector import (
-    ControlChannel,
-    Count,
-    KVBinding,
     KVConnector,
-    KVHeads,
     StepBatch,
     control_message,
     register_connector,
@@ -64,18 +59,10 @@ class PushStart:
 
 @control_message
 class PushEnd:
+    """A follower finishes the job's sends in the background, or drops them (timeout_s None)."""
+
     job_id: int
-    timeout_s: float
-
-
-@control_message
-class PushAbort:
-    job_id: int
-
-
-@control_message
-class CountSent:
-    """Asks a follower for its KV bytes sent; it replies `Count`."""
+    timeout_s: float | None
 
 
 @dataclass
@@ -102,32 +89,21 @@ class _Sends:
 
 @register_connector(PushOptions)
 class PushConnector(KVConnector):
-    """Callers may rely on: `check` and `geometry` once bound; `start`, `finish_followers`,
-    `abort`, `forget` and `bytes_sent` on the engine thread; `done`, `finish` and the stats from
-    any thread (`finish` blocks until rank 0's frames are acknowledged)."""
+    """Callers may rely on: `check` once bound; `start`, `end`, `forget` and `bytes_moved` on the
+    engine thread; `done`, `finish` and the stats from any thread (`finish` blocks until this
+    rank's frames are acknowledged)."""
 
     def __init__(self, options: PushOptions | None = None) -> None:
         self.options = options or PushOptions()
-        self._cache: torch.Tensor | None = None  # [L, 2, NB, BS, Hkv_local, D]
-        self._heads: KVHeads | None = None
-        self._geometry: PageGeometry | None = None
-        self._followers: ControlChannel | None = None
         self._senders: dict[str, KVSender] = {}
         self._sends: dict[int, _Sends] = {}  # job id -> this rank's sends
         self._pushes: list[tuple[_Sends, int, int, torch.Tensor]] = []  # the bound plan, parsed
         self._jobs: dict[str, PushJob] = {}  # rank 0: request id -> its push (engine thread)
         self._job_ids = itertools.count(1)
 
-    @property
-    def geometry(self) -> PageGeometry:
-        if self._geometry is None:
-            raise RuntimeError("the KV connector is not bound to an engine yet")
-        return self._geometry
-
     def check(self, transport: str) -> None:
         """ValueError unless this worker can push over `transport`."""
-        assert self._cache is not None
-        check_transport(transport, self._cache.device)
+        check_transport(transport, self.binding.cache.device)
 
     # -- rank 0, engine thread ----------------------------------------------------------------
     def start(self, request_id: str, target: KVTarget) -> PushJob:
@@ -136,8 +112,7 @@ class PushConnector(KVConnector):
         job = PushJob(next(self._job_ids), request_id, first, first + target.num_blocks, first)
         self._open(job.job_id, target)
         try:
-            if self._followers is not None:
-                self._followers.call(PushStart(job.job_id, target))
+            self.tell_followers(PushStart(job.job_id, target))
         except BaseException:
             self._abort(job.job_id)
             raise
@@ -148,29 +123,13 @@ class PushConnector(KVConnector):
         """The prompt is computed (or aborted): nothing more to plan for it."""
         self._jobs.pop(request_id, None)
 
-    def finish_followers(self, job: PushJob, timeout_s: float) -> None:
-        """The followers finish their sends in the background: the decode worker checks that
-        every rank's heads arrived."""
-        if self._followers is not None:
-            self._followers.call(PushEnd(job.job_id, timeout_s))
-
-    def abort(self, job: PushJob) -> None:
-        self.forget(job.request_id)
-        self._abort(job.job_id)
-        if self._followers is not None:
-            self._followers.call(PushAbort(job.job_id))
-
-    def bytes_sent(self) -> int:
-        """Over every rank."""
-        sent = self.stats.bytes_sent
-        for reply in self._followers.call(CountSent()) if self._followers is not None else ():
-            assert isinstance(reply, Count)
-            sent += reply.value
-        return sent
-
-    @property
-    def has_followers(self) -> bool:
-        return self._followers is not None
+    def end(self, job: PushJob, timeout_s: float | None) -> None:
+        """The followers finish their sends in the background (the decode worker checks that
+        every rank's heads arrived), or with timeout_s None every rank drops them."""
+        if timeout_s is None:
+            self.forget(job.request_id)
+            self._abort(job.job_id)
+        self.tell_followers(PushEnd(job.job_id, timeout_s))
 
     # -- rank 0, any thread -------------------------------------------------------------------
     def done(self, job: PushJob) -> bool:
@@ -182,9 +141,10 @@ class PushConnector(KVConnector):
             and all(sends.sender.done(h) for h in sends.handles)
         )
 
-    def finish(self, job: PushJob, timeout_s: float) -> list[TransferStats]:
-        """Wait until rank 0's frames are acknowledged (TransferError if they are not)."""
-        return self._finish(job.job_id, timeout_s)
+    def finish(self, job_id: int, timeout_s: float) -> list[TransferStats]:
+        """Wait until this rank's frames are acknowledged (TransferError if they are not)."""
+        sends = self._sends.pop(job_id)
+        return [sends.sender.finish(h, timeout_s) for h in sends.handles]
 
     @property
     def stats(self) -> SenderStats:
@@ -195,33 +155,29 @@ class PushConnector(KVConnector):
         """Any thread: a sender made meanwhile on the engine thread is counted next time."""
         return {name: s.stats for name, s in list(self._senders.items())}
 
+    def bytes_here(self) -> int:
+        return self.stats.bytes_sent
+
     # -- every rank ---------------------------------------------------------------------------
     def _open(self, job_id: int, target: KVTarget) -> None:
         sender = self._senders.get(target.transport)
         if sender is None:
             self.check(target.transport)
-            sender = self._senders[target.transport] = create_sender(
-                target.transport, self.geometry
+            sender = create_sender(target.transport, self.geometry)
+            self._senders[target.transport] = sender
+        heads = self.binding.heads
+        handles = [
+            sender.start(
+                e.address,
+                target.transfer_id,
+                target.token,
+                target.num_blocks,
+                (e.head_start, e.num_heads),
             )
-        handles: list[SendHandle] = []
-        heads = self._heads
-        assert heads is not None
-        for e in target.endpoints if heads.sends else ():
-            if e.overlaps(heads.start, heads.count):
-                handles.append(
-                    sender.start(
-                        e.address,
-                        target.transfer_id,
-                        target.token,
-                        target.num_blocks,
-                        (e.head_start, e.num_heads),
-                    )
-                )
+            for e in (target.endpoints if heads.sends else ())
+            if e.overlaps(heads.start, heads.count)
+        ]
         self._sends[job_id] = _Sends(job_id, sender, handles)
-
-    def _finish(self, job_id: int, timeout_s: float) -> list[TransferStats]:
-        sends = self._sends.pop(job_id)
-        return [sends.sender.finish(h, timeout_s) for h in sends.handles]
 
     def _abort(self, job_id: int) -> None:
         sends = self._sends.pop(job_id, None)
@@ -258,16 +214,11 @@ class PushConnector(KVConnector):
             job.sent = upto
         return torch.tensor(items, dtype=torch.int64) if items else None
 
-    def bind(self, binding: KVBinding) -> None:
-        self._cache, self._heads = binding.cache, binding.heads
-        self._geometry = binding.geometry
-        self._followers = binding.followers
-
     def start_step(self, plan: torch.Tensor) -> None:
         """Parse the plan once: (sends, first transfer block, layers, block ids on the cache's
         device). The ids are copied without a sync: a blocking copy in a layer hook would make
         the host wait for the GPU at every layer."""
-        assert self._cache is not None
+        cache = self.binding.cache
         items = plan.tolist() if plan.numel() else []
         pushes = []
         i = 0
@@ -278,22 +229,21 @@ class PushConnector(KVConnector):
             sends = self._sends.get(job_id)
             if sends is None or sends.broken or not sends.handles:
                 continue
-            if self._cache.is_cuda:
-                ids = ids.pin_memory().to(self._cache.device, non_blocking=True)
+            if cache.is_cuda:
+                ids = ids.pin_memory().to(cache.device, non_blocking=True)
             pushes.append((sends, offset, layers, ids))
         self._pushes = pushes
 
     def save_layer(self, layer: int) -> None:
-        assert self._cache is not None
+        cache = self.binding.cache  # [L, 2, NB, BS, Hkv_local, D]
         for sends, offset, layers, ids in self._pushes:
             if sends.broken or (layers == ALL_LAYERS and layer != 0):
                 continue
             try:
                 if layers == ALL_LAYERS:
-                    sends.sender.send_layers(sends.handles, offset, self._cache, ids)
+                    sends.sender.send_layers(sends.handles, offset, cache, ids)
                 else:
-                    pages = self._cache[layer]
-                    sends.sender.send_blocks(sends.handles, layer, offset, pages, ids)
+                    sends.sender.send_blocks(sends.handles, layer, offset, cache[layer], ids)
             except (TransferError, ValueError) as e:
                 # A broken transfer must never stop the forward; finish() reports it.
                 log.warning("KV push of job %d stopped: %s", sends.job_id, e)
@@ -306,22 +256,20 @@ class PushConnector(KVConnector):
         match message:
             case PushStart(job_id, target):
                 self._open(job_id, target)
+            case PushEnd(job_id, None):
+                self._abort(job_id)
             case PushEnd(job_id, timeout_s):
                 # Rank 0 does not wait: the decode worker checks that every rank's heads arrived.
                 threading.Thread(
                     target=self._finish_quietly, args=(job_id, timeout_s), daemon=True
                 ).start()
-            case PushAbort(job_id):
-                self._abort(job_id)
-            case CountSent():
-                return Count(self.stats.bytes_sent)
             case _:
                 return super().handle(message)
         return None
 
     def _finish_quietly(self, job_id: int, timeout_s: float) -> None:
         try:
-            self._finish(job_id, timeout_s)
+            self.finish(job_id, timeout_s)
         except TransferError as e:
             log.warning("KV push of job %d failed on this rank: %s", job_id, e)
 

@@ -4,9 +4,8 @@ prefill worker computes.
 
 The transport is chosen per pair: `transport_for` names it for a prefill worker. Rank 0's
 receivers live in its connector; each follower's connector holds that rank's and is driven by
-control messages (`Expect`, `AwaitTransfer`, `CancelTransfer`, `DescribeEndpoints`,
-`CountReceived`), which rank 0 sends on the engine thread because they are collectives over the
-worker's process group.
+control messages (`Expect`, `EndTransfer`, `DescribeEndpoints`), which rank 0 sends on the
+engine thread because they are collectives over the worker's process group.
 """
 
 from __future__ import annotations
@@ -19,14 +18,11 @@ from typing import Any
 
 from pdmesh.kv_transfer.base import (
     KVReceiver,
-    PageGeometry,
     TransferError,
     TransferSpec,
     TransferStats,
 )
 from pdmesh.kv_transfer.connector import (
-    ControlChannel,
-    Count,
     ExternalBlocks,
     KVBinding,
     KVConnector,
@@ -55,21 +51,17 @@ class ReceiveOptions:
 @control_message
 class Expect:
     transport: str
-    transfer_id: str
-    token: bytes
-    block_ids: tuple[int, ...]
+    spec: TransferSpec  # rank 0's: each follower expects its own heads
     timeout_s: float
 
 
 @control_message
-class AwaitTransfer:
-    transfer_id: str
-    timeout_s: float
+class EndTransfer:
+    """Wait for a follower's heads of the transfer (TransferError if they do not come), or
+    cancel them (timeout_s None)."""
 
-
-@control_message
-class CancelTransfer:
     transfer_id: str
+    timeout_s: float | None
 
 
 @control_message
@@ -80,11 +72,6 @@ class DescribeEndpoints:
 @control_message
 class RankEndpoints:
     endpoints: dict[str, KVEndpoint]  # transport -> that rank's receiver
-
-
-@control_message
-class CountReceived:
-    """Asks a follower for its KV bytes received; it replies `Count`."""
 
 
 def split_advertise(advertise: str) -> tuple[str, int | None]:
@@ -116,14 +103,12 @@ class IncomingTransfer:
 @register_connector(ReceiveOptions)
 class ReceiveConnector(KVConnector):
     """Callers may rely on: `expect`, `cancel`, `transport_for`, `endpoints` and the stats from
-    any thread once bound; `expect_followers`, `await_followers`, `cancel_followers` and
-    `bytes_received` on the engine thread (no-ops without followers)."""
+    any thread once bound; `expect_followers`, `end_followers` and `bytes_moved` on the engine
+    thread (no-ops without followers)."""
 
     def __init__(self, options: ReceiveOptions) -> None:
         self.options = options
         self.receivers: dict[str, KVReceiver] = {}
-        self.geometry: PageGeometry | None = None
-        self._followers: ControlChannel | None = None
         self._endpoints: dict[str, list[KVEndpoint]] = {}
         self._default = ""
         self._transport_for: dict[str, str] = {}
@@ -131,8 +116,8 @@ class ReceiveConnector(KVConnector):
 
     # -- the connector interface --------------------------------------------------------------
     def bind(self, binding: KVBinding) -> None:
+        super().bind(binding)
         cache, geometry = binding.cache, binding.geometry
-        self.geometry = geometry
         resolved = [resolve_transport(n, cache.device) for n in self.options.transports]
         self._default = resolved[0]
         self._transport_for = {
@@ -155,12 +140,11 @@ class ReceiveConnector(KVConnector):
             self._endpoints[name] = [
                 KVEndpoint(address, geometry.head_start, geometry.num_kv_heads)
             ]
-        self._followers = binding.followers
-        if self._followers is not None:  # while the engine is built: no engine thread yet
-            for reply in self._followers.call(DescribeEndpoints()):
-                assert isinstance(reply, RankEndpoints)
-                for name, endpoint in reply.endpoints.items():
-                    self._endpoints[name].append(endpoint)
+        # While the engine is built: no engine thread yet.
+        for reply in self.tell_followers(DescribeEndpoints()):
+            assert isinstance(reply, RankEndpoints)
+            for name, endpoint in reply.endpoints.items():
+                self._endpoints[name].append(endpoint)
 
     def _any_port(self) -> str:
         return f"{self.options.bind.rsplit(':', 1)[0]}:0"
@@ -194,19 +178,17 @@ class ReceiveConnector(KVConnector):
         match message:
             case DescribeEndpoints():
                 return RankEndpoints({name: eps[0] for name, eps in self._endpoints.items()})
-            case Expect(transport, transfer_id, token, block_ids, timeout_s):
-                g = self._geometry
-                spec = TransferSpec(transfer_id, token, block_ids, g.head_start, g.num_kv_heads)
+            case Expect(transport, spec, timeout_s):
+                g = self.geometry
+                spec = replace(spec, head_start=g.head_start, num_heads=g.num_kv_heads)
                 receiver = self.receivers[transport]
-                self._futures[transfer_id] = receiver, receiver.expect(spec, timeout_s)
-            case AwaitTransfer(transfer_id, timeout_s):
-                self._await(transfer_id, timeout_s)
-            case CancelTransfer(transfer_id):
+                self._futures[spec.transfer_id] = receiver, receiver.expect(spec, timeout_s)
+            case EndTransfer(transfer_id, None):
                 entry = self._futures.pop(transfer_id, None)
                 if entry is not None:
                     entry[0].cancel(transfer_id)
-            case CountReceived():
-                return Count(self.stats.bytes_received)
+            case EndTransfer(transfer_id, timeout_s):
+                self._await(transfer_id, timeout_s)
             case _:
                 return super().handle(message)
         return None
@@ -231,12 +213,6 @@ class ReceiveConnector(KVConnector):
             r.close()
 
     # -- rank 0, any thread -------------------------------------------------------------------
-    @property
-    def _geometry(self) -> PageGeometry:
-        if self.geometry is None:
-            raise RuntimeError("the KV connector is not bound to an engine yet")
-        return self.geometry
-
     def transport_for(self, prefill_address: str) -> str:
         """The transport of the pair with the prefill worker at `prefill_address`."""
         return self._transport_for.get(prefill_address, self._default)
@@ -252,7 +228,7 @@ class ReceiveConnector(KVConnector):
 
     def expect(self, transport: str, block_ids: list[int], timeout_s: float) -> IncomingTransfer:
         """Announce a transfer to rank 0's receiver."""
-        g = self._geometry
+        g = self.geometry
         spec = TransferSpec.new(block_ids, g.head_start, g.num_kv_heads)
         return IncomingTransfer(
             spec, transport, self.receivers[transport].expect(spec, timeout=timeout_s)
@@ -269,30 +245,14 @@ class ReceiveConnector(KVConnector):
     def stats_by_transport(self) -> dict[str, ReceiverStats]:
         return {name: r.stats for name, r in self.receivers.items()}
 
+    def bytes_here(self) -> int:
+        return self.stats.bytes_received
+
     # -- rank 0, engine thread ----------------------------------------------------------------
-    @property
-    def has_followers(self) -> bool:
-        return self._followers is not None
-
     def expect_followers(self, transfer: IncomingTransfer, timeout_s: float) -> None:
-        if self._followers is not None:
-            s = transfer.spec
-            self._followers.call(
-                Expect(transfer.transport, s.transfer_id, s.token, s.block_ids, timeout_s)
-            )
+        self.tell_followers(Expect(transfer.transport, transfer.spec, timeout_s))
 
-    def await_followers(self, transfer: IncomingTransfer, timeout_s: float) -> None:
-        """Wait until every other rank has its heads of the transfer (TransferError if not)."""
-        if self._followers is not None:
-            self._followers.call(AwaitTransfer(transfer.spec.transfer_id, timeout_s))
-
-    def cancel_followers(self, transfer: IncomingTransfer) -> None:
-        if self._followers is not None:
-            self._followers.call(CancelTransfer(transfer.spec.transfer_id))
-
-    def bytes_received(self) -> int:
-        """Over every rank."""
-        total = self.stats.bytes_received
-        if self._followers is not None:
-            total += sum(r.value for r in self._followers.call(CountReceived()))  # type: ignore[union-attr]
-        return total
+    def end_followers(self, transfer: IncomingTransfer, timeout_s: float | None) -> None:
+        """Wait until every other rank has its heads of the transfer (TransferError if not), or
+        with timeout_s None cancel it there."""
+        self.tell_followers(EndTransfer(transfer.spec.transfer_id, timeout_s))

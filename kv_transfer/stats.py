@@ -42,29 +42,16 @@ class ReceiverStats:
         )
 
 
-@dataclass(frozen=True)
-class SenderStats:
-    """Counters since the sender started; a snapshot."""
-
-    bytes_sent: int  # payload bytes handed to the transport
-    frames_sent: int
-    seconds_sending: float  # sum of TransferStats.seconds of completed transfers
-    transfers: int  # completed (every frame acknowledged)
-    transfers_failed: int
-
-
 @dataclass
-class SendCounters:
-    """A sender's running counters, updated under the sender's lock; `snapshot` for `stats`."""
+class SenderStats:
+    """Counters since the sender started. A sender counts into its own under its lock and hands
+    out copies (`KVSender.stats`)."""
 
-    bytes_sent: int = 0
+    bytes_sent: int = 0  # payload bytes handed to the transport
     frames_sent: int = 0
-    seconds_sending: float = 0.0
-    transfers: int = 0
+    seconds_sending: float = 0.0  # sum of TransferStats.seconds of completed transfers
+    transfers: int = 0  # completed (every frame acknowledged)
     transfers_failed: int = 0
-
-    def snapshot(self) -> SenderStats:
-        return SenderStats(**dataclasses.asdict(self))
 
 
 S = TypeVar("S", ReceiverStats, SenderStats)

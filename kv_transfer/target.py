@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from pdmesh.kv_transfer.base import TransferSpec
 from pdmesh.kv_transfer.connector import control_message
 from pdmesh.v1 import worker_pb2
 
@@ -51,28 +50,6 @@ class KVTarget:
     @property
     def num_blocks(self) -> int:
         return len(self.block_ids)
-
-    @staticmethod
-    def of(
-        spec: TransferSpec,
-        transport: str,
-        first_block: int,
-        block_size: int,
-        endpoints: tuple[KVEndpoint, ...],
-        timeout_s: float,
-        trace_context: Mapping[str, str] | None = None,
-    ) -> KVTarget:
-        return KVTarget(
-            transport,
-            spec.transfer_id,
-            spec.token,
-            first_block,
-            spec.block_ids,
-            block_size,
-            endpoints,
-            timeout_s,
-            dict(trace_context or {}),
-        )
 
     def to_pb(self) -> worker_pb2.KVTarget:
         return worker_pb2.KVTarget(

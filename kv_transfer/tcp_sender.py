@@ -25,7 +25,7 @@ import zmq
 from pdmesh.kv_transfer.base import KVSender, PageGeometry, SendHandle, TransferError
 from pdmesh.kv_transfer.frame import MAX_FRAME_PAYLOAD, Ack, MalformedFrame, Verdict
 from pdmesh.kv_transfer.staging import StagedFrame, blocks_per_frame, stage_layer
-from pdmesh.kv_transfer.stats import SendCounters, SenderStats, TransferStats
+from pdmesh.kv_transfer.stats import TransferStats
 from pdmesh.kv_transfer.zmq_options import ACK_HWM, FRAME_HWM, POLL_MS, check_endpoint, tune
 from pdmesh.logger import get_logger
 
@@ -72,9 +72,7 @@ class TcpSender(KVSender):
         self._wake_recv, self._wake_send = socket.socketpair()
         self._wake_recv.setblocking(False)
         self._wake_send.setblocking(False)
-        self._lock = threading.Lock()  # counters and _active, shared with caller threads
         self._active: set[tuple[str, bytes]] = set()
-        self._counts = SendCounters()
         self._closed = False
         self._stop = threading.Event()
         # I/O thread state.
@@ -136,11 +134,6 @@ class TcpSender(KVSender):
         if not h.ended:
             h.ended = True
             self._submit(_Command("abort", h, reason="aborted by the sender"))
-
-    @property
-    def stats(self) -> SenderStats:
-        with self._lock:
-            return self._counts.snapshot()
 
     def close(self) -> None:
         with self._lock:

@@ -61,7 +61,6 @@ class PrefillWorker(WorkerProcess):
         super().__init__(engine, connector)
         self.config = config
         self.kv = connector
-        self.geometry = connector.geometry
         self.prefills = 0
         self._pending: dict[str, _Pending] = {}  # engine thread only
         self.metrics = PrefillMetrics(self.metrics_snapshot)
@@ -122,11 +121,11 @@ class PrefillWorker(WorkerProcess):
             first_token, cached = await pending.done
             prefill_ns = time.perf_counter_ns() - started
             if self.kv.done(job):  # usually, by the time the first token is out
-                stats = self.kv.finish(job, timeout_s)
+                stats = self.kv.finish(job.job_id, timeout_s)
             else:
-                stats = await asyncio.to_thread(self.kv.finish, job, timeout_s)
-            if self.kv.has_followers:  # no hop to the engine thread without them
-                await self.loop.acall(lambda e: self.kv.finish_followers(job, timeout_s))
+                stats = await asyncio.to_thread(self.kv.finish, job.job_id, timeout_s)
+            if self.kv.followers is not None:  # no hop to the engine thread without them
+                await self.loop.acall(lambda e: self.kv.end(job, timeout_s))
         except BaseException as exc:
             # Off the engine thread's books first, so no layer hook sends on an aborted handle.
             await self.loop.acall(lambda e: self._cancel(e, task.request_id, pending))
@@ -158,7 +157,7 @@ class PrefillWorker(WorkerProcess):
         try:
             engine.add_request(task.request_id, task.prompt, params)
         except BaseException:
-            self.kv.abort(job)
+            self.kv.end(job, None)
             raise
         pending.job = job
         self._pending[task.request_id] = pending
@@ -168,7 +167,7 @@ class PrefillWorker(WorkerProcess):
         if engine.abort_request(request_id) is not None:
             engine.release(request_id)
         if pending.job is not None:
-            self.kv.abort(pending.job)
+            self.kv.end(pending.job, None)
 
     def _on_engine_deltas(self, deltas: list[StepDelta]) -> None:
         for d in deltas:
@@ -183,10 +182,6 @@ class PrefillWorker(WorkerProcess):
                 self._aio.call_soon_threadsafe(_resolve, pending.done, result)
 
     # -- figures ------------------------------------------------------------------------------
-    @property
-    def block_size(self) -> int:
-        return self.geometry.block_size
-
     def transfer_totals(self) -> list[TransferTotals]:
         return [
             TransferTotals(
@@ -201,7 +196,7 @@ class PrefillWorker(WorkerProcess):
     def kv_report(self, engine: LLMEngine) -> dict[str, object]:
         tx = self.kv.stats
         return {
-            "kv_bytes_sent": self.kv.bytes_sent(),  # every rank's
+            "kv_bytes_sent": self.kv.bytes_moved(),  # every rank's
             "kv_seconds": tx.seconds_sending,
             "kv_transfers": tx.transfers,
             "remote_prefills": self.prefills,

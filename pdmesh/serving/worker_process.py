@@ -45,6 +45,7 @@ class WorkerProcess(ABC):
         """on_tick: run between steps and when idle, on the engine thread."""
         self.engine = engine
         self.connector = connector
+        self.geometry = connector.geometry  # bound when the engine was built
         self.loop = EngineLoop(engine, self._on_engine_deltas, on_tick, self._on_fatal)
         if engine.tp_driver is not None:  # a dead rank stops the engine from any thread
             engine.tp_driver.on_rank_death = self.loop.fail
@@ -88,10 +89,6 @@ class WorkerProcess(ABC):
     def kv_report(self, engine: LLMEngine) -> dict[str, Any]:
         """The service's WorkerStats fields (engine thread: may ask the other ranks)."""
 
-    @property
-    @abstractmethod
-    def block_size(self) -> int: ...
-
     def banner(self) -> str:
         """What the start-up log line adds after the port."""
         return ""
@@ -120,7 +117,7 @@ class WorkerProcess(ABC):
         return {
             "role": self.role,
             **fields,
-            "block_size": self.block_size,
+            "block_size": self.geometry.block_size,
             "tensor_parallel_size": 1,
         }
 
