@@ -15,12 +15,14 @@ from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from pdmesh.observability.histogram import (
     E2E_BUCKETS_S,
     ITL_BUCKETS_S,
-    TRANSFER_BUCKETS_S,
     TTFT_BUCKETS_S,
     FastHistogram,
 )
-from pdmesh.observability.metrics_server import new_registry
-from pdmesh.observability.worker_collector import WorkerCollector, WorkerSnapshot
+from pdmesh.observability.worker_collector import (
+    WorkerSnapshot,
+    transfer_histogram,
+    worker_registry,
+)
 
 NS = 1e-9
 
@@ -47,19 +49,11 @@ class DecodeMetrics:
             "Arrival at the router to admission by the decode worker's engine.",
             TTFT_BUCKETS_S,
         )
-        self.transfer = FastHistogram(
-            "pdmesh_kv_transfer_duration_seconds",
-            "One KV transfer, first frame to last.",
-            TRANSFER_BUCKETS_S,
-            {"direction": "receive"},
-        )
+        self.transfer = transfer_histogram("receive")
         self.generated_tokens = 0
         self.finished: dict[str, int] = {}  # by finish reason
-        self.registry = new_registry()
-        for collector in (self.ttft, self.itl, self.e2e, self.queue, self.transfer):
-            self.registry.register(collector)
-        self.registry.register(WorkerCollector("decode", snapshot))
-        self.registry.register(_Counters(self))
+        histograms = (self.ttft, self.itl, self.e2e, self.queue, self.transfer)
+        self.registry = worker_registry("decode", snapshot, *histograms, _Counters(self))
 
     # -- engine thread ----------------------------------------------------------------------------
     def first_token(self, ttft_ns: int, n: int) -> None:

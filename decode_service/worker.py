@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
 
 from pdmesh.decode_service.config import DecodeConfig
 from pdmesh.decode_service.metrics import DecodeMetrics
@@ -31,26 +30,9 @@ from pdmesh.kv_transfer.receive_connector import IncomingTransfer, ReceiveConnec
 from pdmesh.kv_transfer.target import KVTarget
 from pdmesh.logger import get_logger
 from pdmesh.observability import tracing
-from pdmesh.observability.worker_collector import TransferTotals
 from pdmesh.serving.worker_process import WorkerProcess
 
 log = get_logger(__name__)
-
-
-@dataclass
-class Counters:
-    local_prefills: int = 0
-    remote_prefills: int = 0
-    prefill_fallbacks: int = 0
-
-
-@dataclass
-class _EngineSide:
-    """State only the engine thread touches."""
-
-    deadlines: dict[str, float] = field(default_factory=dict)
-    clocks: dict[str, RequestClock] = field(default_factory=dict)
-    errors: dict[str, tuple[str, str]] = field(default_factory=dict)  # rid -> (status, message)
 
 
 class DecodeWorker(WorkerProcess):
@@ -62,8 +44,11 @@ class DecodeWorker(WorkerProcess):
         super().__init__(engine, connector, self._on_tick)
         self.config = config
         self.kv = connector  # receivers per tensor-parallel rank and transport
-        self.counters = Counters()
-        self._side = _EngineSide()
+        self.prefills = {"local": 0, "remote": 0, "fallback": 0}  # prompts prefilled, by where
+        # Engine thread only.
+        self._deadlines: dict[str, float] = {}
+        self._clocks: dict[str, RequestClock] = {}
+        self._errors: dict[str, tuple[str, str]] = {}  # rid -> (status, message)
         self._subscribers: dict[str, asyncio.Queue[list[Delta]]] = {}
         self._owner: dict[str, str] = {}  # request id -> subscriber id
         self._remote: dict[str, asyncio.Task[None]] = {}
@@ -198,7 +183,6 @@ class DecodeWorker(WorkerProcess):
 
     # -- engine thread ----------------------------------------------------------------------------
     def _admit(self, engine: LLMEngine, sub: Submission) -> ExternalBlocks | None:
-        side = self._side
         waiting = engine.num_waiting_for_blocks()
         if waiting >= self.config.max_waiting_requests:
             raise Overloaded(
@@ -219,13 +203,13 @@ class DecodeWorker(WorkerProcess):
             )
         if plan is None:
             engine.add_request(sub.request_id, sub.prompt, sub.params, num_output_tokens=sent)
-            self.counters.local_prefills += 1
+            self.prefills["local"] += 1
         else:
             clock.disaggregated = True
-            self.counters.remote_prefills += 1
-        side.clocks[sub.request_id] = clock
+            self.prefills["remote"] += 1
+        self._clocks[sub.request_id] = clock
         if sub.deadline is not None:
-            side.deadlines[sub.request_id] = sub.deadline
+            self._deadlines[sub.request_id] = sub.deadline
         return plan
 
     def _prefill_done(self, engine: LLMEngine, rid: str, first_token: int) -> None:
@@ -236,12 +220,12 @@ class DecodeWorker(WorkerProcess):
     def _prefill_failed(self, engine: LLMEngine, rid: str, exc: BaseException) -> None:
         if self.config.prefill_failure_policy == "recompute":
             if self.kv.release(engine, rid):
-                self.counters.prefill_fallbacks += 1
-                clock = self._side.clocks.get(rid)
+                self.prefills["fallback"] += 1
+                clock = self._clocks.get(rid)
                 if clock is not None:  # its timings must say where it was prefilled in the end
                     clock.disaggregated = False
         elif engine.is_reserved(rid):
-            self._side.errors[rid] = (Unavailable.status, f"prefill failed: {exc}")
+            self._errors[rid] = (Unavailable.status, f"prefill failed: {exc}")
             self._abort_one(engine, rid)
 
     def _abort_one(self, engine: LLMEngine, rid: str) -> int:
@@ -252,12 +236,12 @@ class DecodeWorker(WorkerProcess):
         return 1
 
     def _on_tick(self, engine: LLMEngine) -> None:
-        deadlines = self._side.deadlines
+        deadlines = self._deadlines
         if not deadlines:
             return
         now = time.time()
         for rid in [r for r, d in deadlines.items() if now > d]:
-            self._side.errors[rid] = (DeadlineExceeded.status, "the request's deadline passed")
+            self._errors[rid] = (DeadlineExceeded.status, "the request's deadline passed")
             if self._aio is not None:
                 self._aio.call_soon_threadsafe(self._cancel_remote, rid)
             self._abort_one(engine, rid)
@@ -269,12 +253,11 @@ class DecodeWorker(WorkerProcess):
             task.cancel()
 
     def _on_engine_deltas(self, deltas: list[StepDelta]) -> None:
-        side = self._side
         metrics = self.metrics
         out: list[Delta] = []
         now = time.time_ns()
         for d in deltas:
-            clock = side.clocks.get(d.request_id)
+            clock = self._clocks.get(d.request_id)
             if clock is not None and d.token_ids:
                 if clock.first_token_ns:
                     metrics.next_tokens(now - clock.last_token_ns, len(d.token_ids))
@@ -287,9 +270,9 @@ class DecodeWorker(WorkerProcess):
                 continue
             result = self.engine.get_output(d.request_id)
             self.engine.release(d.request_id)
-            side.deadlines.pop(d.request_id, None)
-            status, message = side.errors.pop(d.request_id, ("", ""))
-            clock = side.clocks.pop(d.request_id, None) or RequestClock(now, now)
+            self._deadlines.pop(d.request_id, None)
+            status, message = self._errors.pop(d.request_id, ("", ""))
+            clock = self._clocks.pop(d.request_id, None) or RequestClock(now, now)
             first = clock.first_token_ns or now
             metrics.finish(
                 d.finish_reason, clock.admitted_ns - clock.arrival_ns, now - clock.arrival_ns
@@ -321,37 +304,14 @@ class DecodeWorker(WorkerProcess):
             self._aio.call_soon_threadsafe(self._dispatch, out)
 
     # -- figures ------------------------------------------------------------------------------
-    def transfer_totals(self) -> list[TransferTotals]:
-        return [
-            TransferTotals(
-                "receive",
-                name,
-                rx.bytes_received,
-                rx.seconds_receiving,
-                rx.transfers_completed,
-                rx.transfers_failed,
-                rx.frames_dropped,
-            )
-            for name, rx in self.kv.stats_by_transport().items()
-        ]
-
-    def prefill_counts(self) -> dict[str, int]:
-        c = self.counters
-        return {
-            "local": c.local_prefills,
-            "remote": c.remote_prefills,
-            "fallback": c.prefill_fallbacks,
-        }
-
     def kv_report(self, engine: LLMEngine) -> dict[str, object]:
         rx = self.kv.stats
-        c = self.counters
         return {
             "kv_bytes_received": self.kv.bytes_moved(),  # every rank's
             "kv_seconds": rx.seconds_receiving,
             "kv_transfers": rx.transfers_completed,
             "kv_frames_dropped": rx.frames_dropped,
-            "local_prefills": c.local_prefills,
-            "remote_prefills": c.remote_prefills,
-            "prefill_fallbacks": c.prefill_fallbacks,
+            "local_prefills": self.prefills["local"],
+            "remote_prefills": self.prefills["remote"],
+            "prefill_fallbacks": self.prefills["fallback"],
         }

@@ -24,13 +24,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 
 from pdmesh.kv_transfer.base import PageGeometry, TransferError
+from pdmesh.kv_transfer.stats import ReceiverStats, SenderStats
 
 T = TypeVar("T")
 
@@ -165,6 +166,10 @@ class KVConnector:
     def bytes_here(self) -> int:
         """KV bytes this rank sent or received (any thread)."""
         return 0
+
+    def stats_by_transport(self) -> Mapping[str, SenderStats | ReceiverStats]:
+        """This rank's counters per transport in use (any thread)."""
+        return {}
 
     # -- scheduler side (rank 0, engine thread) -----------------------------------------------
     @property

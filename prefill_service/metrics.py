@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pdmesh.observability.histogram import TRANSFER_BUCKETS_S, TTFT_BUCKETS_S, FastHistogram
-from pdmesh.observability.metrics_server import new_registry
-from pdmesh.observability.worker_collector import WorkerCollector, WorkerSnapshot
+from pdmesh.observability.histogram import TTFT_BUCKETS_S, FastHistogram
+from pdmesh.observability.worker_collector import (
+    WorkerSnapshot,
+    transfer_histogram,
+    worker_registry,
+)
 
 NS = 1e-9
 
@@ -24,16 +27,10 @@ class PrefillMetrics:
             "A Prefill call, received to its first forward step.",
             TTFT_BUCKETS_S,
         )
-        self.transfer = FastHistogram(
-            "pdmesh_kv_transfer_duration_seconds",
-            "One KV transfer, first frame to last.",
-            TRANSFER_BUCKETS_S,
-            {"direction": "send"},
+        self.transfer = transfer_histogram("send")
+        self.registry = worker_registry(
+            "prefill", snapshot, self.prefill, self.queue, self.transfer
         )
-        self.registry = new_registry()
-        for collector in (self.prefill, self.queue, self.transfer):
-            self.registry.register(collector)
-        self.registry.register(WorkerCollector("prefill", snapshot))
 
     def prefilled(self, prefill_ns: int, queue_ns: int, transfer_s: float) -> None:
         self.prefill.observe(prefill_ns * NS)

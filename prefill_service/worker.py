@@ -19,7 +19,6 @@ from pdmesh.kv_transfer.base import TransferError, check_token, check_transfer_i
 from pdmesh.kv_transfer.push_connector import PushConnector, PushJob
 from pdmesh.kv_transfer.target import KVTarget
 from pdmesh.logger import get_logger
-from pdmesh.observability.worker_collector import TransferTotals
 from pdmesh.prefill_service.config import PrefillConfig
 from pdmesh.prefill_service.metrics import PrefillMetrics
 from pdmesh.prefill_service.tracing import record_prefill
@@ -61,7 +60,7 @@ class PrefillWorker(WorkerProcess):
         super().__init__(engine, connector)
         self.config = config
         self.kv = connector
-        self.prefills = 0
+        self.prefills = {"remote": 0}
         self._pending: dict[str, _Pending] = {}  # engine thread only
         self.metrics = PrefillMetrics(self.metrics_snapshot)
 
@@ -140,7 +139,7 @@ class PrefillWorker(WorkerProcess):
         )
         transfer_s = max((s.seconds for s in stats), default=0.0)
         self.metrics.prefilled(prefill_ns, job.forward_ns - received_ns, transfer_s)
-        self.prefills += 1
+        self.prefills["remote"] += 1
         return PrefillOutcome(
             first_token=first_token,
             cached_prompt_tokens=cached,
@@ -182,24 +181,13 @@ class PrefillWorker(WorkerProcess):
                 self._aio.call_soon_threadsafe(_resolve, pending.done, result)
 
     # -- figures ------------------------------------------------------------------------------
-    def transfer_totals(self) -> list[TransferTotals]:
-        return [
-            TransferTotals(
-                "send", name, tx.bytes_sent, tx.seconds_sending, tx.transfers, tx.transfers_failed
-            )
-            for name, tx in self.kv.stats_by_transport().items()
-        ]
-
-    def prefill_counts(self) -> dict[str, int]:
-        return {"remote": self.prefills}
-
     def kv_report(self, engine: LLMEngine) -> dict[str, object]:
         tx = self.kv.stats
         return {
             "kv_bytes_sent": self.kv.bytes_moved(),  # every rank's
             "kv_seconds": tx.seconds_sending,
             "kv_transfers": tx.transfers,
-            "remote_prefills": self.prefills,
+            "remote_prefills": self.prefills["remote"],
         }
 
 

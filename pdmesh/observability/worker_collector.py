@@ -11,7 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pdmesh.observability.histogram import TRANSFER_BUCKETS_S, FastHistogram
+from pdmesh.observability.metrics_server import new_registry
 
 
 @dataclass(frozen=True)
@@ -139,3 +144,23 @@ def _transfer_families(totals: Sequence[TransferTotals]) -> Iterator[Metric]:
         for t in totals:
             family.add_metric([t.direction, t.transport], value(t))
         yield family
+
+
+def transfer_histogram(direction: str) -> FastHistogram:
+    """One KV transfer's duration, as a worker of `direction` ("send", "receive") sees it."""
+    return FastHistogram(
+        "pdmesh_kv_transfer_duration_seconds",
+        "One KV transfer, first frame to last.",
+        TRANSFER_BUCKETS_S,
+        {"direction": direction},
+    )
+
+
+def worker_registry(
+    role: str, snapshot: Callable[[], WorkerSnapshot], *collectors: Collector
+) -> CollectorRegistry:
+    """A worker's /metrics: its own `collectors`, then the engine and KV state of `snapshot`."""
+    registry = new_registry()
+    for collector in (*collectors, WorkerCollector(role, snapshot)):
+        registry.register(collector)
+    return registry

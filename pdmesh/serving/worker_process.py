@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.outputs import StepDelta
 from pdmesh.errors import Unavailable
 from pdmesh.kv_transfer.connector import KVConnector
+from pdmesh.kv_transfer.stats import ReceiverStats, SenderStats
 from pdmesh.logger import get_logger
 from pdmesh.observability import tracing
 from pdmesh.observability.metrics_server import MetricsServer
@@ -35,6 +36,7 @@ class WorkerProcess(ABC):
 
     role: ClassVar[str]  # "decode" / "prefill": metrics labels and GetStats
     metrics: Any  # the service's metrics; `metrics.registry` is served at /metrics
+    prefills: dict[str, int]  # prompts prefilled, by where (local, remote, fallback)
 
     def __init__(
         self,
@@ -78,14 +80,6 @@ class WorkerProcess(ABC):
         """Each step's deltas, on the engine thread."""
 
     @abstractmethod
-    def transfer_totals(self) -> Sequence[TransferTotals]:
-        """Rank 0's KV transfer counters per transport (scrape thread: no engine wait)."""
-
-    @abstractmethod
-    def prefill_counts(self) -> Mapping[str, int]:
-        """Prompts prefilled, by mode (local, remote, fallback)."""
-
-    @abstractmethod
     def kv_report(self, engine: LLMEngine) -> dict[str, Any]:
         """The service's WorkerStats fields (engine thread: may ask the other ranks)."""
 
@@ -98,9 +92,9 @@ class WorkerProcess(ABC):
         """State for a Prometheus scrape, read from the scraping thread (no engine wait)."""
         return WorkerSnapshot(
             **worker_stat_fields(self.engine.stats()),
-            transfers=list(self.transfer_totals()),
+            transfers=[_totals(n, s) for n, s in self.connector.stats_by_transport().items()],
             expert_token_counts=self.engine.runner.expert_counts() or (),
-            prefills=dict(self.prefill_counts()),
+            prefills=dict(self.prefills),
         )
 
     async def report(self) -> dict[str, Any]:
@@ -120,6 +114,22 @@ class WorkerProcess(ABC):
             "block_size": self.geometry.block_size,
             "tensor_parallel_size": 1,
         }
+
+
+def _totals(transport: str, s: SenderStats | ReceiverStats) -> TransferTotals:
+    if isinstance(s, SenderStats):
+        return TransferTotals(
+            "send", transport, s.bytes_sent, s.seconds_sending, s.transfers, s.transfers_failed
+        )
+    return TransferTotals(
+        "receive",
+        transport,
+        s.bytes_received,
+        s.seconds_receiving,
+        s.transfers_completed,
+        s.transfers_failed,
+        s.frames_dropped,
+    )
 
 
 class WorkerSettings(Protocol):
