@@ -17,21 +17,16 @@ setting); prints a table.
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
 import os
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from triton.testing import do_bench
 
-from pdmesh.bench.gpu import ceilings
-from pdmesh.bench.gpu_models import llama_8b_config, write_config
+from pdmesh.bench.gpu_models import dummy_llm, llama_8b_config, write_config
 from pdmesh.bench.gpu_workloads import decode_step_time, profile_decode, weight_bytes
+from pdmesh.bench.report import Report, ceilings, free_memory, median_s, out_parser, run_info
 
 
 def tp2_shard_config() -> Any:
@@ -61,26 +56,15 @@ def fixed_token_logits(engine: Any) -> torch.Tensor:
 def measure(
     folder: Path, variant: tuple[str, int, bool], profile: bool, out: Path, bw: float
 ) -> tuple[dict[str, Any], torch.Tensor]:
-    from pdmesh import LLM
-
     name, gemv_rows, overlap = variant
     os.environ["PDMESH_GEMV_MAX_ROWS"] = str(gemv_rows)
-    llm = LLM(
-        str(folder),
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        kv_cache_tokens=32768,
-        max_num_seqs=64,
-        max_model_len=8192,
-        async_scheduling=overlap,
+    llm = dummy_llm(
+        folder, kv_cache_tokens=32768, max_num_seqs=64, max_model_len=8192, async_scheduling=overlap
     )
     engine = llm.engine
     wbytes = weight_bytes(engine.runner)
     step_ms = decode_step_time(engine, 1, 512, steps=40) * 1e3
-    replay_ms = do_bench(
-        engine.runner.graphs.graphs[1].replay, warmup=20, rep=200, return_mode="median"
-    )
+    replay_ms = median_s(engine.runner.graphs.graphs[1].replay, warmup=20) * 1e3
     logits = fixed_token_logits(engine)
     result = {
         "model": folder.name,
@@ -95,25 +79,16 @@ def measure(
         table = profile_decode(engine, 1, 512)
         (out / f"profile-{folder.name}-{name}.txt").write_text(table)
     del llm, engine
-    gc.collect()
-    torch.cuda.empty_cache()
+    free_memory()
     return result, logits
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
+    parser = out_parser(__doc__)
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
     bw = ceilings()["copy_gb_s"] * 1e9
-    report: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d"),
-        "copy_gb_s": bw / 1e9,
-        "results": [],
-    }
+    report = Report(args.out / "decode_step.json", indent=1, **run_info(), copy_gb_s=bw / 1e9)
     tmp = Path(tempfile.mkdtemp())
     models = [
         write_config(tmp / "llama8b", llama_8b_config()),
@@ -125,8 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             r, logits = measure(folder, variant, args.profile, args.out, bw)
             reference = logits if reference is None else reference
             r["logits_rel_err"] = float((logits - reference).norm() / reference.norm())
-            report["results"].append(r)
-            (args.out / "decode_step.json").write_text(json.dumps(report, indent=1))
+            report.append("results", r)
             print(
                 f"{r['model']:18s} {variant[0]:9s} step {r['step_ms']:.3f} ms, replay "
                 f"{r['replay_ms']:.3f} ms (floor {r['floor_ms']:.3f}), host {r['host_ms']:.3f} "

@@ -23,7 +23,6 @@ the serving benchmark's client over gRPC.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import datetime
@@ -35,7 +34,6 @@ import signal
 import statistics
 import subprocess
 import tempfile
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -43,10 +41,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdmesh.bench.gpu_models import write_llama_8b
+from pdmesh.bench.gpu_models import dummy_llm, write_llama_8b
 from pdmesh.bench.latency_stats import Slo, summarize
+from pdmesh.bench.report import Report, out_parser
 from pdmesh.bench.serving import LoadConfig, make_workload, run_load
-from pdmesh.mesh import READY, SERVICE_LINE, pdmesh_command
+from pdmesh.mesh import quiet_up, read_services
 from pdmesh.processes import free_port
 
 SLO = Slo(ttft_ms=1500, tpot_ms=40)
@@ -59,22 +58,6 @@ LAYOUTS = {
 }
 ENGINE = ["--load-format", "dummy", "--max-model-len", "8192", "--kv-transport", "nccl"]
 VOCAB = 128256
-
-
-class Results:
-    def __init__(self, out: Path) -> None:
-        self.out = out
-        self.data: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M")}
-        self.samples: dict[str, Any] = {}
-
-    def record(self, key: str, value: Any) -> None:
-        self.data[key] = value
-        (self.out / "disagg.json").write_text(json.dumps(self.data, indent=2))
-        print(f"[{key}] {json.dumps(value)[:600]}", flush=True)
-
-    def sample(self, key: str, value: Any) -> None:
-        self.samples[key] = value
-        (self.out / "disagg_samples.json").write_text(json.dumps(self.samples))
 
 
 @dataclass(frozen=True)
@@ -99,8 +82,7 @@ def mesh(folder: Path, layout: str, log: Path, spans: Path | None = None) -> Ite
     """`pdmesh up` with this layout; yields the router's address once it is up. With `spans`,
     every process prints its spans, and they are written there."""
     port = free_port()
-    cmd = pdmesh_command("up", "--model", str(folder), "--port", str(port))
-    cmd += ["--http-port", "0", "--ask", "", *ENGINE, *LAYOUTS[layout]]
+    cmd = quiet_up(port, "--model", str(folder), *ENGINE, *LAYOUTS[layout])
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PDMESH_LOG_LEVEL": "WARNING"}
     if spans is not None:
         env |= {"OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY_MILLIS": "200"}
@@ -109,17 +91,12 @@ def mesh(folder: Path, layout: str, log: Path, spans: Path | None = None) -> Ite
         assert proc.stdout is not None
         try:
             start = time.monotonic()
-            metrics: dict[str, str] = {}
-            for line in proc.stdout:
-                if (m := SERVICE_LINE.match(line)) and m["metrics"]:
-                    metrics[m["name"]] = m["metrics"]
-                if line.startswith(READY):
-                    break
-            else:
-                raise RuntimeError(f"{layout}: the mesh did not come up; see {log}")
+            try:  # the workers print their spans to this pipe too
+                services = read_services(proc.stdout, span_sink.write)
+            except RuntimeError:
+                raise RuntimeError(f"{layout}: the mesh did not come up; see {log}") from None
             print(f"{layout}: up in {time.monotonic() - start:.0f} s", flush=True)
-            # The workers print to this pipe too (spans): keep it drained.
-            threading.Thread(target=span_sink.writelines, args=(proc.stdout,), daemon=True).start()
+            metrics = {s.name: s.metrics for s in services if s.metrics}
             yield Mesh(f"127.0.0.1:{port}", metrics)
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -131,16 +108,7 @@ def mesh(folder: Path, layout: str, log: Path, spans: Path | None = None) -> Ite
 
 
 def load(target: str, n: int, in_len: int, out_len: int, rate: float, seed: int, conc=None):
-    cfg = LoadConfig(
-        num_requests=n,
-        input_len=in_len,
-        output_len=out_len,
-        range_ratio=0.0,
-        request_rate=rate,
-        arrivals="poisson",
-        concurrency=conc,
-        seed=seed,
-    )
+    cfg = LoadConfig(n, in_len, out_len, rate, concurrency=conc, seed=seed)
     return asyncio.run(run_load(target, make_workload(cfg, VOCAB), cfg, progress=False))
 
 
@@ -232,7 +200,7 @@ def span_timeline(spans: list[dict[str, Any]], since_ms: float) -> dict[str, lis
     return dict(sorted(table.items(), key=lambda kv: kv[1]))
 
 
-def ttft_stage(mesh: Mesh, layout: str, res: Results, spans: Path | None = None) -> None:
+def ttft_stage(mesh: Mesh, layout: str, res: Report, spans: Path | None = None) -> None:
     target = mesh.target
     warm(target, 4096, 900)
     parts = {k: v for k, v in BREAKDOWN.items() if v[0] in mesh.metrics}
@@ -260,7 +228,7 @@ def ttft_stage(mesh: Mesh, layout: str, res: Results, spans: Path | None = None)
         res.record(f"ttft_spans_{layout}", span_timeline(read_spans(spans), since_ms))
 
 
-def load_stage(target: str, layout: str, n: int, res: Results) -> None:
+def load_stage(target: str, layout: str, n: int, res: Report, samples: Report) -> None:
     for wi, (work, (in_len, out_len)) in enumerate(WORKLOADS.items()):
         warm(target, in_len, 100 + wi)
         runs = []
@@ -270,13 +238,11 @@ def load_stage(target: str, layout: str, n: int, res: Results) -> None:
             s["request_rate"] = rate
             s["attainment"] = round(s["good_requests"] / n, 3)
             runs.append(s)
-            res.sample(
-                f"{layout}/{work}/{rate:g}",
-                {
-                    "ttft_ms": [round(r.ttft_s * 1e3, 3) for r in records if r.ok],
-                    "itl_ms": [round(x * 1e3, 3) for r in records if r.ok for x in r.itls_s],
-                },
-            )
+            samples.data[f"{layout}/{work}/{rate:g}"] = {
+                "ttft_ms": [round(r.ttft_s * 1e3, 3) for r in records if r.ok],
+                "itl_ms": [round(x * 1e3, 3) for r in records if r.ok for x in r.itls_s],
+            }
+            samples.save()
             print(
                 f"  {layout} {work} rate {rate:g}: ttft p50 {s['ttft_ms']['p50']:.0f} ms, "
                 f"tpot p50 {s['tpot_ms']['p50']:.1f} ms, itl p99 {s['itl_ms']['p99']:.1f} ms, "
@@ -291,26 +257,20 @@ def load_stage(target: str, layout: str, n: int, res: Results) -> None:
 
 
 def tp_stage(
-    folder: Path, res: Results, profile: bool = False, all_reduce: tuple[str, ...] = ("auto",)
+    folder: Path, res: Report, profile: bool = False, all_reduce: tuple[str, ...] = ("auto",)
 ) -> None:
     """Batch-1 decode time per token, TP=1 against TP=2 over NCCL (dummy weights, bf16), TP=2
     once per PDMESH_ALL_REDUCE way in `all_reduce` (the first is also profiled)."""
-    from pdmesh import LLM
     from pdmesh.bench.gpu_workloads import decode_step_time, profile_decode
 
-    kw = dict(
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        kv_cache_tokens=32768,
-        max_model_len=4096,
-        dtype="bfloat16",
-    )
     out: dict[str, float | bool | str] = {}
     runs = [(1, "")] + [(2, way) for way in all_reduce]
     for tp, way in runs:
         key = f"tp{tp}" + (f"_{way}" if tp > 1 and len(all_reduce) > 1 else "")
         os.environ["PDMESH_ALL_REDUCE"] = way or "auto"  # followers inherit it
-        with LLM(str(folder), tensor_parallel_size=tp, **kw) as llm:
+        with dummy_llm(
+            folder, tensor_parallel_size=tp, kv_cache_tokens=32768, max_model_len=4096
+        ) as llm:
             out[f"{key}_step_ms_b1"] = decode_step_time(llm.engine, 1, 256) * 1e3
             out[f"{key}_graphs"] = llm.engine.runner.graphs is not None
             fast = llm.engine.runner.tp.fast.get("all_reduce")
@@ -318,7 +278,7 @@ def tp_stage(
                 out[f"{key}_all_reduce"] = "copy in kernel" if fast.copy_in_kernel else "staged"
             if profile and way in ("", all_reduce[0]):
                 text = profile_decode(llm.engine, 1, 256)
-                (res.out / f"tp{tp}_decode_profile.txt").write_text(text)
+                (res.path.parent / f"tp{tp}_decode_profile.txt").write_text(text)
         gc.collect()
         if tp > 1:
             out[f"{key}_over_tp1"] = out[f"{key}_step_ms_b1"] / out["tp1_step_ms_b1"]
@@ -328,25 +288,14 @@ def tp_stage(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
+    parser = out_parser(__doc__)
     parser.add_argument("--stages", default="ttft,load,tp")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--requests", type=int, default=32, help="requests per load run")
-    parser.add_argument(
-        "--profile", action="store_true", help="tp stage: profile decode steps (OUT/tp*.txt)"
-    )
-    parser.add_argument(
-        "--all-reduce",
-        default="auto",
-        help="tp stage: PDMESH_ALL_REDUCE ways to time TP=2 with, e.g. auto,staged",
-    )
-    parser.add_argument(
-        "--trace", action="store_true", help="ttft stage: a span timeline of the first token"
-    )
-    parser.add_argument(
-        "--rates", default=None, help='req/s per workload, e.g. "prefill_heavy=6,8;chat=16"'
-    )
+    parser.add_argument("--profile", action="store_true", help="tp: profile decode (OUT/tp*.txt)")
+    parser.add_argument("--all-reduce", default="auto", help="tp: PDMESH_ALL_REDUCE ways to time")
+    parser.add_argument("--trace", action="store_true", help="ttft: a span timeline of a request")
+    parser.add_argument("--rates", help='req/s per workload, e.g. "prefill_heavy=6,8;chat=16"')
     args = parser.parse_args()
     if args.rates:
         chosen = dict(item.split("=") for item in args.rates.split(";"))
@@ -355,10 +304,10 @@ def main() -> None:
                 RATES[work] = tuple(float(r) for r in chosen[work].split(","))
             else:
                 del WORKLOADS[work]
-    args.out.mkdir(parents=True, exist_ok=True)
     stages = set(args.stages.split(","))
     folder = write_llama_8b(Path(tempfile.mkdtemp()) / "llama-8b-shape")
-    res = Results(args.out)
+    res = Report(args.out / "disagg.json", date=time.strftime("%Y-%m-%d %H:%M"))
+    samples = Report(args.out / "disagg_samples.json", indent=None)
     for layout in args.layouts.split(","):
         if not stages & {"ttft", "load"}:
             break
@@ -367,7 +316,7 @@ def main() -> None:
             if "ttft" in stages:
                 ttft_stage(up, layout, res, spans)
             if "load" in stages:
-                load_stage(up.target, layout, args.requests, res)
+                load_stage(up.target, layout, args.requests, res, samples)
     if "tp" in stages:
         tp_stage(folder, res, args.profile, tuple(args.all_reduce.split(",")))
 

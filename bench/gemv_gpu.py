@@ -14,37 +14,36 @@ table.
 
 from __future__ import annotations
 
-import argparse
-import json
-import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
-from triton.testing import do_bench
 
+from pdmesh.bench.report import Report, ceilings, free_memory, median_s, out_parser, run_info
 from pdmesh.kernels.activation import silu_and_mul_ref
 from pdmesh.kernels.triton.activation import silu_and_mul
 from pdmesh.kernels.triton.gemv import GemvConfig, default_config, gemv
 
-# (name, N, K): Llama-3.1-8B's projections; "tp2" rows are one rank's shard of TP=2. A name
-# ending in "+silu" is the down projection from the MLP's [gate | up] output: the library's
-# figure is the SiLU kernel then F.linear, the GEMV's its gated form (one kernel).
-SHAPES = [
-    ("qkv", 6144, 4096),
-    ("o", 4096, 4096),
-    ("gate_up", 28672, 4096),
-    ("down", 4096, 14336),
-    ("lm_head", 128256, 4096),
-    ("tp2 qkv", 3072, 4096),
-    ("tp2 o", 4096, 2048),
-    ("tp2 gate_up", 14336, 4096),
-    ("tp2 down", 4096, 7168),
-    ("tp2 lm_head", 64128, 4096),
-    ("down+silu", 4096, 14336),
-    ("tp2 down+silu", 4096, 7168),
-]
+# (N, K) of Llama-3.1-8B's projections, whole; under TP=2 a rank holds half of N (column
+# parallel) or, for the row-parallel o and down, half of K. A name ending in "+silu" is the down
+# projection from the MLP's [gate | up] output: the library's figure is the SiLU kernel then
+# F.linear, the GEMV's its gated form (one kernel).
+WHOLE = {
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
+
+
+def _tp2(name: str) -> tuple[str, int, int]:
+    n, k = WHOLE[name]
+    return (f"tp2 {name}", n, k // 2) if name in ("o", "down") else (f"tp2 {name}", n // 2, k)
+
+
+SHAPES = [(name, *WHOLE[name]) for name in WHOLE] + [_tp2(name) for name in WHOLE]
+SHAPES += [("down+silu", *WHOLE["down"]), ("tp2 down+silu", *_tp2("down")[1:])]
 ROWS = (1, 2, 4)
 L2_SPAN = 400 * 2**20  # bytes of weight copies a graph cycles through (H100/H200 L2: 50 MiB)
 
@@ -63,15 +62,6 @@ def sweep(rows: int, quick: bool) -> list[GemvConfig]:
     return [GemvConfig(bn, bk, 4, s) for bn in (4, 8) for bk in (128, 256) for s in (1, 3)]
 
 
-def ceilings() -> dict[str, float]:
-    n = 1 << 30
-    a = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    b = torch.empty_like(a)
-    copy_ms = do_bench(lambda: b.copy_(a), warmup=25, rep=200, return_mode="median")
-    sum_ms = do_bench(lambda: a.sum(dtype=torch.float32), warmup=25, rep=200, return_mode="median")
-    return {"copy_gb_s": 4 * n / copy_ms / 1e6, "read_gb_s": 2 * n / sum_ms / 1e6}
-
-
 def per_call_us(fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor]) -> float:
     """Microseconds per call, from a graph of one call per weight copy."""
     for w in weights[:2]:
@@ -81,8 +71,7 @@ def per_call_us(fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor
     with torch.cuda.graph(graph):
         for w in weights:
             fn(w)
-    ms = do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
-    return ms * 1e3 / len(weights)
+    return median_s(graph.replay, warmup=10, rep=100) * 1e6 / len(weights)
 
 
 def rel_err(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, gated: bool) -> float:
@@ -113,7 +102,7 @@ def measure(name: str, n: int, k: int, rows: int, quick: bool, bw: float) -> dic
     timed = [t for t in tried if "us" in t]
     best = min(timed, key=lambda t: t["us"])
     del weights
-    torch.cuda.empty_cache()
+    free_memory()
     return {
         "shape": name,
         "rows": rows,
@@ -132,31 +121,21 @@ def measure(name: str, n: int, k: int, rows: int, quick: bool, bw: float) -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
+    parser = out_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="the default launch shape only")
     args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d"),
-        "ceilings": ceilings(),
-        "results": [],
-    }
-    bw = report["ceilings"]["copy_gb_s"] * 1e9
+    c = ceilings()
+    report = Report(args.out / "gemv.json", indent=1, **run_info(), ceilings=c, results=[])
     for name, n, k in SHAPES:
         for rows in ROWS:
-            r = measure(name, n, k, rows, args.quick, bw)
-            report["results"].append(r)
-            (args.out / "gemv.json").write_text(json.dumps(report, indent=1))
+            r = measure(name, n, k, rows, args.quick, c["copy_gb_s"] * 1e9)
+            report.append("results", r)
             print(
                 f"{name:12s} M={rows} floor {r['floor_us']:7.1f} us  cuBLAS {r['cublas_us']:7.1f}"
                 f" ({r['cublas_ratio']:.2f}x)  gemv default {r['default_us'] or 0:7.1f}  best "
                 f"{r['best_us']:7.1f} ({r['best_ratio']:.2f}x) {tuple(r['best_config'].values())}",
                 flush=True,
             )
-    c = report["ceilings"]
     print(f"copy {c['copy_gb_s']:.0f} GB/s, read {c['read_gb_s']:.0f} GB/s")
     return 0
 

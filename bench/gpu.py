@@ -10,78 +10,34 @@ printed last. See BENCHMARKS.md for what each target means.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pdmesh.bench.gpu_models import llama_8b_config, qwen3_moe_30b_config, write_config
+from pdmesh.bench.gpu_models import dummy_llm, llama_8b_config, qwen3_moe_30b_config, write_config
 from pdmesh.bench.gpu_workloads import (
     decode_step_time,
     moe_touched_experts,
     prefill_time,
+    timed_generate,
     weight_bytes,
 )
-
-RESULTS: dict[str, Any] = {}
-
-
-def ceilings() -> dict[str, float]:
-    """Copy bandwidth (GB/s, read + write) and bf16 matmul rate (TFLOP/s), medians."""
-    from triton.testing import do_bench
-
-    n = 1 << 30  # 2 GiB of bf16 each way: far beyond L2
-    a = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    b = torch.empty_like(a)
-    copy_ms = do_bench(lambda: b.copy_(a), warmup=50, rep=300, return_mode="median")
-    m = 8192
-    x = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
-    y = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
-    mm_ms = do_bench(lambda: x @ y, warmup=50, rep=300, return_mode="median")
-    return {
-        "copy_gb_s": 2 * n * 2 / (copy_ms * 1e-3) / 1e9,
-        "matmul_tflop_s": 2 * m**3 / (mm_ms * 1e-3) / 1e12,
-    }
+from pdmesh.bench.report import Report, ceilings, free_memory, median_s, out_parser, run_info
 
 
-def record(key: str, value: Any, out: Path) -> None:
-    RESULTS[key] = value
-    (out / "gpu.json").write_text(json.dumps(RESULTS, indent=2, default=float))
-    print(f"[{key}] {json.dumps(value, default=float)}", flush=True)
+def offline_prompts() -> list[list[int]]:
+    """The offline workload's 256 prompts of 512 tokens (fixed seed)."""
+    rng = random.Random(0)
+    return [[rng.randrange(1000, 120000) for _ in range(512)] for _ in range(256)]
 
 
-def guarded(name: str, fn: Callable[[], Any], out: Path) -> None:
-    try:
-        record(name, fn(), out)
-    except Exception as e:
-        import traceback
-
-        traceback.print_exc()
-        record(name, {"error": f"{type(e).__name__}: {e}"}, out)
-    torch.cuda.empty_cache()
-
-
-def llama_engine(folder: Path, **kw: Any) -> Any:
-    from pdmesh import LLM
-
-    options = dict(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16")
-    return LLM(str(folder), **{**options, **kw})
-
-
-def dense_section(folder: Path, ceil: dict[str, float], out: Path) -> None:
-    llm = llama_engine(
-        folder,
-        kv_cache_tokens=300_000,
-        max_num_seqs=256,
-        max_num_batched_tokens=8192,
-        max_model_len=8192,
-    )
+def dense_section(folder: Path, ceil: dict[str, float], report: Report) -> None:
+    llm = dummy_llm(folder, **DENSE, kv_cache_tokens=300_000)
     wbytes = weight_bytes(llm.engine.runner)
     bw = ceil["copy_gb_s"] * 1e9
     kv_per_token = llm.engine.runner.kv_spec.bytes_per_token
@@ -97,23 +53,12 @@ def dense_section(folder: Path, ceil: dict[str, float], out: Path) -> None:
             "ratio_to_floor": step / floor,
         }
 
-    guarded("decode_b1", lambda: decode(1, 512), out)
-
     def replay_only() -> dict[str, float]:
         """The batch-1 graph alone (no scheduling, no input copies, no sampling): how much of
         a step is GPU time and how much the host around it."""
-        from triton.testing import do_bench
-
-        graphs = llm.engine.runner.graphs
-        ms = do_bench(graphs.graphs[1].replay, warmup=20, rep=200, return_mode="median")
-        return {
-            "graph_replay_ms": ms,
-            "floor_ms": wbytes / bw * 1e3,
-            "ratio": ms / (wbytes / bw * 1e3),
-        }
-
-    guarded("decode_b1_graph_only", replay_only, out)
-    guarded("decode_b64_ctx1024", lambda: decode(64, 1024), out)
+        ms = median_s(llm.engine.runner.graphs.graphs[1].replay, warmup=20) * 1e3
+        floor_ms = wbytes / bw * 1e3
+        return {"graph_replay_ms": ms, "floor_ms": floor_ms, "ratio": ms / floor_ms}
 
     def prefill() -> dict[str, float]:
         seconds, flops = prefill_time(llm.engine, 4096)
@@ -126,27 +71,26 @@ def dense_section(folder: Path, ceil: dict[str, float], out: Path) -> None:
             "fraction_of_matmul": rate / ceil["matmul_tflop_s"],
         }
 
-    guarded("prefill_4096", prefill, out)
+    report.guarded("decode_b1", lambda: decode(1, 512))
+    report.guarded("decode_b1_graph_only", replay_only)
+    report.guarded("decode_b64_ctx1024", lambda: decode(64, 1024))
+    report.guarded("prefill_4096", prefill)
+    sweep = (1, 4, 16, 32, 64, 128, 256)
+    report.guarded("decode_sweep_ctx1024", lambda: [decode(b, 1024) for b in sweep])
+    report.guarded("offline_engine", lambda: offline(llm, ceil, wbytes, kv_per_token))
 
-    def sweep() -> list[dict[str, float]]:
-        return [decode(b, 1024) for b in (1, 4, 16, 32, 64, 128, 256)]
 
-    guarded("decode_sweep_ctx1024", sweep, out)
-    guarded("offline_engine", lambda: offline(llm, ceil, wbytes, kv_per_token), out)
+# The dense model's engine limits (its KV cache size set per use).
+DENSE = dict(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=8192)
 
 
 def offline(llm: Any, ceil: dict[str, float], wbytes: int, kv_per_token: int) -> dict[str, Any]:
     from pdmesh import SamplingParams
 
-    rng = random.Random(0)
-    prompts = [[rng.randrange(1000, 120000) for _ in range(512)] for _ in range(256)]
-    params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
+    prompts = offline_prompts()
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4, ignore_eos=True))
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    seconds, produced = timed_generate(llm, prompts, [128] * len(prompts))[:2]
     cfg = llm.engine.info
     flops = 256 * (
         2 * (wbytes / 2) * 512 + 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * 512**2
@@ -163,18 +107,15 @@ def offline(llm: Any, ceil: dict[str, float], wbytes: int, kv_per_token: int) ->
     }
 
 
-def transformers_peer(folder: Path, out: Path) -> None:
+def transformers_peer(folder: Path, report: Report) -> None:
     """transformers `generate_batch` (its continuous batching) on the same workload and the
     very weights the engine runs: the engine loads the transformers model's tensors."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    from pdmesh import SamplingParams
-
     config = AutoConfig.from_pretrained(folder)
     with torch.device("cuda"):
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-    rng = random.Random(0)
-    prompts = [[rng.randrange(1000, 120000) for _ in range(512)] for _ in range(256)]
+    prompts = offline_prompts()
     gen = GenerationConfig(max_new_tokens=128, do_sample=False, eos_token_id=None, pad_token_id=0)
 
     def peer() -> dict[str, Any]:
@@ -186,22 +127,10 @@ def transformers_peer(folder: Path, out: Path) -> None:
         produced = sum(len(o.generated_tokens) for o in outs.values())
         return {"output_tokens": produced, "seconds": seconds, "tok_s": produced / seconds}
 
-    guarded("offline_transformers_generate_batch", peer, out)
-
     def ours_same_weights() -> dict[str, Any]:
-        llm = llama_engine(
-            folder,
-            kv_cache_tokens=200_000,
-            max_num_seqs=256,
-            max_num_batched_tokens=8192,
-            max_model_len=8192,
-        )
+        llm = dummy_llm(folder, **DENSE, kv_cache_tokens=200_000)
         llm.engine.runner.load_tensors(hf.state_dict().items())
-        params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
-        start = time.perf_counter()
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+        seconds, produced, outputs = timed_generate(llm, prompts, [128] * len(prompts))
         # Same weights: the first tokens agree with transformers' greedy output.
         ref = hf.generate(
             torch.tensor([prompts[0]], device="cuda"), max_new_tokens=8, do_sample=False
@@ -213,11 +142,12 @@ def transformers_peer(folder: Path, out: Path) -> None:
             "first_8_tokens_match_transformers": outputs[0].outputs[0].token_ids[:8] == ref,
         }
 
-    guarded("offline_engine_same_weights", ours_same_weights, out)
+    report.guarded("offline_transformers_generate_batch", peer)
+    report.guarded("offline_engine_same_weights", ours_same_weights)
 
 
-def moe_section(folder: Path, ceil: dict[str, float], out: Path) -> None:
-    llm = llama_engine(
+def moe_section(folder: Path, ceil: dict[str, float], report: Report) -> None:
+    llm = dummy_llm(
         folder,
         kv_cache_tokens=65_536,
         max_num_seqs=64,
@@ -241,12 +171,12 @@ def moe_section(folder: Path, ceil: dict[str, float], out: Path) -> None:
             "ratio_to_floor": step / floor,
         }
 
-    guarded("moe_decode_b1", lambda: decode(1), out)
-    guarded("moe_decode_b64", lambda: decode(64), out)
+    report.guarded("moe_decode_b1", lambda: decode(1))
+    report.guarded("moe_decode_b64", lambda: decode(64))
 
 
-def plot(out: Path) -> None:
-    sweep = RESULTS.get("decode_sweep_ctx1024")
+def plot(sweep: Any, out: Path) -> None:
+    """Time per output token against batch size, measured and at the roofline."""
     if not isinstance(sweep, list):
         return
     import matplotlib
@@ -276,44 +206,31 @@ def plot(out: Path) -> None:
 
 def release_memory() -> None:
     """Free a finished section's models before the next one loads (tens of GB each)."""
-    import gc
-
-    gc.collect()
-    torch.cuda.empty_cache()
+    free_memory()
     print(f"GPU memory in use: {torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
+    parser = out_parser(__doc__)
     parser.add_argument("--only", default="decode,peer,moe")
     args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     only = set(args.only.split(","))
-    record(
-        "device",
-        {
-            "name": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d"),
-        },
-        out,
-    )
+    report = Report(args.out / "gpu.json")
+    report.record("device", run_info("name"))
     ceil = ceilings()
-    record("ceilings", ceil, out)
+    report.record("ceilings", ceil)
     tmp = Path(tempfile.mkdtemp())
     dense = write_config(tmp / "llama8b", llama_8b_config())
     if "decode" in only:
-        dense_section(dense, ceil, out)
-        plot(out)
+        dense_section(dense, ceil, report)
+        plot(report.data.get("decode_sweep_ctx1024"), args.out)
         release_memory()
     if "peer" in only:
-        transformers_peer(dense, out)
+        transformers_peer(dense, report)
         release_memory()
     if "moe" in only:
-        moe_section(write_config(tmp / "qwen3moe", qwen3_moe_30b_config()), ceil, out)
-    print("\n" + json.dumps(RESULTS, indent=1, default=float))
+        moe_section(write_config(tmp / "qwen3moe", qwen3_moe_30b_config()), ceil, report)
+    print("\n" + json.dumps(report.data, indent=1, default=float))
 
 
 if __name__ == "__main__":

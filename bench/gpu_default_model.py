@@ -11,13 +11,15 @@ bf16 rounding flips an argmax (if it does).
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from pdmesh.bench.gpu_models import decoder_config
+from pdmesh.bench.report import compare_tokens, out_parser
 
 PROMPTS = [
     "Hello, my name is",
@@ -54,10 +56,6 @@ def make_reference(path: Path) -> None:
     )
 
 
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
-
-
 def on_gpu(gguf: Path, reference: Path, out: Path) -> dict[str, Any]:
     from pdmesh import LLM, SamplingParams
 
@@ -70,9 +68,7 @@ def on_gpu(gguf: Path, reference: Path, out: Path) -> dict[str, Any]:
     got = [o.outputs[0].token_ids for o in outs]
     result: dict[str, Any] = {
         "default_model_fp32_gpu_equals_cpu": got == ref["tokens"],
-        "first_difference": [
-            first_difference(g, r) for g, r in zip(got, ref["tokens"], strict=True)
-        ],
+        "first_difference": compare_tokens(got, ref["tokens"])["first_difference"],
     }
     del llm
     result["tiny_llama_bf16_vs_transformers_bf16"] = tiny_bf16()
@@ -85,21 +81,13 @@ def tiny_bf16() -> dict[str, Any]:
     """bf16 on both sides; equal tokens, or where rounding first flips an argmax."""
     import random
 
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from pdmesh import LLM, SamplingParams
 
     folder = Path(tempfile.mkdtemp())
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=1024,
-    )
+    config = decoder_config("LlamaConfig", (512, 256, 512, 4, 8, 4), max_position_embeddings=1024)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         for p in model.parameters():
@@ -114,8 +102,8 @@ def tiny_bf16() -> dict[str, Any]:
         [{"prompt_token_ids": p} for p in prompts],
         SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
     )
-    diffs = []
-    for p, o in zip(prompts, ours, strict=True):
+    refs = []
+    for p in prompts:
         ids = torch.tensor([p], device="cuda")
         ref = hf.generate(
             ids,
@@ -123,17 +111,16 @@ def tiny_bf16() -> dict[str, Any]:
             max_new_tokens=24,
             min_new_tokens=24,
             do_sample=False,
-        )[0, len(p) :].tolist()
-        diffs.append(first_difference(o.outputs[0].token_ids, ref))
-    return {"identical": all(d is None for d in diffs), "first_difference": diffs}
+        )
+        refs.append(ref[0, len(p) :].tolist())
+    return compare_tokens([o.outputs[0].token_ids for o in ours], refs)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = out_parser(__doc__, out_required=False)
     parser.add_argument("--make-reference", type=Path)
     parser.add_argument("--gguf", type=Path)
     parser.add_argument("--reference", type=Path)
-    parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.make_reference:
         make_reference(args.make_reference)

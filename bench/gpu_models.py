@@ -1,58 +1,71 @@
-"""Real model shapes for GPU benchmarks (weights are random: load_format="dummy")."""
+"""Real model shapes for GPU benchmarks (weights are random: load_format="dummy"), the tiny shape
+of dry runs and tests, and the engine they run on."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+# The fields of a decoder's shape in HF configs, in the order `decoder_config` takes them.
+SHAPE = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+)
+# The shape of dry runs on the CPU and of the tests' tiny models.
+TINY = dict(zip(SHAPE, (512, 64, 128, 2, 4, 2), strict=True))
+
+
+def llama3_rope(theta: float = 500000.0, original_max_positions: int = 8192) -> dict[str, Any]:
+    """Llama 3.1's rope scaling (`rope_parameters`), with its base and original context."""
+    return {
+        "rope_type": "llama3",
+        "rope_theta": theta,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": original_max_positions,
+    }
+
+
+def decoder_config(cls: str, shape: tuple[int, ...], **extra: Any) -> Any:
+    """An untied decoder's HF config of class `cls`, `shape` giving its SHAPE fields in order."""
+    import transformers
+
+    architectures = [cls.replace("Config", "ForCausalLM")]
+    shaped = dict(zip(SHAPE, shape, strict=True))
+    return getattr(transformers, cls)(
+        **shaped, tie_word_embeddings=False, architectures=architectures, **extra
+    )
+
 
 def llama_8b_config() -> Any:
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
+    return decoder_config(
+        "LlamaConfig",
+        (128256, 4096, 14336, 32, 32, 8),
         max_position_embeddings=131072,
         rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
         bos_token_id=128000,
         eos_token_id=128001,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-        architectures=["LlamaForCausalLM"],
+        rope_parameters=llama3_rope(),
     )
 
 
 def qwen3_moe_30b_config() -> Any:
-    from transformers import Qwen3MoeConfig
-
-    return Qwen3MoeConfig(
-        vocab_size=151936,
-        hidden_size=2048,
-        intermediate_size=6144,
-        moe_intermediate_size=768,
-        num_hidden_layers=48,
-        num_attention_heads=32,
-        num_key_value_heads=4,
+    return decoder_config(
+        "Qwen3MoeConfig",
+        (151936, 2048, 6144, 48, 32, 4),
         head_dim=128,
+        moe_intermediate_size=768,
         num_experts=128,
         num_experts_per_tok=8,
         norm_topk_prob=True,
         max_position_embeddings=40960,
         rope_theta=1000000.0,
         rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        architectures=["Qwen3MoeForCausalLM"],
     )
 
 
@@ -79,3 +92,12 @@ def write_llama_8b(folder: Path) -> Path:
     write_config(folder, config)
     save_word_tokenizer(folder, config.vocab_size)
     return folder
+
+
+def dummy_llm(folder: Path, **options: Any) -> Any:
+    """The engine on the model folder's shape with random bf16 weights and no tokenizer;
+    `options` are EngineConfig fields."""
+    from pdmesh import LLM
+
+    defaults = dict(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16")
+    return LLM(str(folder), **{**defaults, **options})

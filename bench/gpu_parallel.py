@@ -12,10 +12,6 @@ time per call measured on rank 0.
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
-import random
 import statistics
 import tempfile
 import time
@@ -24,18 +20,11 @@ from typing import Any
 
 import torch
 
-from pdmesh.bench.gpu_models import llama_8b_config, qwen3_moe_30b_config
-from pdmesh.bench.gpu_workloads import decode_step_time
+from pdmesh.bench.gpu_models import TINY, llama_8b_config, qwen3_moe_30b_config
+from pdmesh.bench.gpu_workloads import decode_step_time, prompts
+from pdmesh.bench.report import Report, compare_tokens, free_memory, out_parser, run_info
 from pdmesh.engine.parallel import ParallelGroup
 from pdmesh.sampling_params import SamplingParams
-
-RESULTS: dict[str, Any] = {}
-
-
-def record(key: str, value: Any, out: Path) -> None:
-    RESULTS[key] = value
-    (out / "parallel.json").write_text(json.dumps(RESULTS, indent=2, default=float))
-    print(f"[{key}] {json.dumps(value, default=float)}", flush=True)
 
 
 def save_checkpoint(config: Any, folder: Path, device: str) -> Path:
@@ -50,9 +39,7 @@ def save_checkpoint(config: Any, folder: Path, device: str) -> Path:
                 p.normal_(0.0, 0.02)
     model.save_pretrained(folder, max_shard_size="4GB")
     del model
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    free_memory()
     return folder
 
 
@@ -73,11 +60,6 @@ def engine(folder: Path, tp: int, ep: bool = False, eager: bool = False, **kw: A
     )
 
 
-def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
-    rng = random.Random(7)
-    return [[rng.randrange(vocab // 10, vocab) for _ in range(length)] for _ in range(n)]
-
-
 def last_logits(llm: Any, prompt: list[int]) -> torch.Tensor:
     """Logits of the prompt's last position, computed by every rank together."""
     e = llm.engine
@@ -93,14 +75,6 @@ def greedy(llm: Any, ps: list[list[int]], steps: int) -> list[list[int]]:
     params = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
-
-
-def compare(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
-    first = [
-        next((i for i, (x, y) in enumerate(zip(p, q, strict=True)) if x != y), None)
-        for p, q in zip(a, b, strict=True)
-    ]
-    return {"identical": all(f is None for f in first), "first_difference": first}
 
 
 def time_all_to_all(llm: Any, batch: int, ctx: int) -> dict[str, float]:
@@ -127,21 +101,27 @@ def time_all_to_all(llm: Any, batch: int, ctx: int) -> dict[str, float]:
     return {"calls": len(times), "median_ms_per_call": statistics.median(times) * 1e3}
 
 
-def dense(folder: Path, tiny: bool, out: Path) -> None:
-    kw = dict(kv_cache_tokens=32768, max_model_len=4096, max_num_batched_tokens=4096)
-    vocab = 512 if tiny else 128256
-    ps = prompts(4, 64 if tiny else 512, vocab)
-    results: dict[str, Any] = {}
+def one_gpu(
+    folder: Path, max_model_len: int, prompt_len: int
+) -> tuple[dict[str, Any], list[list[int]], Any]:
+    """A comparison's engine options, its 4 prompts of `prompt_len` tokens, and its TP=1 engine."""
+    kw = dict(kv_cache_tokens=32768, max_model_len=max_model_len, max_num_batched_tokens=4096)
     one = engine(folder, 1, **kw)
+    return kw, prompts(4, prompt_len, 7, one.engine.info.vocab_size), one
+
+
+def dense(folder: Path, tiny: bool, report: Report) -> None:
+    kw, ps, one = one_gpu(folder, 4096, 64 if tiny else 512)
+    results: dict[str, Any] = {}
     base_logits = last_logits(one, ps[0])
     base_tokens = greedy(one, ps, 64)
     results["tp1_step_ms_b1"] = decode_step_time(one.engine, 1, 256) * 1e3
     del one
-    gc.collect()
+    free_memory()
     one_eager = engine(folder, 1, eager=True, **kw)
     results["tp1_eager_step_ms_b1"] = decode_step_time(one_eager.engine, 1, 256) * 1e3
     del one_eager
-    gc.collect()
+    free_memory()
     with engine(folder, 2, **kw) as two:
         logits = last_logits(two, ps[0])
         tokens = greedy(two, ps, 64)
@@ -151,29 +131,26 @@ def dense(folder: Path, tiny: bool, out: Path) -> None:
         logits_max_abs_diff=float(diff.max()),
         logits_rel_err=float((logits - base_logits).norm() / base_logits.norm()),
         logits_argmax_equal=bool(logits.argmax() == base_logits.argmax()),
-        greedy_64_steps=compare(base_tokens, tokens),
+        greedy_64_steps=compare_tokens(base_tokens, tokens),
         tp2_over_tp1=results["tp2_step_ms_b1"] / results["tp1_step_ms_b1"],
         tp2_over_tp1_eager=results["tp2_step_ms_b1"] / results["tp1_eager_step_ms_b1"],
     )
-    record(f"dense_tp2_vs_tp1_{DTYPE}", results, out)
+    report.record(f"dense_tp2_vs_tp1_{DTYPE}", results)
 
 
-def moe(folder: Path, tiny: bool, out: Path) -> None:
-    kw = dict(kv_cache_tokens=32768, max_model_len=2048, max_num_batched_tokens=4096)
-    vocab = 512 if tiny else 151936
-    ps = prompts(4, 64 if tiny else 256, vocab)
+def moe(folder: Path, tiny: bool, report: Report) -> None:
+    kw, ps, one = one_gpu(folder, 2048, 64 if tiny else 256)
     results: dict[str, Any] = {}
-    one = engine(folder, 1, **kw)
     base = greedy(one, ps, 64)
     results["tp1_step_ms_b64"] = decode_step_time(one.engine, 64, 256) * 1e3
     del one
-    gc.collect()
+    free_memory()
     for name, ep in (("tp2", False), ("ep2", True)):
         with engine(folder, 2, ep=ep, **kw) as llm:
             tokens = greedy(llm, ps, 64)
             step = decode_step_time(llm.engine, 64, 256)
             entry = {
-                "greedy_64_steps_vs_tp1": compare(base, tokens),
+                "greedy_64_steps_vs_tp1": compare_tokens(base, tokens),
                 "step_ms_b64": step * 1e3,
                 "tok_s_b64": 64 / step,
             }
@@ -181,64 +158,33 @@ def moe(folder: Path, tiny: bool, out: Path) -> None:
                 entry["all_to_all"] = time_all_to_all(llm, 64, 256)
                 entry["all_to_all_calls_counted"] = llm.engine.runner.tp.counters["all_to_all"]
             results[name] = entry
-    record(f"moe_parallel_{DTYPE}", results, out)
+    report.record(f"moe_parallel_{DTYPE}", results)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
+    parser = out_parser(__doc__)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU (a dry run)")
     parser.add_argument("--only", default="dense,moe")
     parser.add_argument("--dtype", default="bfloat16", help="bfloat16, or float32 for exactness")
     args = parser.parse_args()
     global DTYPE
     DTYPE = args.dtype
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     device = "cpu" if args.tiny else "cuda"
-    record(
-        "device",
-        {
-            "name": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-            "gpus": torch.cuda.device_count(),
-            "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d"),
-        },
-        out,
-    )
+    report = Report(args.out / "parallel.json")
+    report.record("device", {**run_info("name"), "gpus": torch.cuda.device_count()})
     tmp = Path(tempfile.mkdtemp())
     if "dense" in args.only:
         config = llama_8b_config()
         if args.tiny:
-            config.update(
-                dict(
-                    hidden_size=64,
-                    intermediate_size=128,
-                    num_hidden_layers=2,
-                    num_attention_heads=4,
-                    num_key_value_heads=2,
-                    vocab_size=512,
-                )
-            )
-        dense(save_checkpoint(config, tmp / "dense", device), args.tiny, out)
+            config.update(TINY)
+        dense(save_checkpoint(config, tmp / "dense", device), args.tiny, report)
     if "moe" in args.only:
         config = qwen3_moe_30b_config()
         # 12 of the 48 layers: same per-layer shapes, a quarter of the 61 GB to write and load.
         config.num_hidden_layers = 12
         if args.tiny:
-            config.update(
-                dict(
-                    hidden_size=64,
-                    moe_intermediate_size=32,
-                    num_hidden_layers=2,
-                    num_attention_heads=4,
-                    num_key_value_heads=2,
-                    head_dim=16,
-                    num_experts=8,
-                    vocab_size=512,
-                )
-            )
-        moe(save_checkpoint(config, tmp / "moe", device), args.tiny, out)
+            config.update(TINY | dict(moe_intermediate_size=32, head_dim=16, num_experts=8))
+        moe(save_checkpoint(config, tmp / "moe", device), args.tiny, report)
 
 
 if __name__ == "__main__":

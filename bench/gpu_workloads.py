@@ -1,4 +1,5 @@
-"""Timed pieces of the GPU benchmark: decode steps, a prefill, MoE expert traffic."""
+"""Timed pieces of the engine benchmarks: decode steps, a prefill, a batch of generations, MoE
+expert traffic."""
 
 from __future__ import annotations
 
@@ -33,14 +34,29 @@ def weight_bytes(runner: Any) -> int:
     return total
 
 
-def _prompts(n: int, length: int, seed: int, vocab: int) -> list[list[int]]:
+def prompts(n: int, length: int, seed: int, vocab: int) -> list[list[int]]:
+    """`n` prompts of `length` random ordinary token ids (above the tenth of the vocabulary where
+    special and byte tokens live)."""
     rng = random.Random(seed)
     return [[rng.randrange(vocab // 10, vocab) for _ in range(length)] for _ in range(n)]
 
 
+def timed_generate(
+    llm: Any, token_prompts: list[list[int]], output_lens: list[int]
+) -> tuple[float, int, list[Any]]:
+    """(seconds, tokens produced, outputs) of one `generate` call that makes exactly
+    `output_lens` tokens (greedy, ignore_eos) for token-id prompts."""
+    params = [_greedy(n) for n in output_lens]
+    inputs = [{"prompt_token_ids": p} for p in token_prompts]
+    start = time.perf_counter()
+    outputs = llm.generate(inputs, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return seconds, sum(len(o.outputs[0].token_ids) for o in outputs), outputs
+
+
 def _admit(engine: Any, batch: int, ctx: int, max_tokens: int) -> list[str]:
     ids = []
-    for prompt in _prompts(batch, ctx, batch * 7919 + ctx, engine.info.vocab_size):
+    for prompt in prompts(batch, ctx, batch * 7919 + ctx, engine.info.vocab_size):
         rid = f"bench-{next(_ids)}"
         engine.add_request(rid, prompt, _greedy(max_tokens))
         ids.append(rid)
@@ -105,7 +121,7 @@ def prefill_time(engine: Any, tokens: int) -> tuple[float, float]:
     times = []
     for i in range(5):
         rid = f"prefill-{next(_ids)}"
-        prompt = _prompts(1, tokens, 1000 + i, info.vocab_size)[0]
+        prompt = prompts(1, tokens, 1000 + i, info.vocab_size)[0]
         engine.add_request(rid, prompt, _greedy(1))
         _sync()
         start = time.perf_counter()

@@ -15,19 +15,17 @@ kernels under the Triton interpreter (to check the script itself, not to time an
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
 from pdmesh.bench.kernel_cases import SMOKE, Case, Shapes, all_cases, rel_err
+from pdmesh.bench.report import Report, Timer, ceilings, out_parser
 
 
 @dataclass(frozen=True)
@@ -52,7 +50,7 @@ class Result:
     roofline: float  # ideal time at both ceilings / measured time
 
 
-def _timer(device: torch.device, smoke: bool) -> Callable[[Callable[[], object]], float]:
+def _timer(device: torch.device, smoke: bool) -> Timer:
     """Seconds per call: do_bench's median on CUDA; one wall-clock call in smoke mode."""
     if smoke or device.type != "cuda":
 
@@ -69,23 +67,13 @@ def _timer(device: torch.device, smoke: bool) -> Callable[[Callable[[], object]]
     return lambda fn: do_bench(fn, return_mode="median") / 1e3
 
 
-def measure_ceilings(
-    device: torch.device, timer: Callable[[Callable[[], object]], float], smoke: bool
-) -> Ceilings:
-    n = 1 << (16 if smoke else 29)  # bf16 elements: 1 GiB per buffer at full size
-    src = torch.randn(n, device=device).to(torch.bfloat16)
-    dst = torch.empty_like(src)
-    copy_s = timer(lambda: dst.copy_(src))
-    m = 256 if smoke else 8192
-    a = torch.randn(m, m, device=device).to(torch.bfloat16)
-    b = torch.randn(m, m, device=device).to(torch.bfloat16)
-    matmul_s = timer(lambda: a @ b)
-    return Ceilings(2 * src.numel() * 2 / copy_s, 2.0 * m**3 / matmul_s)
+def measure_ceilings(device: torch.device, timer: Timer, smoke: bool) -> Ceilings:
+    # bf16 elements: 1 GiB per buffer at full size
+    c = ceilings(timer, 1 << (16 if smoke else 29), 256 if smoke else 8192, device.type)
+    return Ceilings(c["copy_gb_s"] * 1e9, c["matmul_tflop_s"] * 1e12)
 
 
-def run_case(
-    case: Case, timer: Callable[[Callable[[], object]], float], ceilings: Ceilings, tol: float
-) -> Result:
+def run_case(case: Case, timer: Timer, ceilings: Ceilings, tol: float) -> Result:
     err = case.check() if case.check else rel_err(case.triton_fn(), case.torch_fn())
     t_triton = timer(case.triton_fn)
     t_torch = timer(case.torch_fn)
@@ -126,8 +114,8 @@ def format_table(results: Sequence[Result], ceilings: Ceilings) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pdmesh.bench.kernels", description=__doc__)
-    parser.add_argument("--out", type=Path, required=True, help="folder for kernels.json")
+    parser = out_parser(__doc__)
+    parser.prog = "python -m pdmesh.bench.kernels"
     parser.add_argument("--only", default="", help="run the kernels whose name contains this")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, no timing loop")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -147,29 +135,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     timer = _timer(device, args.smoke)
     torch.manual_seed(0)
 
-    ceilings = measure_ceilings(device, timer, args.smoke)
+    ceil = measure_ceilings(device, timer, args.smoke)
     results: list[Result] = []
     for case in all_cases(shapes, dtype, device):
         if args.only in case.kernel:
-            results.append(run_case(case, timer, ceilings, tol))
-            print(format_table(results[-1:], ceilings).splitlines()[-1], flush=True)
+            results.append(run_case(case, timer, ceil, tol))
+            print(format_table(results[-1:], ceil).splitlines()[-1], flush=True)
     print()
-    print(format_table(results, ceilings))
+    print(format_table(results, ceil))
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    report = {
-        "command": " ".join(["python -m pdmesh.bench.kernels", *argv]),
-        "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
-        "dtype": str(dtype),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "smoke": args.smoke,
-        "ceilings": asdict(ceilings),
-        "results": [asdict(r) for r in results],
-    }
-    path = args.out / "kernels.json"
-    path.write_text(json.dumps(report, indent=2))
-    print(f"wrote {path}")
+    report = Report(
+        args.out / "kernels.json",
+        command=" ".join([parser.prog, *argv]),
+        device=torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
+        dtype=str(dtype),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        smoke=args.smoke,
+        ceilings=asdict(ceil),
+        results=[asdict(r) for r in results],
+    )
+    report.save()
+    print(f"wrote {report.path}")
     return 0 if all(r.ok for r in results) else 1
 
 

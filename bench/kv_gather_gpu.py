@@ -11,14 +11,12 @@ layer (16 MiB, as a prefill pushes after each layer).
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
+from pdmesh.bench.report import Report, out_parser
 from pdmesh.kv_transfer.pages import gather_blocks, scatter_blocks
 
 LAYERS, BLOCKS, BS, HEADS, DIM, SENT = 32, 320, 16, 8, 128, 256
@@ -36,9 +34,7 @@ def _ms(fn: Callable[[], object], repeats: int = 20) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    args = out_parser(__doc__, out_required=False).parse_args()
     cache = torch.randn(LAYERS, 2, BLOCKS, BS, HEADS, DIM, device="cuda").to(torch.bfloat16)
     ids = torch.randperm(BLOCKS, device="cuda")[:SENT]
     chunk, layer = cache[:8], cache[0]
@@ -79,8 +75,7 @@ def main() -> None:
         result[name] = {"ms": ms, "gb_s": gb_s, "of_plain_copy": gb_s / ceiling}
         print(f"{name:46s} {ms:7.3f} ms {gb_s:7.0f} GB/s  {gb_s / ceiling:5.2f} of a plain copy")
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "kv_gather.json").write_text(json.dumps(result, indent=1))
+        Report(args.out / "kv_gather.json", indent=1, **result).save()
 
 
 if __name__ == "__main__":

@@ -24,20 +24,19 @@ transfer's steps per mode, in ms from the sender's first call.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from pdmesh.bench import kv_timeline
+from pdmesh.bench.report import Report, out_parser
 
 LAYERS, HEADS, DIM, BS, BLOCKS = 32, 8, 128, 16, 256
 REPEATS = 10
@@ -114,15 +113,23 @@ def open_shared(fields: list[Any]) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
+def start_role(role: str, init: str, timeline: bool) -> tuple[float, float]:
+    """A process's first steps: its stamps (with --timeline), its GPU (the receiver's is cuda:1),
+    and raw NCCL p2p with the other process (what `raw_p2p` returns)."""
+    rank = 1 if role == "receiver" else 0
+    if timeline:
+        (kv_timeline.stamp_receiver if rank else kv_timeline.stamp_sender)()
+    torch.cuda.set_device(rank)
+    progress(role, "raw p2p")
+    gbps, post_us = raw_p2p(rank, init)
+    progress(role, f"raw p2p done: {gbps:.0f} GB/s")
+    return gbps, post_us
+
+
 def receiver(init: str, timeline: bool) -> None:
     from pdmesh.kv_transfer import TransferSpec, create_receiver
 
-    if timeline:
-        kv_timeline.stamp_receiver()
-    torch.cuda.set_device(1)
-    progress("receiver", "raw p2p")
-    gbps, post_us = raw_p2p(1, init)
-    progress("receiver", f"raw p2p done: {gbps:.0f} GB/s")
+    gbps, post_us = start_role("receiver", init, timeline)
     geo = geometry()
     cache = torch.zeros(geo.cache_shape(BLOCKS + 64), dtype=geo.dtype, device="cuda")
     ipc_target = torch.zeros(512 << 20, dtype=torch.uint8, device="cuda")
@@ -156,12 +163,7 @@ def receiver(init: str, timeline: bool) -> None:
 def sender(init: str, timeline: bool) -> None:
     from pdmesh.kv_transfer import create_sender
 
-    if timeline:
-        kv_timeline.stamp_sender()
-    torch.cuda.set_device(0)
-    progress("sender", "raw p2p")
-    _, post_us = raw_p2p(0, init)
-    progress("sender", "raw p2p done")
+    _, post_us = start_role("sender", init, timeline)
     geo = geometry()
     source = torch.randn(geo.cache_shape(BLOCKS + 64), device="cuda").to(geo.dtype)
     ids = torch.randperm(BLOCKS + 64, generator=torch.Generator().manual_seed(1))[:BLOCKS]
@@ -255,8 +257,7 @@ def _close(a: float, b: float) -> bool:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path)
+    parser = out_parser(__doc__, out_required=False)
     parser.add_argument("--role", choices=["sender", "receiver"])
     parser.add_argument("--init")
     parser.add_argument("--timeline", action="store_true", help="stamp each transfer's steps")
@@ -322,8 +323,7 @@ def main() -> None:
         result["timeline_ms"] = {mode: kv_timeline.timeline(rs[1:]) for mode, rs in runs.items()}
     print(json.dumps(result, indent=1))
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "kv_transfer.json").write_text(json.dumps(result, indent=1))
+        Report(args.out / "kv_transfer.json", indent=1, **result).save()
 
 
 if __name__ == "__main__":

@@ -44,16 +44,9 @@ def make_workload(num_requests: int, vocab: int, seed: int) -> Workload:
 
 
 def run_pdmesh(llm: object, work: Workload) -> float:
-    from pdmesh import SamplingParams
+    from pdmesh.bench.gpu_workloads import timed_generate
 
-    params = [
-        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in work.output_lens
-    ]
-    prompts = [{"prompt_token_ids": p} for p in work.prompts]
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)  # type: ignore[attr-defined]
-    elapsed = time.perf_counter() - start
-    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    elapsed, produced, _ = timed_generate(llm, work.prompts, work.output_lens)
     if produced != work.output_tokens:
         raise RuntimeError(f"pdmesh produced {produced} tokens, expected {work.output_tokens}")
     return elapsed

@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 
 from pdmesh.bench.machine import cpu_seconds, device_name, machine_busy_seconds
+from pdmesh.flags import from_args
 from pdmesh.mesh import pdmesh_command, wait_for_workers
 from pdmesh.processes import free_port
 from pdmesh.serving.grpc_server import channel
@@ -194,14 +195,12 @@ def run_relay(cfg: RelayConfig) -> RelayResult:
 
 
 def run_relay_bench(args: argparse.Namespace) -> int:
-    cfg = RelayConfig(
-        clients=args.clients,
-        sources=args.sources,
+    cfg = from_args(
+        RelayConfig,
+        args,
         output_len=args.output_len or 512,
         duration_s=args.duration,
         warmup_s=args.warmup,
-        step_ms=args.step_ms,
-        model=args.model,
     )
     result = run_relay(cfg)
     cores = ", ".join(f"{k} {v:.2f}" for k, v in result.cpu_cores_used.items())

@@ -30,6 +30,7 @@ import grpc
 
 from pdmesh.bench.latency_stats import RequestRecord, Slo, summarize
 from pdmesh.bench.machine import device_name
+from pdmesh.flags import from_args
 from pdmesh.serving.convert import FINISH_FROM_PB
 from pdmesh.serving.grpc_server import channel
 from pdmesh.v1 import generation_pb2 as gen_pb
@@ -53,11 +54,11 @@ class LoadConfig:
     num_requests: int
     input_len: int
     output_len: int
-    range_ratio: float
     request_rate: float  # req/s; inf: all at once
-    arrivals: str  # "poisson" | "constant"
-    concurrency: int | None
-    seed: int
+    range_ratio: float = 0.0
+    arrivals: str = "poisson"  # | "constant"
+    concurrency: int | None = None
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
@@ -178,19 +179,12 @@ async def model_info(target: str) -> gen_pb.ModelInfo:
 
 def offline_peer(engine: dict[str, Any], work: Workload) -> dict[str, float]:
     """The same requests on the offline engine, all submitted at once."""
-    from pdmesh import LLM, SamplingParams
+    from pdmesh import LLM
+    from pdmesh.bench.gpu_workloads import timed_generate
 
     llm = LLM(**engine)
-    params = [
-        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in work.output_lens
-    ]
-    prompts = [{"prompt_token_ids": p} for p in work.prompts]
-    warmup = SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": work.warmup_prompt}], warmup, use_tqdm=False)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    timed_generate(llm, [work.warmup_prompt], [WARMUP_TOKENS])
+    seconds, produced, outputs = timed_generate(llm, work.prompts, work.output_lens)
     return {
         "duration_s": round(seconds, 3),
         "request_throughput": round(len(outputs) / seconds, 3),
@@ -236,16 +230,7 @@ def print_summary(summary: dict[str, Any]) -> None:
 
 
 def run_serving_bench(args: argparse.Namespace) -> int:
-    cfg = LoadConfig(
-        num_requests=args.num_requests,
-        input_len=args.input_len,
-        output_len=args.output_len or 128,
-        range_ratio=args.range_ratio,
-        request_rate=args.request_rate,
-        arrivals=args.arrivals,
-        concurrency=args.concurrency,
-        seed=args.seed,
-    )
+    cfg = from_args(LoadConfig, args, output_len=args.output_len or 128)
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
     try:
         info = asyncio.run(model_info(args.target))

@@ -18,16 +18,14 @@ import contextlib
 import json
 import random
 import subprocess
-import threading
 import time
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
 
 from pdmesh.flags import engine_argv, engine_options
-from pdmesh.mesh import READY, SERVICE_LINE, pdmesh_command
+from pdmesh.mesh import quiet_up, read_services
 from pdmesh.processes import free_port
 from pdmesh.v1 import generation_pb2 as gen_pb
 from pdmesh.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -270,44 +268,30 @@ def run_soak(cfg: SoakConfig) -> SoakResult:
 
 # -- `pdmesh bench --soak`: a mesh of its own, the soak, the verdict ----------------------------
 MAX_RSS_GROWTH = 0.05
-
-
-def _drain(stream: Iterable[str]) -> None:
-    """Keep reading the mesh's output so its pipe never fills up and blocks it."""
-    for _ in stream:
-        pass
+ROLES = ("prefill", "decode")
 
 
 def _start_mesh(args: argparse.Namespace, port: int) -> tuple[subprocess.Popen[str], SoakConfig]:
-    cmd = pdmesh_command("up", "--port", str(port), "--http-port", "0", "--ask", "")
-    cmd += ["--prefill", "1", "--decode", "1", *engine_argv(engine_options(args))]
+    cmd = quiet_up(port, "--prefill", "1", "--decode", "1", *engine_argv(engine_options(args)))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
-    decode: list[str] = []
-    prefill: list[str] = []
-    pids: list[int] = []
-    for line in proc.stdout:
-        if m := SERVICE_LINE.match(line):
-            pids.append(int(m["pid"]))
-            if m["role"] != "router":
-                (decode if m["role"] == "decode" else prefill).append(m["address"])
-        elif line.startswith(READY):
-            break
-    else:
-        raise RuntimeError(f"pdmesh up exited with code {proc.wait()}")
-    threading.Thread(target=_drain, args=(proc.stdout,), daemon=True).start()
+    try:
+        services = read_services(proc.stdout)
+    except RuntimeError:
+        raise RuntimeError(f"pdmesh up exited with code {proc.wait()}") from None
+    workers = {role: tuple(s.address for s in services if s.role == role) for role in ROLES}
     target = f"127.0.0.1:{port}"
     with grpc.insecure_channel(target) as ch:
         info = generation_pb2_grpc.GenerationStub(ch).GetModelInfo(gen_pb.ModelInfoRequest())
     cfg = SoakConfig(
         target=target,
-        decode=tuple(decode),
-        prefill=tuple(prefill),
+        decode=workers["decode"],
+        prefill=workers["prefill"],
         duration_s=args.duration,
         kv_target=args.kv_target,
         cancel_fraction=args.cancel_fraction,
         vocab_size=info.vocab_size,
-        pids=tuple(pids),
+        pids=tuple(s.pid for s in services),
         warmup_s=min(60.0, args.duration / 10),
     )
     return proc, cfg

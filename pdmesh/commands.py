@@ -8,7 +8,14 @@ import asyncio
 import json
 from typing import Any
 
-from pdmesh.flags import engine_args, engine_options, sampling_args, tls_args, tls_config
+from pdmesh.flags import (
+    engine_args,
+    engine_options,
+    from_args,
+    sampling_args,
+    tls_args,
+    tls_config,
+)
 
 
 def _sampling_params(args: argparse.Namespace) -> Any:
@@ -213,10 +220,6 @@ def _api_key_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _metrics_bind(args: argparse.Namespace) -> str | None:
-    return f"{args.host}:{args.metrics_port}" if args.metrics_port else None
-
-
 def _addresses(value: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in value.split(",") if a.strip())
 
@@ -226,21 +229,34 @@ def cmd_router(args: argparse.Namespace) -> int:
     from pdmesh.router.server import serve
     from pdmesh.serving.auth import ApiKeys
 
-    config = RouterConfig(
-        model=args.model,
+    config = from_args(
+        RouterConfig,
+        args,
         prefill=_addresses(args.prefill),
         decode=_addresses(args.decode),
         bind=f"{args.host}:{args.port}",
         http_bind=f"{args.host}:{args.http_port}" if args.http_port else None,
-        policy=args.policy,
-        overlap_weight=args.overlap_weight,
-        disagg_min_tokens=args.disagg_min_tokens,
-        max_model_len=args.max_model_len,
-        served_model_name=args.served_model_name,
-        max_failovers=args.max_failovers,
         tls=tls_config(args),
-        public_client_auth=args.public_client_auth,
         api_keys=ApiKeys.from_flags(args.api_keys, args.api_keys_file),
+    )
+    asyncio.run(serve(config))
+    return 0
+
+
+def _serve_worker(config_cls: Any, serve: Any, args: argparse.Namespace, **fields: Any) -> int:
+    """Run a worker until it stops: its config made of the flags every worker has (engine, where
+    it listens, its /metrics port, TLS) and its own `fields`."""
+    from pdmesh.engine.config import EngineConfig
+
+    metrics = f"{args.host}:{args.metrics_port}" if args.metrics_port else None
+    config = from_args(
+        config_cls,
+        args,
+        engine=EngineConfig(**engine_options(args)),
+        bind=f"{args.host}:{args.port}",
+        metrics_bind=metrics,
+        tls=tls_config(args),
+        **fields,
     )
     asyncio.run(serve(config))
     return 0
@@ -249,24 +265,16 @@ def cmd_router(args: argparse.Namespace) -> int:
 def cmd_decode(args: argparse.Namespace) -> int:
     from pdmesh.decode_service.config import DecodeConfig
     from pdmesh.decode_service.server import serve
-    from pdmesh.engine.config import EngineConfig
 
-    config = DecodeConfig(
-        engine=EngineConfig(**engine_options(args)),
-        bind=f"{args.host}:{args.port}",
-        kv_transport=args.kv_transport,
+    return _serve_worker(
+        DecodeConfig,
+        serve,
+        args,
         kv_transport_for=_transport_for(args.kv_transport_for),
         kv_bind=f"tcp://{args.kv_host or args.host}:{args.kv_port}",
-        kv_advertise=args.kv_advertise,
-        prefill_failure_policy=args.prefill_failure_policy,
         kv_timeout_s=args.kv_timeout,
         prefill_timeout_s=args.prefill_timeout,
-        max_waiting_requests=args.max_waiting_requests,
-        metrics_bind=_metrics_bind(args),
-        tls=tls_config(args),
     )
-    asyncio.run(serve(config))
-    return 0
 
 
 def _transport_for(pairs: list[str]) -> dict[str, str]:
@@ -281,16 +289,7 @@ def _transport_for(pairs: list[str]) -> dict[str, str]:
 
 
 def cmd_prefill(args: argparse.Namespace) -> int:
-    from pdmesh.engine.config import EngineConfig
     from pdmesh.prefill_service.config import PrefillConfig
     from pdmesh.prefill_service.server import serve
 
-    config = PrefillConfig(
-        engine=EngineConfig(**engine_options(args)),
-        bind=f"{args.host}:{args.port}",
-        kv_send_timeout_s=args.kv_send_timeout,
-        metrics_bind=_metrics_bind(args),
-        tls=tls_config(args),
-    )
-    asyncio.run(serve(config))
-    return 0
+    return _serve_worker(PrefillConfig, serve, args, kv_send_timeout_s=args.kv_send_timeout)

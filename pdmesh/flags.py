@@ -15,7 +15,7 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import Field, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pdmesh import envs
 from pdmesh.engine.config import EngineConfig
@@ -23,6 +23,7 @@ from pdmesh.engine.config import EngineConfig
 if TYPE_CHECKING:
     from pdmesh.serving.tls import TLSConfig
 
+T = TypeVar("T")
 TLS_FLAGS = ("tls_cert", "tls_key", "tls_ca", "tls_server_name")
 _ENGINE_HINTS = typing.get_type_hints(EngineConfig)
 
@@ -78,6 +79,13 @@ def engine_argv(options: Mapping[str, Any]) -> list[str]:
         elif value != f.default:  # a switch is given only to change its default
             argv.append(flag)
     return argv
+
+
+def from_args(cls: type[T], args: argparse.Namespace, **values: Any) -> T:
+    """The config dataclass `cls` from parsed flags named as its fields (a field without one keeps
+    its default); `values` gives the fields whose flag has another name or needs converting."""
+    names = [f.name for f in fields(cls) if f.name not in values]  # type: ignore[arg-type]
+    return cls(**{n: getattr(args, n) for n in names if hasattr(args, n)}, **values)
 
 
 def tls_args(p: argparse.ArgumentParser) -> None:

@@ -14,8 +14,11 @@ import argparse
 import re
 import signal
 import sys
+import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from pdmesh import envs
@@ -24,13 +27,55 @@ from pdmesh.flags import engine_argv, engine_options, tls_argv
 from pdmesh.processes import free_port
 from pdmesh.supervisor import Child, ProcessSpec, spawn, stop_all, supervise, wait_ready
 
-# What `pdmesh up` prints once it is up, a line a service and then READY: bench/soak.py,
-# bench/disagg_gpu.py and tests/mesh_support.py read them.
+# What `pdmesh up` prints once it is up: a line a service, then READY (`read_services` reads them).
 SERVICE_LINE = re.compile(
     r"\s+(?P<name>(?P<role>prefill|decode|router)(?:-\d+)?): (?P<address>\S+) \(pid (?P<pid>\d+)\)"
     r"(?:, metrics (?P<metrics>\S+))?"
 )
 READY = "Ctrl-C stops everything."
+
+
+@dataclass(frozen=True)
+class Service:
+    """One service of a running `pdmesh up`, as it lists them."""
+
+    name: str
+    role: str  # prefill | decode | router
+    address: str
+    pid: int
+    metrics: str | None  # its /metrics URL (workers)
+
+
+def quiet_up(port: int, *argv: str, http_port: int = 0) -> list[str]:
+    """The command line of `pdmesh up ARGV` with the router's gRPC on `port`, asking nothing once
+    up (what the benchmarks and tests start)."""
+    flags = ["--port", str(port), "--http-port", str(http_port), "--ask", ""]
+    return pdmesh_command("up", *flags, *argv)
+
+
+def read_services(
+    lines: Iterable[str], sink: Callable[[str], object] | None = None
+) -> list[Service]:
+    """The services a `pdmesh up` lists on `lines` (its stdout), read until it says it is up
+    (RuntimeError if the lines end first: it exited). Every line goes to `sink` too, and a daemon
+    thread then keeps reading the rest into it, so that the pipe never fills up and blocks it."""
+    sink = sink or (lambda line: None)
+    lines = iter(lines)
+    services = []
+    for line in lines:
+        sink(line)
+        if m := SERVICE_LINE.match(line):
+            metrics = m["metrics"]
+            services.append(Service(m["name"], m["role"], m["address"], int(m["pid"]), metrics))
+        elif line.startswith(READY):
+
+            def pump() -> None:
+                for rest in lines:
+                    sink(rest)
+
+            threading.Thread(target=pump, daemon=True).start()
+            return services
+    raise RuntimeError("pdmesh up exited before it was up")
 
 
 class GpuPlacement:

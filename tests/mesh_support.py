@@ -6,13 +6,11 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
-import time
 from dataclasses import dataclass, field
 
 import grpc
 
-from pdmesh.mesh import READY, SERVICE_LINE
+from pdmesh.mesh import quiet_up, read_services
 from pdmesh.processes import free_port
 from pdmesh.v1 import generation_pb2 as gen_pb
 from pdmesh.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -47,57 +45,30 @@ class Mesh:
                 self.proc.wait()
 
 
-def start_mesh(*args: str, http: bool = False, timeout_s: float = 300) -> Mesh:
+def start_mesh(*args: str, http: bool = False) -> Mesh:
     """`pdmesh up ARGS` on free ports; returns once it says it is up."""
     port = free_port()
     http_port = free_port() if http else 0
-    cmd = [
-        sys.executable,
-        "-m",
-        "pdmesh.cli",
-        "up",
-        "--port",
-        str(port),
-        "--http-port",
-        str(http_port),
-        "--ask",
-        "",
-        *args,
-    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PDMESH_LOG_LEVEL": "WARNING"}
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        quiet_up(port, *args, http_port=http_port),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
     )
     mesh = Mesh(proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}" if http else None)
-    deadline = time.monotonic() + timeout_s
     assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            mesh.stop()
-            raise RuntimeError("pdmesh up exited:\n" + "".join(mesh.output[-40:]))
-        mesh.output.append(line)
-        if m := SERVICE_LINE.match(line):
-            if m["role"] != "router":
-                getattr(mesh, m["role"]).append(m["address"])
-            mesh.pids[m["address"]] = int(m["pid"])
-        if line.startswith(READY):
-            _drain(proc, mesh)
-            return mesh
-    mesh.stop()
-    raise TimeoutError("pdmesh up did not come up:\n" + "".join(mesh.output[-40:]))
-
-
-def _drain(proc: subprocess.Popen[str], mesh: Mesh) -> None:
-    """Keep reading the mesh's output so its pipe never fills up and blocks it."""
-    import threading
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            mesh.output.append(line)
-
-    threading.Thread(target=pump, daemon=True).start()
+    try:
+        services = read_services(proc.stdout, mesh.output.append)
+    except RuntimeError:
+        mesh.stop()
+        raise RuntimeError("pdmesh up exited:\n" + "".join(mesh.output[-40:])) from None
+    for service in services:
+        if service.role != "router":
+            getattr(mesh, service.role).append(service.address)
+        mesh.pids[service.address] = service.pid
+    return mesh
 
 
 async def greedy_tokens(

@@ -84,21 +84,25 @@ class Service:
             return stub_cls(ch).GetStats(worker_pb2.StatsRequest(), timeout=10)
 
 
+def router_workers(router: str) -> tuple[int, int] | None:
+    """(prefill, decode) workers the router has in rotation; None while it does not answer."""
+    with grpc.insecure_channel(router) as ch:
+        try:
+            info = generation_pb2_grpc.GenerationStub(ch).GetModelInfo(
+                gen_pb.ModelInfoRequest(), timeout=2
+            )
+        except grpc.RpcError:
+            return None
+    return info.num_prefill_workers, info.num_decode_workers
+
+
 def wait_workers(router: str, prefill: int, decode: int, timeout_s: float = 60) -> None:
     """Until the router has this many workers of each kind in rotation."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(router) as ch:
-        stub = generation_pb2_grpc.GenerationStub(ch)
-        while True:
-            try:
-                info = stub.GetModelInfo(gen_pb.ModelInfoRequest(), timeout=2)
-                if (info.num_prefill_workers, info.num_decode_workers) == (prefill, decode):
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the router at {router} did not see its workers")
-            time.sleep(0.2)
+    while router_workers(router) != (prefill, decode):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the router at {router} did not see its workers")
+        time.sleep(0.2)
 
 
 def wait_until(predicate: object, timeout_s: float, what: str) -> None:

@@ -24,28 +24,18 @@ def _tiny_configs() -> dict[str, tuple[type, object]]:
         Qwen3MoeForCausalLM,
     )
 
+    from pdmesh.bench.gpu_models import TINY, llama3_rope
+
     common = dict(
-        vocab_size=TINY_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY,
         max_position_embeddings=512,
         eos_token_id=None,
         bos_token_id=None,
         pad_token_id=None,
     )
-    llama3_rope = {
-        "rope_type": "llama3",
-        "rope_theta": 10000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64,
-    }
+    rope = llama3_rope(theta=10000.0, original_max_positions=64)
     return {
-        "llama": (LlamaForCausalLM, LlamaConfig(**common, rope_parameters=llama3_rope)),
+        "llama": (LlamaForCausalLM, LlamaConfig(**common, rope_parameters=rope)),
         "qwen2": (Qwen2ForCausalLM, Qwen2Config(**common)),
         "qwen3": (Qwen3ForCausalLM, Qwen3Config(**common, head_dim=32)),
         "mixtral": (

@@ -35,6 +35,7 @@ from compose_local import (
 )
 from otlp_receiver import OTLPReceiver, ReceivedSpan
 from prometheus_local import Prometheus, prometheus_binary
+from service_support import router_workers
 
 from pdmesh.v1 import generation_pb2 as gen_pb
 from pdmesh.v1 import generation_pb2_grpc
@@ -99,21 +100,13 @@ def mesh(default_model_folder: Path) -> Iterator[ComposeMesh]:
 def _wait_ready(m: ComposeMesh) -> None:
     """The router has linked both workers; then every compose health check passes."""
     deadline = time.monotonic() + READY_TIMEOUT_S
-    with grpc.insecure_channel(m.target) as ch:
-        stub = generation_pb2_grpc.GenerationStub(ch)
-        while True:
-            for s in m.services.values():
-                if s.proc is not None and s.proc.poll() is not None:
-                    raise RuntimeError(f"{s.name} exited:\n" + "".join(s.log[-40:]))
-            try:
-                info = stub.GetModelInfo(gen_pb.ModelInfoRequest(), timeout=5)
-                if info.num_prefill_workers == 1 and info.num_decode_workers == 1:
-                    break
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the compose mesh was not ready in {READY_TIMEOUT_S} s")
-            time.sleep(0.5)
+    while router_workers(m.target) != (1, 1):
+        for s in m.services.values():
+            if s.proc is not None and s.proc.poll() is not None:
+                raise RuntimeError(f"{s.name} exited:\n" + "".join(s.log[-40:]))
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the compose mesh was not ready in {READY_TIMEOUT_S} s")
+        time.sleep(0.5)
     for s in m.services.values():
         assert healthy(s), f"{s.name}: its compose health check failed"
 

@@ -95,20 +95,14 @@ def test_rotary_matches_transformers_llama3() -> None:
         apply_rotary_pos_emb,
     )
 
+    from pdmesh.bench.gpu_models import llama3_rope
     from pdmesh.engine.layers.rotary import RotaryEmbedding
 
     config = LlamaConfig(
         hidden_size=256,
         num_attention_heads=4,
         max_position_embeddings=512,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
+        rope_parameters=llama3_rope(original_max_positions=64),
     )
     positions = torch.tensor([0, 1, 7, 63, 64, 300, 511])
     q, k = torch.randn(7, 4, 64), torch.randn(7, 2, 64)

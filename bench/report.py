@@ -1,0 +1,117 @@
+"""What the benchmarks share: a JSON report written as each figure comes in, the run's device, the
+hardware ceilings figures are compared with, and token-list checks.
+
+torch is imported where it is used: the CPU benchmarks (`pdmesh bench`) use this module too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+Timer = Callable[[Callable[[], object]], float]  # seconds per call of a function
+
+
+class Report:
+    """Figures by key, rewritten to `path` as JSON whenever one is added (a run that dies keeps
+    what it measured) and printed as they come; `head` is what the file starts with."""
+
+    def __init__(self, path: Path, indent: int | None = 2, **head: Any) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path, self.indent, self.data = path, indent, dict(head)
+
+    def save(self) -> None:
+        self.path.write_text(json.dumps(self.data, indent=self.indent, default=float))
+
+    def record(self, key: str, value: Any) -> None:
+        self.data[key] = value
+        self.save()
+        print(f"[{key}] {json.dumps(value, default=float)[:600]}", flush=True)
+
+    def append(self, key: str, item: Any) -> None:
+        """Add `item` to the list under `key` (saved, not printed)."""
+        self.data.setdefault(key, []).append(item)
+        self.save()
+
+    def guarded(self, key: str, fn: Callable[[], Any]) -> None:
+        """Record fn()'s figures, or its error (traceback printed): one failed measurement does
+        not end the run. GPU memory it left cached is freed after."""
+        try:
+            value = fn()
+        except Exception as e:
+            traceback.print_exc()
+            value = {"error": f"{type(e).__name__}: {e}"}
+        self.record(key, value)
+        free_memory()
+
+
+def run_info(name_key: str = "device") -> dict[str, Any]:
+    """The device's name (under `name_key`), the torch version and the date."""
+    import torch
+
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {name_key: name, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+
+
+def out_parser(doc: str | None, out_required: bool = True) -> argparse.ArgumentParser:
+    """A benchmark's parser (its docstring as help) with `--out DIR`, where its figures go."""
+    parser = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, required=out_required, help="folder for the figures")
+    return parser
+
+
+def free_memory() -> None:
+    """Collect garbage and return cached GPU memory, so that the next model has the device."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def median_s(fn: Callable[[], object], warmup: int = 25, rep: int = 200) -> float:
+    """Seconds per call of `fn` on the GPU: triton's do_bench median (L2 flushed between calls)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median") / 1e3
+
+
+def ceilings(
+    timer: Timer = median_s, elements: int = 1 << 30, n: int = 8192, device: str = "cuda"
+) -> dict[str, float]:
+    """The ceilings figures are compared with, measured now: copy bandwidth (GB/s, bytes read +
+    written) and read bandwidth (a sum) of `elements` bf16 values (2 GiB: far beyond L2), and the
+    rate of an n x n x n bf16 matmul (TFLOP/s)."""
+    import torch
+
+    a = torch.randn(elements, device=device, dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    copy_s = timer(lambda: b.copy_(a))
+    read_s = timer(lambda: a.sum(dtype=torch.float32))
+    x = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    y = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    matmul_s = timer(lambda: x @ y)
+    return {
+        "copy_gb_s": 2 * a.nbytes / copy_s / 1e9,
+        "read_gb_s": a.nbytes / read_s / 1e9,
+        "matmul_tflop_s": 2 * n**3 / matmul_s / 1e12,
+    }
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The first position where two token lists differ, None where they agree."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+
+
+def compare_tokens(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """Whether two runs' outputs agree, and where each pair first differs."""
+    first = [first_difference(x, y) for x, y in zip(a, b, strict=True)]
+    return {"identical": all(f is None for f in first), "first_difference": first}
