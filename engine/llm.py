@@ -5,7 +5,8 @@ from __future__ import annotations
 import itertools
 import sys
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from pdmesh.engine.config import EngineConfig
@@ -24,10 +25,11 @@ class LLM:
         config = EngineConfig.from_kwargs(model=model, **engine_options)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
+        self._hf_tokenizer: Any = None
         # Tensor-parallel ranks stop with this object (or at exit), never outlive it. The
         # finalizer holds only the driver: holding the engine would keep its memory alive.
         driver = self.engine.tp_driver
-        self._finalizer = weakref.finalize(self, driver.shutdown if driver else _nothing)
+        self._finalizer = weakref.finalize(self, driver.shutdown if driver else lambda: None)
 
     def close(self) -> None:
         """Stop the engine's other ranks, if any. The LLM is unusable afterwards."""
@@ -40,7 +42,13 @@ class LLM:
         self.close()
 
     def get_tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        """The model's Hugging Face tokenizer (transformers' AutoTokenizer, loaded on the first
+        call), as vLLM's `LLM.get_tokenizer` returns; the engine itself uses pdmesh.text."""
+        if self._hf_tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._hf_tokenizer = AutoTokenizer.from_pretrained(self.engine.info.folder)
+        return self._hf_tokenizer
 
     def generate(
         self,
@@ -117,30 +125,14 @@ class LLM:
         return outputs
 
 
-def _nothing() -> None:
-    return None
+@contextmanager
+def _progress(total: int, enabled: bool) -> Iterator[Callable[[], None]]:
+    """Advances a rich progress bar over finished requests, shown on a terminal for batches > 1."""
+    if not (enabled and total > 1 and sys.stderr.isatty()):
+        yield lambda: None
+        return
+    from rich.progress import Progress
 
-
-class _progress:
-    """A rich progress bar over finished requests, shown on a terminal for batches > 1."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.bar = None
-        if enabled and total > 1 and sys.stderr.isatty():
-            from rich.progress import Progress
-
-            self.bar = Progress(transient=True)
-            self.task = self.bar.add_task("generating", total=total)
-
-    def __enter__(self):  # type: ignore[no-untyped-def]
-        if self.bar is not None:
-            self.bar.start()
-        return self._advance
-
-    def _advance(self) -> None:
-        if self.bar is not None:
-            self.bar.advance(self.task)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.stop()
+    with Progress(transient=True) as bar:
+        task = bar.add_task("generating", total=total)
+        yield lambda: bar.advance(task)

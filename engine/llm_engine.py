@@ -22,7 +22,7 @@ from pdmesh.errors import InvalidRequest
 from pdmesh.kv_transfer.connector import KVConnector
 from pdmesh.logger import get_logger
 from pdmesh.sampling_params import SamplingParams
-from pdmesh.text.tokenizer import load_tokenizer
+from pdmesh.text.tokenizer import Tokenizer
 from pdmesh.validation import check_prompt_ids
 
 log = get_logger(__name__)
@@ -47,7 +47,7 @@ class LLMEngine:
             torch.set_num_threads(threads)
         self.info = ModelInfo.load(resolve_model_folder(config.model))
         self.info.check_parallel(config.tensor_parallel_size, config.enable_expert_parallel)
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(self.info.folder)
+        self.tokenizer = None if config.skip_tokenizer_init else Tokenizer.load(self.info.folder)
         device = config.torch_device()
         max_len = resolve_max_model_len(config, self.info)
         self.tp_driver: TPDriver | None = None

@@ -71,3 +71,13 @@ class Unauthenticated(PdmeshError, status="UNAUTHENTICATED", http_status=401):
 def from_status(status: str, message: str) -> PdmeshError:
     """The error a remote hop reported by status name (an unknown name is INTERNAL)."""
     return _BY_STATUS.get(status, PdmeshError)(message)
+
+
+def as_error(exc: BaseException) -> PdmeshError | None:
+    """What an edge answers for `exc`: itself, or DeadlineExceeded for a TimeoutError (an await
+    that ran out of time); None for anything else, a bug (INTERNAL / 500, with its traceback)."""
+    if isinstance(exc, PdmeshError):
+        return exc
+    if isinstance(exc, TimeoutError):
+        return DeadlineExceeded(str(exc) or "deadline exceeded")
+    return None

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pdmesh.errors import InvalidRequest
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
+    """An int that is not a bool (JSON's true is no token id or count)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -45,7 +46,7 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise InvalidRequest(
                 f"max_tokens must be an integer >= 1, got {self.max_tokens!r}.", "max_tokens"
             )
@@ -55,14 +56,14 @@ class SamplingParams:
                 f"temperature must be a finite number >= 0 (0 is greedy), got {t!r}.",
                 "temperature",
             )
-        if not _is_int(self.top_k) or not -1 <= self.top_k < 2**63:
+        if not is_int(self.top_k) or not -1 <= self.top_k < 2**63:
             raise InvalidRequest(
                 f"top_k must be an integer >= -1 (0 or -1: off) and < 2**63, got {self.top_k!r}.",
                 "top_k",
             )
         if not _is_number(self.top_p) or not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidRequest(f"top_p must be a number in (0, 1], got {self.top_p!r}.", "top_p")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise InvalidRequest(
                 f"seed must be an integer in [0, 2**63), got {self.seed!r}.", "seed"
             )
@@ -72,7 +73,7 @@ class SamplingParams:
                     f"stop must be a list of non-empty strings, got {self.stop!r:.200}.", "stop"
                 )
         for t in self.stop_token_ids:
-            if not _is_int(t) or t < 0:
+            if not is_int(t) or t < 0:
                 raise InvalidRequest(
                     "stop_token_ids must be non-negative integers, "
                     f"got {self.stop_token_ids!r:.200}.",

@@ -22,13 +22,12 @@ from typing import Any
 
 from aiohttp import web
 
-from pdmesh.errors import InvalidRequest, PdmeshError
+from pdmesh.errors import InvalidRequest, as_error
 from pdmesh.logger import get_logger
 from pdmesh.observability.metrics_server import split_host_port
 from pdmesh.router import metrics
-from pdmesh.router.config import RouterConfig
 from pdmesh.router.core import Router
-from pdmesh.router.openai_protocol import OpenAIRequest, parse_chat, parse_completion
+from pdmesh.router.openai_protocol import OpenAIRequest, parse
 from pdmesh.router.openai_responses import (
     ChunkWriter,
     ResponseHead,
@@ -64,10 +63,9 @@ def error_response(status: int, message: str, param: str | None = None) -> web.R
 
 def status_of(exc: Exception) -> tuple[int, str, str | None]:
     """(HTTP status, message, param) for an exception raised while serving a request."""
-    if isinstance(exc, PdmeshError):
-        return exc.http_status, str(exc), exc.field if isinstance(exc, InvalidRequest) else None
-    if isinstance(exc, TimeoutError):
-        return 504, str(exc) or "deadline exceeded", None
+    error = as_error(exc)
+    if error is not None:
+        return error.http_status, str(error), getattr(error, "field", None)
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
         return 413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB.", None
     log.error("internal error in the HTTP gateway", exc_info=exc)
@@ -127,7 +125,7 @@ class Gateway:
         record = metrics.RequestRecorder(endpoint)
         try:
             body = await read_json(request)
-            req = parse_chat(body) if endpoint == CHAT else parse_completion(body)
+            req = parse(body, chat=endpoint == CHAT)
             inp = await self.router.validator.validate(
                 req.spec, "chatcmpl-" if req.chat else "cmpl-"
             )
@@ -238,11 +236,15 @@ async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:
         await response.write(data)
 
 
-def build_app(router: Router, keys: ApiKeys | None = None) -> web.Application:
+async def start_gateway(router: Router) -> web.AppRunner:
+    """Serve the gateway on the router's `http_bind`, over HTTPS and with API keys when its
+    config says so; stop it with `await runner.cleanup()`."""
+    config = router.config
+    host, port = split_host_port(config.http_bind or "", "HTTP bind address")
     gateway = Gateway(router)
     middlewares: list[Any] = [openai_errors]
-    if keys is not None and keys.required:
-        middlewares.insert(0, require_api_key(keys))
+    if config.api_keys.required:
+        middlewares.insert(0, require_api_key(config.api_keys))
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
     app.router.add_post(COMPLETIONS, partial(gateway.generate, endpoint=COMPLETIONS))
     app.router.add_post(CHAT, partial(gateway.generate, endpoint=CHAT))
@@ -250,26 +252,12 @@ def build_app(router: Router, keys: ApiKeys | None = None) -> web.Application:
     app.router.add_get("/v1/models/{model}", gateway.model)
     app.router.add_get("/health", gateway.health)
     app.router.add_get("/metrics", gateway.metrics)
-    return app
-
-
-async def start_gateway(
-    router: Router, bind: str, config: RouterConfig | None = None
-) -> web.AppRunner:
-    """Serve the gateway on `bind` (host:port), over HTTPS and with API keys when `config` says
-    so; stop it with `await runner.cleanup()`."""
-    host, port = split_host_port(bind, "HTTP bind address")
-    keys = config.api_keys if config is not None else None
-    tls = config.tls if config is not None else None
     # handler_cancellation: a client that disconnects cancels its handler, so its request is
     # aborted on the workers instead of running to the end for nobody.
-    runner = web.AppRunner(build_app(router, keys), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    ssl_context = (
-        tls.ssl_server_context(config.public_client_auth)
-        if tls is not None and config is not None
-        else None
-    )
+    tls = config.tls
+    ssl_context = tls.ssl_server_context(config.public_client_auth) if tls is not None else None
     await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
     scheme = "https" if ssl_context is not None else "http"
     log.info("OpenAI-compatible HTTP gateway on %s://%s:%d/v1", scheme, host, port)

@@ -9,10 +9,12 @@ so tools that send extras keep working.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pdmesh.errors import InvalidRequest
+from pdmesh.sampling_params import is_int
 from pdmesh.validation import Prompt, RequestSpec
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -45,39 +47,26 @@ class OpenAIRequest:
     include_usage: bool
 
 
-# -- field readers ----------------------------------------------------------------------------
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool)
 
 
-def _boolean(body: dict[str, Any], name: str) -> bool:
-    v = body.get(name)
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _field(v: Any, name: str, ok: Callable[[Any], bool], expected: str, default: Any) -> Any:
+    """`v`, the body's `name` (`default` when left out or null); InvalidRequest naming it unless
+    `ok(v)`."""
     if v is None:
-        return False
-    if not isinstance(v, bool):
-        raise InvalidRequest(f"{name} must be true or false, got {v!r}.", name)
+        return default
+    if not ok(v):
+        raise InvalidRequest(f"{name} must be {expected}, got {v!r:.200}.", name)
     return v
 
 
-def _stop(body: dict[str, Any]) -> tuple[str, ...]:
-    v = body.get("stop")
-    if v is None:
-        return ()
-    stops = [v] if isinstance(v, str) else v
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise InvalidRequest(f"stop must be a string or a list of strings, got {v!r:.200}.", "stop")
-    return tuple(stops)
-
-
-def _stop_token_ids(body: dict[str, Any]) -> tuple[int, ...]:
-    v = body.get("stop_token_ids")
-    if v is None:
-        return ()
-    if not isinstance(v, list):
-        raise InvalidRequest(
-            f"stop_token_ids must be a list of integers, got {v!r:.200}.", "stop_token_ids"
-        )
-    return tuple(v)
+def _boolean(body: dict[str, Any], name: str) -> bool:
+    return _field(body.get(name), name, _is_bool, "true or false", False)
 
 
 def _check_unsupported(body: dict[str, Any]) -> None:
@@ -100,11 +89,19 @@ def _check_unsupported(body: dict[str, Any]) -> None:
 def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     """SamplingParams keyword arguments from the body, unchecked (SamplingParams checks them);
     a field left out or null is absent, so its default applies."""
-    kwargs = {
-        k: body[k] for k in ("temperature", "top_p", "top_k", "seed") if body.get(k) is not None
-    }
-    kwargs["stop"] = _stop(body)
-    kwargs["stop_token_ids"] = _stop_token_ids(body)
+    kwargs = {k: body[k] for k in _SAMPLING_NUMBERS if body.get(k) is not None}
+    stop = _field(
+        body.get("stop"),
+        "stop",
+        lambda v: isinstance(v, str) or (isinstance(v, list) and all(map(_is_str, v))),
+        "a string or a list of strings",
+        (),
+    )
+    kwargs["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
+    ids = body.get("stop_token_ids")
+    kwargs["stop_token_ids"] = tuple(
+        _field(ids, "stop_token_ids", lambda v: isinstance(v, list), "a list of integers", ())
+    )
     kwargs["ignore_eos"] = _boolean(body, "ignore_eos")
     if body.get("skip_special_tokens") is not None:
         kwargs["skip_special_tokens"] = _boolean(body, "skip_special_tokens")
@@ -120,27 +117,11 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
         raise InvalidRequest(
             "stream_options is only allowed when stream is true.", "stream_options"
         )
-    if not isinstance(opts, dict):
-        raise InvalidRequest(f"stream_options must be an object, got {opts!r}.", "stream_options")
-    include = opts.get("include_usage")
-    if include is not None and not isinstance(include, bool):
-        raise InvalidRequest(
-            f"stream_options.include_usage must be true or false, got {include!r}.",
-            "stream_options.include_usage",
-        )
-    return stream, bool(include)
+    _field(opts, "stream_options", lambda v: isinstance(v, dict), "an object", None)
+    name = "stream_options.include_usage"
+    return stream, _field(opts.get("include_usage"), name, _is_bool, "true or false", False)
 
 
-def _model(body: dict[str, Any]) -> str:
-    v = body.get("model")
-    if v is None:
-        return ""
-    if not isinstance(v, str):
-        raise InvalidRequest(f"model must be a string, got {v!r}.", "model")
-    return v
-
-
-# -- prompts ----------------------------------------------------------------------------------
 def _completion_prompt(body: dict[str, Any]) -> Prompt:
     v = body.get("prompt")
     # A list holding one prompt is a batch of one; larger batches would need several choices.
@@ -154,7 +135,7 @@ def _completion_prompt(body: dict[str, Any]) -> Prompt:
         v = v[0]
     if isinstance(v, str):
         return Prompt(text=v)
-    if isinstance(v, list) and all(_is_int(t) for t in v):
+    if isinstance(v, list) and all(map(is_int, v)):
         return Prompt(token_ids=list(v))
     raise InvalidRequest(
         "prompt must be a string, a list of token ids, or a list holding one of those; "
@@ -164,30 +145,23 @@ def _completion_prompt(body: dict[str, Any]) -> Prompt:
 
 
 def _message_content(content: Any, i: int) -> str:
+    field = f"messages[{i}].content"
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != TEXT_PART:
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise InvalidRequest(
-                    f"messages[{i}].content: only text parts are supported, got {kind!r}.",
-                    f"messages[{i}].content",
-                )
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise InvalidRequest(
-                    f"messages[{i}].content: a text part needs a string 'text'.",
-                    f"messages[{i}].content",
-                )
-            texts.append(text)
-        return "".join(texts)
-    raise InvalidRequest(
-        f"messages[{i}].content must be a string or a list of text parts, "
-        f"got {type(content).__name__}.",
-        f"messages[{i}].content",
-    )
+    if not isinstance(content, list):
+        raise InvalidRequest(
+            f"{field} must be a string or a list of text parts, got {type(content).__name__}.",
+            field,
+        )
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != TEXT_PART:
+            raise InvalidRequest(f"{field}: only text parts are supported, got {kind!r}.", field)
+        if not isinstance(part.get("text"), str):
+            raise InvalidRequest(f"{field}: a text part needs a string 'text'.", field)
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 def _messages(body: dict[str, Any]) -> Prompt:
@@ -205,44 +179,23 @@ def _messages(body: dict[str, Any]) -> Prompt:
     return Prompt(messages=out)
 
 
-# -- bodies -----------------------------------------------------------------------------------
-def _object(body: Any) -> dict[str, Any]:
+def parse(body: Any, chat: bool) -> OpenAIRequest:
+    """A /v1/chat/completions (`chat`) or /v1/completions body. Raises InvalidRequest."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object.")
     _check_unsupported(body)
-    return body
-
-
-def parse_completion(body: Any) -> OpenAIRequest:
-    """A /v1/completions body. Raises InvalidRequest."""
-    body = _object(body)
     stream, include_usage = _stream(body)
+    # max_completion_tokens replaces chat's deprecated max_tokens; either is accepted.
+    given = chat and body.get("max_completion_tokens") is not None
+    name = "max_completion_tokens" if given else "max_tokens"
     spec = RequestSpec(
-        prompt=_completion_prompt(body),
-        model=_model(body),
-        max_tokens=body.get("max_tokens"),
-        must_fit=True,
-        default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS,
-        sampling=_sampling(body),
-    )
-    return OpenAIRequest(False, spec, stream, include_usage)
-
-
-def parse_chat(body: Any) -> OpenAIRequest:
-    """A /v1/chat/completions body. Raises InvalidRequest."""
-    body = _object(body)
-    stream, include_usage = _stream(body)
-    # max_completion_tokens replaces the deprecated max_tokens; either is accepted.
-    name = (
-        "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    )
-    spec = RequestSpec(
-        prompt=_messages(body),
-        prompt_field="messages",
-        model=_model(body),
+        prompt=_messages(body) if chat else _completion_prompt(body),
+        prompt_field="messages" if chat else "prompt",
+        model=_field(body.get("model"), "model", _is_str, "a string", ""),
         max_tokens=body.get(name),
         max_tokens_field=name,
         must_fit=True,
+        default_max_tokens=None if chat else COMPLETION_DEFAULT_MAX_TOKENS,
         sampling=_sampling(body),
     )
-    return OpenAIRequest(True, spec, stream, include_usage)
+    return OpenAIRequest(chat, spec, stream, include_usage)

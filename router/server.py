@@ -50,7 +50,7 @@ async def serve(config: RouterConfig, on_ready: Callable[[int], None] | None = N
     if config.http_bind:
         from pdmesh.router.http_gateway import start_gateway
 
-        gateway = await start_gateway(router, config.http_bind, config)
+        gateway = await start_gateway(router)
     log.info(
         "router on port %d (%s); workers: prefill %s, decode %s",
         port,

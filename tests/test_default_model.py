@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from support import hf_greedy, load_hf
+from transformers import PreTrainedTokenizerBase
 
 from pdmesh import LLM, SamplingParams
 
@@ -31,6 +32,7 @@ def test_batched_greedy_matches_transformers(llm: LLM, default_model_folder) -> 
     outputs = llm.generate(PROMPTS, params)
     hf = load_hf(default_model_folder)
     tok = llm.get_tokenizer()
+    assert isinstance(tok, PreTrainedTokenizerBase)  # Hugging Face's, as vLLM's LLM returns
     assert len({len(tok.encode(p)) for p in PROMPTS}) >= 6  # really of different lengths
     for prompt, out in zip(PROMPTS, outputs, strict=True):
         ref = hf_greedy(hf, tok.encode(prompt), 32, ignore_eos=False)

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from pdmesh.checkpoint.source import resolve_model_folder
 from pdmesh.errors import InvalidRequest
 from pdmesh.text.chat_template import chat_token_ids
-from pdmesh.text.tokenizer import Tokenizer, load_tokenizer
+from pdmesh.text.tokenizer import Tokenizer
 
 # Valid text only: lone surrogates are refused before any tokenizer (pdmesh.validation).
 TEXT = st.text(st.characters(exclude_categories=("Cs",)), max_size=200)
@@ -37,7 +37,7 @@ WORD_TEMPLATE = (
 @pytest.fixture(scope="module")
 def default_pair() -> tuple[Tokenizer, object]:
     folder = resolve_model_folder(None)
-    return load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    return Tokenizer.load(folder), AutoTokenizer.from_pretrained(folder)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def word_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Tokeni
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config["chat_template"] = WORD_TEMPLATE
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    yield load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    yield Tokenizer.load(folder), AutoTokenizer.from_pretrained(folder)
 
 
 def _hf_chat(hf: object, messages: list[dict[str, str]]) -> list[int]:

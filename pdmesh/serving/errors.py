@@ -17,7 +17,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from pdmesh.errors import PdmeshError
+from pdmesh.errors import InvalidRequest, as_error
 from pdmesh.logger import get_logger
 
 log = get_logger(__name__)
@@ -50,18 +50,18 @@ def with_behavior(
 
 def status_name(exc: BaseException) -> str:
     """The name of the gRPC status `exc` is answered with (for metrics; no logging)."""
-    if isinstance(exc, PdmeshError):
-        return exc.status
-    return "DEADLINE_EXCEEDED" if isinstance(exc, TimeoutError) else "INTERNAL"
+    error = as_error(exc)
+    return error.status if error is not None else "INTERNAL"
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-    code = grpc.StatusCode[status_name(exc)]
-    if isinstance(exc, PdmeshError | TimeoutError):
-        message = str(exc) or code.name.lower().replace("_", " ")
-    else:
+    error = as_error(exc)
+    if error is None:
         log.error("internal error", exc_info=exc)
-        message = f"internal error: {type(exc).__name__}: {exc}"
+        code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+    else:
+        code = grpc.StatusCode[error.status]
+        message = str(error) or code.name.lower().replace("_", " ")
     # Details must be UTF-8: a lone surrogate echoed from a request is written as its escape.
     message = message.encode("utf-8", "backslashreplace").decode()
     if len(message) > MAX_DETAILS_CHARS:
@@ -69,27 +69,20 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     await context.abort(code, message)
 
 
-class MalformedRequest:
-    """What a request that is not a valid message of its method deserializes to: grpc would
-    answer INTERNAL for a deserializer's exception; the handler answers INVALID_ARGUMENT."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: str) -> None:
-        self.error = error
-
-
 def _tolerant(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     message_type = getattr(getattr(deserialize, "__self__", None), "DESCRIPTOR", None)
 
     def parse(raw: bytes) -> Any:
+        """The message, or (grpc would answer a deserializer's exception INTERNAL) the
+        InvalidRequest its handler raises."""
         try:
             return deserialize(raw)
         except Exception as e:
             field = bad_utf8_field(message_type, raw) if message_type is not None else None
-            if field is not None:
-                return MalformedRequest(f"{field} is not valid UTF-8 text")
-            return MalformedRequest(f"{type(e).__name__}: {e}")
+            error = f"{field} is not valid UTF-8 text" if field else f"{type(e).__name__}: {e}"
+            return InvalidRequest(
+                f"the request is not a valid message for this method ({error}).", field
+            )
 
     return parse
 
@@ -121,18 +114,11 @@ def bad_utf8_field(descriptor: Descriptor, data: bytes, prefix: str = "") -> str
     return None
 
 
-async def _refuse_malformed(request: MalformedRequest, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(
-        grpc.StatusCode.INVALID_ARGUMENT,
-        f"the request is not a valid message for this method ({request.error}).",
-    )
-
-
 def _wrap_unary(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if request.__class__ is MalformedRequest:
-            await _refuse_malformed(request, context)
         try:
+            if request.__class__ is InvalidRequest:
+                raise request
             return await fn(request, context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
@@ -144,9 +130,9 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[An
 
 def _wrap_stream(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        if request.__class__ is MalformedRequest:
-            await _refuse_malformed(request, context)
         try:
+            if request.__class__ is InvalidRequest:
+                raise request
             async for item in fn(request, context):
                 yield item
         except (asyncio.CancelledError, grpc.aio.AbortError):

@@ -16,14 +16,8 @@ from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as Backend
 
 # transformers' named special tokens (SPECIAL_TOKENS_ATTRIBUTES): the chat template sees them.
-SPECIAL_TOKEN_NAMES = (
-    "bos_token",
-    "eos_token",
-    "unk_token",
-    "sep_token",
-    "pad_token",
-    "cls_token",
-    "mask_token",
+SPECIAL_TOKEN_NAMES = tuple(
+    f"{n}_token" for n in ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
 )
 
 
@@ -86,10 +80,6 @@ class Tokenizer:
         return self.backend.get_vocab(with_added_tokens=True)
 
 
-def load_tokenizer(folder: Path | str) -> Tokenizer:
-    return Tokenizer.load(folder)
-
-
 def _read_config(path: Path) -> dict[str, Any]:
     try:
         config = json.loads(path.read_text())
@@ -125,19 +115,12 @@ def _chat_template(folder: Path, config: dict[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
+# transformers' `clean_up_tokenization` (WordPiece-era spacing before punctuation): each loses
+# its leading space.
+_CLEAN_UP = (" .", " ?", " !", " ,", " ' ", " n't", " 'm", " 's", " 've", " 're")
+
+
 def _clean_up(text: str) -> str:
-    """transformers' `clean_up_tokenization` (WordPiece-era spacing before punctuation)."""
-    for a, b in (
-        (" .", "."),
-        (" ?", "?"),
-        (" !", "!"),
-        (" ,", ","),
-        (" ' ", "'"),
-        (" n't", "n't"),
-        (" 'm", "'m"),
-        (" 's", "'s"),
-        (" 've", "'ve"),
-        (" 're", "'re"),
-    ):
-        text = text.replace(a, b)
+    for spaced in _CLEAN_UP:
+        text = text.replace(spaced, spaced.strip())
     return text
