@@ -44,7 +44,7 @@ from typing import Any
 from pdmesh.bench.gpu_models import dummy_llm, write_llama_8b
 from pdmesh.bench.latency_stats import Slo, summarize
 from pdmesh.bench.report import Report, out_parser
-from pdmesh.bench.serving import LoadConfig, make_workload, run_load
+from pdmesh.bench.serving import LoadConfig, exact_request, make_workload, run_load
 from pdmesh.mesh import quiet_up, read_services
 from pdmesh.processes import free_port
 
@@ -123,7 +123,6 @@ async def _server_timings(target: str, n: int, seed: int) -> list[dict[str, floa
 
     import grpc
 
-    from pdmesh.v1 import generation_pb2 as gen_pb
     from pdmesh.v1 import generation_pb2_grpc
 
     rng = random.Random(seed)
@@ -131,10 +130,7 @@ async def _server_timings(target: str, n: int, seed: int) -> list[dict[str, floa
     async with grpc.aio.insecure_channel(target) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
         for _ in range(n):
-            req = gen_pb.GenerateRequest(
-                token_ids=gen_pb.TokenIds(ids=[rng.randrange(1000, VOCAB) for _ in range(4096)]),
-                sampling=gen_pb.SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
-            )
+            req = exact_request([rng.randrange(1000, VOCAB) for _ in range(4096)], 2)
             last = [r async for r in stub.Generate(req, timeout=60)][-1].timings
             out.append(
                 {

@@ -11,20 +11,21 @@ import argparse
 import json
 from pathlib import Path
 
+from pdmesh.bench.latency_plot import draw_cdf
+
 LAYOUTS = {"disagg_1p1d": "1 prefill + 1 decode", "colocated_2": "2 colocated"}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("samples", nargs="+", type=Path)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True, help="the PNG to write")
     parser.add_argument("--runs", default="prefill_heavy/4,prefill_heavy/8,chat/8")
     args = parser.parse_args()
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     samples: dict[str, dict[str, list[float]]] = {}
     for path in args.samples:
@@ -35,15 +36,11 @@ def main() -> None:
         work, rate = run.split("/")
         for row, (metric, label) in enumerate((("ttft_ms", "TTFT"), ("itl_ms", "inter-token"))):
             ax = axes[row][col]
+            title = f"{label}, {work.replace('_', '-')} at {rate} req/s"
+            of = "tokens" if metric == "itl_ms" else "requests"
             for layout, name in LAYOUTS.items():
                 values = samples.get(f"{layout}/{run}", {}).get(metric, [])
-                if values:
-                    xs = np.sort(np.asarray(values))
-                    ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=name)
-            ax.set_title(f"{label}, {work.replace('_', '-')} at {rate} req/s")
-            ax.set_xlabel("ms")
-            ax.set_ylabel("fraction of " + ("tokens" if metric == "itl_ms" else "requests"))
-            ax.grid(True, alpha=0.3)
+                draw_cdf(ax, values, title, of, name)
             ax.legend()
     fig.suptitle("Llama-3.1-8B shape, bf16, 2 x H200: disaggregated vs colocated")
     fig.tight_layout()

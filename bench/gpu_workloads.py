@@ -66,6 +66,15 @@ def _admit(engine: Any, batch: int, ctx: int, max_tokens: int) -> list[str]:
     return ids
 
 
+def _decoding(engine: Any, batch: int, ctx: int, steps: int) -> list[str]:
+    """`batch` requests admitted with room for `steps` more decode steps, after 4 warm-up ones."""
+    ids = _admit(engine, batch, ctx, max_tokens=steps + 12)
+    for _ in range(4):
+        engine.step()
+    _sync()
+    return ids
+
+
 def _drain(engine: Any, ids: list[str]) -> None:
     for rid in ids:
         engine.abort_request(rid)
@@ -77,10 +86,7 @@ def decode_step_time(engine: Any, batch: int, ctx: int, steps: int = 24) -> floa
     mean over `steps` back-to-back steps after 4 warm-up ones. Back to back, as a serving loop
     runs them: with async scheduling a step's host work overlaps the next step's device work,
     which a sync before each step would undo."""
-    ids = _admit(engine, batch, ctx, max_tokens=steps + 12)
-    for _ in range(4):
-        engine.step()
-    _sync()
+    ids = _decoding(engine, batch, ctx, steps)
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()  # reads a step's sampled tokens back: its one host sync
@@ -94,10 +100,7 @@ def profile_decode(engine: Any, batch: int, ctx: int, steps: int = 8) -> str:
     decode steps, after warm-up ones: where a step's time goes on this process's rank."""
     from torch.profiler import ProfilerActivity, profile
 
-    ids = _admit(engine, batch, ctx, max_tokens=steps + 12)
-    for _ in range(4):
-        engine.step()
-    _sync()
+    ids = _decoding(engine, batch, ctx, steps)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()

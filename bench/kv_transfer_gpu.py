@@ -239,16 +239,12 @@ def _summary(timed: list[dict[str, Any]], raw: float) -> dict[str, Any]:
     gb = timed[0]["bytes"] / 1e9
     e2e = [r["done_at"] - r["started_at"] for r in timed]
     span = [r["seconds"] for r in timed]
-    return {
-        "e2e_seconds": statistics.median(e2e),
-        "e2e_gb_s": gb / statistics.median(e2e),
-        "e2e_gb_s_min_max": [gb / max(e2e), gb / min(e2e)],
-        "e2e_ratio_to_raw": gb / statistics.median(e2e) / raw,
-        "receiver_gb_s": gb / statistics.median(span),
-        "receiver_gb_s_min_max": [gb / max(span), gb / min(span)],
-        "receiver_ratio_to_raw": gb / statistics.median(span) / raw,
-        "sender_seconds": statistics.median(r["send_seconds"] for r in timed),
-    }
+    out = {"e2e_seconds": statistics.median(e2e)}
+    for name, seconds in (("e2e", e2e), ("receiver", span)):
+        out[f"{name}_gb_s"] = gb / statistics.median(seconds)
+        out[f"{name}_gb_s_min_max"] = [gb / max(seconds), gb / min(seconds)]
+        out[f"{name}_ratio_to_raw"] = out[f"{name}_gb_s"] / raw
+    return out | {"sender_seconds": statistics.median(r["send_seconds"] for r in timed)}
 
 
 def _close(a: float, b: float) -> bool:

@@ -2,7 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pdmesh.bench.latency_stats import RequestRecord
+
+
+def draw_cdf(ax: Any, ms: list[float], title: str, of: str, label: str | None = None) -> None:
+    """The CDF of the values `ms` on matplotlib axes `ax` (a fraction `of` what they count)."""
+    import numpy as np
+
+    if ms:
+        xs = np.sort(np.asarray(ms))
+        ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=label)
+    ax.set_title(title)
+    ax.set_xlabel("ms")
+    ax.set_ylabel(f"fraction of {of}")
+    ax.grid(True, alpha=0.3)
 
 
 def plot_cdfs(records: list[RequestRecord], path: str) -> bool:
@@ -14,8 +29,6 @@ def plot_cdfs(records: list[RequestRecord], path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    import numpy as np
-
     done = [r for r in records if r.ok]
     series = {
         "TTFT": [r.ttft_s * 1000 for r in done],
@@ -25,13 +38,7 @@ def plot_cdfs(records: list[RequestRecord], path: str) -> bool:
     }
     fig, axes = plt.subplots(1, len(series), figsize=(4 * len(series), 3.5))
     for ax, (name, values) in zip(axes, series.items(), strict=True):
-        if values:
-            xs = np.sort(np.asarray(values))
-            ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs))
-        ax.set_title(name)
-        ax.set_xlabel("ms")
-        ax.set_ylabel("fraction of " + ("tokens" if name == "ITL" else "requests"))
-        ax.grid(True, alpha=0.3)
+        draw_cdf(ax, values, name, "tokens" if name == "ITL" else "requests")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

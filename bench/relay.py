@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 
 from pdmesh.bench.machine import cpu_seconds, device_name, machine_busy_seconds
+from pdmesh.bench.serving import exact_request
 from pdmesh.flags import from_args
 from pdmesh.mesh import pdmesh_command, wait_for_workers
 from pdmesh.processes import free_port
@@ -111,10 +112,7 @@ async def client(
     stub: generation_pb2_grpc.GenerationStub, output_len: int, stop_at: float, counts: Counts
 ) -> None:
     loop = asyncio.get_running_loop()
-    request = gen_pb.GenerateRequest(
-        token_ids=gen_pb.TokenIds(ids=PROMPT),
-        sampling=gen_pb.SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True),
-    )
+    request = exact_request(PROMPT, output_len)
     while loop.time() < stop_at:
         received = 0
         try:

@@ -22,7 +22,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -106,14 +106,17 @@ def arrival_times(cfg: LoadConfig) -> list[float]:
     return times
 
 
+def exact_request(prompt: list[int], output_len: int) -> gen_pb.GenerateRequest:
+    """A request for exactly `output_len` greedy tokens (ignore_eos) after token-id `prompt`."""
+    sampling = gen_pb.SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    return gen_pb.GenerateRequest(token_ids=gen_pb.TokenIds(ids=prompt), sampling=sampling)
+
+
 async def one_request(
     stub: generation_pb2_grpc.GenerationStub, prompt: list[int], output_len: int
 ) -> RequestRecord:
     record = RequestRecord(len(prompt), output_len)
-    request = gen_pb.GenerateRequest(
-        token_ids=gen_pb.TokenIds(ids=prompt),
-        sampling=gen_pb.SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True),
-    )
+    request = exact_request(prompt, output_len)
     start = time.perf_counter()
     last: float | None = None
     try:
@@ -249,13 +252,8 @@ def run_serving_bench(args: argparse.Namespace) -> int:
         "cpu_count": os.cpu_count(),
         "target": args.target,
         "model": info.name,
-        "num_requests": cfg.num_requests,
+        **{k: v for k, v in asdict(cfg).items() if k != "seed"},
         "request_rate": cfg.request_rate if math.isfinite(cfg.request_rate) else "inf",
-        "arrivals": cfg.arrivals,
-        "concurrency": cfg.concurrency,
-        "input_len": cfg.input_len,
-        "output_len": cfg.output_len,
-        "range_ratio": cfg.range_ratio,
         **summarize(records, duration, slo),
     }
     if args.peer_offline:

@@ -185,13 +185,14 @@ class _Soak:
         async with contextlib.AsyncExitStack() as stack:
             router = await stack.enter_async_context(grpc.aio.insecure_channel(cfg.target))
             gen = generation_pb2_grpc.GenerationStub(router)
-            decode = [
-                worker_pb2_grpc.DecodeWorkerStub(
-                    await stack.enter_async_context(grpc.aio.insecure_channel(a))
-                )
-                for a in cfg.decode
-            ]
+            workers: dict[str, object] = {}  # address -> stub
+            stubs = [(a, worker_pb2_grpc.DecodeWorkerStub) for a in cfg.decode]
+            stubs += [(a, worker_pb2_grpc.PrefillWorkerStub) for a in cfg.prefill]
+            for a, stub in stubs:
+                ch = await stack.enter_async_context(grpc.aio.insecure_channel(a))
+                workers[a] = stub(ch)
             capacity = [0]
+            decode = [workers[a] for a in cfg.decode]
             poller = asyncio.create_task(self.poll(decode, capacity))
             tasks: set[asyncio.Task[None]] = set()
             next_request: tuple[int, int] | None = None
@@ -222,7 +223,7 @@ class _Soak:
                 await asyncio.gather(*stuck, return_exceptions=True)
             poller.cancel()
             self.result.kv_blocks_total = capacity[0]
-            self.result.leaked_blocks = await self._leaks(stack)
+            self.result.leaked_blocks = await self._leaks(workers)
         if self.samples:
             self.result.kv_usage_mean = sum(self.samples) / len(self.samples)
             self.result.kv_usage_peak = max(self.samples)
@@ -244,16 +245,9 @@ class _Soak:
     def _blocks(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    async def _leaks(self, stack: contextlib.AsyncExitStack) -> dict[str, int]:
+    async def _leaks(self, stubs: dict[str, object]) -> dict[str, int]:
         """Blocks still in use on each worker once the load is over (cancellations are
         asynchronous: they get a few seconds to land)."""
-        stubs: dict[str, object] = {}
-        for a in self.cfg.decode:
-            ch = await stack.enter_async_context(grpc.aio.insecure_channel(a))
-            stubs[a] = worker_pb2_grpc.DecodeWorkerStub(ch)
-        for a in self.cfg.prefill:
-            ch = await stack.enter_async_context(grpc.aio.insecure_channel(a))
-            stubs[a] = worker_pb2_grpc.PrefillWorkerStub(ch)
         deadline = time.monotonic() + LEAK_WAIT_S
         while True:
             used = {a: (await _stats(s)).kv_blocks_used for a, s in stubs.items()}

@@ -34,18 +34,9 @@ TOKEN_ID_RANGE = 1000
 MAX_STEPS_PER_MESSAGE = 64  # a stalled reader gets its backlog in bounded messages
 
 
-def _frame(delta: bytes) -> bytes:
-    """`delta` as one element of StepUpdate.deltas (field 1, length-delimited)."""
-    n = len(delta)
-    size = bytearray()
-    while True:
-        byte = n & 0x7F
-        n >>= 7
-        if n:
-            size.append(byte | 0x80)
-        else:
-            size.append(byte)
-            return b"\x0a" + bytes(size) + delta
+def _frame(delta: worker_pb2.RequestDelta) -> bytes:
+    """`delta` as one element of a serialised StepUpdate.deltas: StepUpdates concatenate."""
+    return worker_pb2.StepUpdate(deltas=[delta]).SerializeToString()
 
 
 @dataclass
@@ -91,7 +82,7 @@ class TokenSource:
             req.request_id,
             len(req.prompt_token_ids),
             max(1, max_tokens),
-            _frame(delta.SerializeToString()),
+            _frame(delta),
             token_id,
         )
         self.owner[req.request_id] = req.subscriber_id
@@ -125,7 +116,7 @@ class TokenSource:
         return b"".join(parts)
 
     @staticmethod
-    def _last_delta(a: Active) -> bytes:
+    def _last_delta(a: Active) -> worker_pb2.RequestDelta:
         return worker_pb2.RequestDelta(
             request_id=a.request_id,
             token_ids=[a.token_id],
@@ -133,7 +124,7 @@ class TokenSource:
             finish_reason=gen_pb.FINISH_REASON_LENGTH,
             usage=gen_pb.Usage(prompt_tokens=a.prompt_tokens, completion_tokens=a.sent),
             timings=gen_pb.Timings(),
-        ).SerializeToString()
+        )
 
     async def subscribe(self, subscriber_id: str) -> AsyncIterator[bytes]:
         if not subscriber_id:

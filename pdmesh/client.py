@@ -100,22 +100,14 @@ async def stream_generate(args: argparse.Namespace) -> int:
             print(f"pdmesh: {e.code().name}: {e.details()}", file=sys.stderr)
             return 2 if e.code() is grpc.StatusCode.INVALID_ARGUMENT else 1
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "text": text,
-                    "token_ids": tokens,
-                    "finish_reason": FINISH_FROM_PB[last.finish_reason] if last else None,
-                    "usage": {
-                        "prompt_tokens": last.usage.prompt_tokens,
-                        "completion_tokens": last.usage.completion_tokens,
-                        "cached_prompt_tokens": last.usage.cached_prompt_tokens,
-                    }
-                    if last
-                    else None,
-                }
-            )
-        )
+        usage = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
+        result = {
+            "text": text,
+            "token_ids": tokens,
+            "finish_reason": FINISH_FROM_PB[last.finish_reason] if last else None,
+            "usage": {k: getattr(last.usage, k) for k in usage} if last else None,
+        }
+        print(json.dumps(result))
     else:
         print()
     return 0

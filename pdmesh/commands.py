@@ -87,18 +87,9 @@ def add_up(sub: Any) -> None:
         help="KV data plane: auto (per pair: nccl between different GPUs, else tcp) | tcp | "
         "nccl (GPUs) | gloo (CPUs)",
     )
-    u.add_argument(
-        "--prefill-tp",
-        type=int,
-        default=None,
-        help="tensor-parallel size of each prefill worker (default: --tensor-parallel-size)",
-    )
-    u.add_argument(
-        "--decode-tp",
-        type=int,
-        default=None,
-        help="tensor-parallel size of each decode worker (default: --tensor-parallel-size)",
-    )
+    for role in ("prefill", "decode"):
+        help = f"tensor-parallel size of each {role} worker (default: --tensor-parallel-size)"
+        u.add_argument(f"--{role}-tp", type=int, default=None, help=help)
     u.add_argument(
         "--colocated",
         action="store_true",

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdmesh.bench.serving import exact_request
 from pdmesh.mesh import quiet_up, read_services
 from pdmesh.processes import free_port
-from pdmesh.v1 import generation_pb2 as gen_pb
 from pdmesh.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 
@@ -79,12 +79,7 @@ async def greedy_tokens(
         stub = generation_pb2_grpc.GenerationStub(ch)
 
         async def one(p: list[int]) -> list[int]:
-            req = gen_pb.GenerateRequest(
-                token_ids=gen_pb.TokenIds(ids=p),
-                sampling=gen_pb.SamplingParams(
-                    max_tokens=max_tokens, temperature=0, ignore_eos=True
-                ),
-            )
+            req = exact_request(p, max_tokens)
             return [t async for r in stub.Generate(req, timeout=timeout_s) for t in r.token_ids]
 
         return await asyncio.gather(*(one(p) for p in prompts))
