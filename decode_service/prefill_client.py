@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import grpc
 
 from pdmesh.kv_transfer.target import KVTarget
@@ -12,14 +10,6 @@ from pdmesh.serving.convert import sampling_to_pb
 from pdmesh.serving.grpc_server import channel
 from pdmesh.serving.tls import TLSConfig
 from pdmesh.v1 import worker_pb2, worker_pb2_grpc
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    first_token: int
-    cached_prompt_tokens: int
-    prefill_ns: int
-    kv_bytes: int
 
 
 class PrefillClient:
@@ -43,9 +33,9 @@ class PrefillClient:
         prompt: list[int],
         params: SamplingParams,
         target: KVTarget,
-    ) -> PrefillResult:
+    ) -> int:
         """Have the prefill worker at `address` compute the prompt into `target` (the call's
-        deadline is the target's timeout)."""
+        deadline is the target's timeout); the prompt's first token."""
         request = worker_pb2.PrefillRequest(
             request_id=request_id,
             prompt_token_ids=prompt,
@@ -53,12 +43,7 @@ class PrefillClient:
             kv_target=target.to_pb(),
         )
         reply = await self._stub(address).Prefill(request, timeout=target.timeout_s)
-        return PrefillResult(
-            first_token=reply.first_token_id,
-            cached_prompt_tokens=reply.cached_prompt_tokens,
-            prefill_ns=reply.prefill_ns,
-            kv_bytes=reply.kv_bytes,
-        )
+        return reply.first_token_id
 
     async def close(self) -> None:
         for ch in self._channels:

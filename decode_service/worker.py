@@ -156,17 +156,15 @@ class DecodeWorker(WorkerProcess):
                 timeout,
                 tracing.inject(rx_span) if rx_span is not None else {},
             )
-            result = await self._prefill.prefill(address, rid, sub.prompt, sub.params, target)
+            first_token = await self._prefill.prefill(address, rid, sub.prompt, sub.params, target)
             moved = await asyncio.wait_for(asyncio.wrap_future(transfer.arrived), kv_timeout)
             if self.kv.followers is not None:
                 await self.loop.acall(lambda e: self.kv.end_followers(transfer, kv_timeout))
-        except asyncio.CancelledError as exc:
+        except BaseException as exc:
             self._cancel_transfer(transfer)
             self.traces.transfer_ended(rx_span, None, exc)
-            raise
-        except Exception as exc:
-            self._cancel_transfer(transfer)
-            self.traces.transfer_ended(rx_span, None, exc)
+            if not isinstance(exc, Exception):  # cancelled: the request is gone
+                raise
             log.warning("remote prefill of %s failed: %s", rid, exc)
             await self.loop.acall(lambda e, err=exc: self._prefill_failed(e, rid, err))
             return
@@ -174,7 +172,7 @@ class DecodeWorker(WorkerProcess):
             self._remote.pop(rid, None)
         self.traces.transfer_ended(rx_span, moved)
         self.metrics.transfer.observe(moved.seconds)
-        await self.loop.acall(lambda e: self._prefill_done(e, rid, result.first_token))
+        await self.loop.acall(lambda e: self._prefill_done(e, rid, first_token))
 
     def _cancel_transfer(self, transfer: IncomingTransfer) -> None:
         self.kv.cancel(transfer)

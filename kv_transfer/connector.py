@@ -161,7 +161,8 @@ class KVConnector:
 
     def bytes_moved(self) -> int:
         """Rank 0, engine thread: KV bytes sent or received by every rank."""
-        return self.bytes_here() + sum(r.value for r in self.tell_followers(CountBytes()))  # type: ignore[union-attr]
+        replies = self.tell_followers(CountBytes())
+        return self.bytes_here() + sum(r.value for r in replies if isinstance(r, Count))
 
     def bytes_here(self) -> int:
         """KV bytes this rank sent or received (any thread)."""
@@ -172,10 +173,8 @@ class KVConnector:
         return {}
 
     # -- scheduler side (rank 0, engine thread) -----------------------------------------------
-    @property
-    def plans_steps(self) -> bool:
-        """True when steps carry plans: the engine then launches them one at a time."""
-        return False
+    plans_steps = False  # steps carry plans: the engine then launches them one at a time
+    receives = False  # prompts' KV may come from elsewhere (`reserve`)
 
     def plan_step(self, batch: StepBatch) -> torch.Tensor | None:
         """The step's plan (flat int64 that this connector alone reads), sent to every rank; None:
@@ -193,7 +192,15 @@ class KVConnector:
     ) -> ExternalBlocks | None:
         """Blocks for a prompt whose KV will come from elsewhere, or None: compute it here
         (this connector receives nothing, too few uncached tokens, or no blocks now)."""
-        return None
+        uncached = len(prompt) - engine.cached_prefix_tokens(prompt) if self.receives else 0
+        if uncached < max(1, min_tokens):
+            return None
+        res = engine.reserve_prefill(
+            request_id, prompt, params, num_output_tokens=num_output_tokens
+        )
+        if res is None:
+            return None
+        return ExternalBlocks(res.first_block, list(res.block_ids), res.uncached_tokens)
 
     def commit(self, engine: PrefillHost, request_id: str, first_token: int) -> Any | None:
         """The reserved prompt's KV arrived and `first_token` was sampled: the engine's delta,

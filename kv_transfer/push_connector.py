@@ -93,6 +93,8 @@ class PushConnector(KVConnector):
     engine thread; `done`, `finish` and the stats from any thread (`finish` blocks until this
     rank's frames are acknowledged)."""
 
+    plans_steps = True
+
     def __init__(self, options: PushOptions | None = None) -> None:
         self.options = options or PushOptions()
         self._senders: dict[str, KVSender] = {}
@@ -185,10 +187,6 @@ class PushConnector(KVConnector):
             sends.sender.abort(h)
 
     # -- the connector interface --------------------------------------------------------------
-    @property
-    def plans_steps(self) -> bool:
-        return True
-
     def plan_step(self, batch: StepBatch) -> torch.Tensor | None:
         bs = self.geometry.block_size
         items: list[int] = []

@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from pdmesh.kv_transfer.base import (
     KVReceiver,
@@ -23,10 +22,8 @@ from pdmesh.kv_transfer.base import (
     TransferStats,
 )
 from pdmesh.kv_transfer.connector import (
-    ExternalBlocks,
     KVBinding,
     KVConnector,
-    PrefillHost,
     control_message,
     register_connector,
 )
@@ -106,6 +103,8 @@ class ReceiveConnector(KVConnector):
     any thread once bound; `expect_followers`, `end_followers` and `bytes_moved` on the engine
     thread (no-ops without followers)."""
 
+    receives = True
+
     def __init__(self, options: ReceiveOptions) -> None:
         self.options = options
         self.receivers: dict[str, KVReceiver] = {}
@@ -154,25 +153,6 @@ class ReceiveConnector(KVConnector):
         advertise = self.options.advertise
         host = split_advertise(advertise)[0] if advertise else None
         return replace(self.options, advertise=host, transport_for={})
-
-    def reserve(
-        self,
-        engine: PrefillHost,
-        request_id: str,
-        prompt: list[int],
-        params: Any,
-        num_output_tokens: int,
-        min_tokens: int,
-    ) -> ExternalBlocks | None:
-        uncached = len(prompt) - engine.cached_prefix_tokens(prompt)
-        if uncached < max(1, min_tokens):
-            return None
-        res = engine.reserve_prefill(
-            request_id, prompt, params, num_output_tokens=num_output_tokens
-        )
-        if res is None:
-            return None
-        return ExternalBlocks(res.first_block, list(res.block_ids), res.uncached_tokens)
 
     def handle(self, message: object) -> object | None:
         match message:
