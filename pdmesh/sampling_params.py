@@ -83,7 +83,3 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
-
-    @property
-    def top_k_active(self) -> bool:
-        return self.top_k > 0

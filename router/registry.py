@@ -89,7 +89,10 @@ class WorkerRegistry:
                     "%s worker %s %s the rotation", w.role, w.address, "joins" if ok else "leaves"
                 )
             if ok and loop.time() >= next_stats:
-                await self._poll_stats(w)
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    w.load = await w.stub.GetStats(  # type: ignore[attr-defined]
+                        worker_pb2.StatsRequest(), timeout=self.health_interval_s
+                    )
                 next_stats = loop.time() + self.stats_interval_s
             await asyncio.sleep(min(self.health_interval_s, self.stats_interval_s))
 
@@ -101,9 +104,3 @@ class WorkerRegistry:
         except grpc.aio.AioRpcError:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-    async def _poll_stats(self, w: Worker) -> None:
-        with contextlib.suppress(grpc.aio.AioRpcError):
-            w.load = await w.stub.GetStats(  # type: ignore[attr-defined]
-                worker_pb2.StatsRequest(), timeout=self.health_interval_s
-            )

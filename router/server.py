@@ -22,15 +22,11 @@ log = get_logger(__name__)
 SERVICE = "pdmesh.v1.Generation"
 
 
-async def build_router(config: RouterConfig) -> Router:
-    folder = await asyncio.to_thread(resolve_model_folder, config.model)
-    info = await asyncio.to_thread(ModelConfig.load, folder)
-    return Router(config, info, await asyncio.to_thread(Tokenizer.load, folder))
-
-
 async def serve(config: RouterConfig, on_ready: Callable[[int], None] | None = None) -> None:
     tracing.setup("pdmesh-router")  # before any channel is made: they carry the trace context
-    router = await build_router(config)
+    folder = await asyncio.to_thread(resolve_model_folder, config.model)
+    info = await asyncio.to_thread(ModelConfig.load, folder)
+    router = Router(config, info, await asyncio.to_thread(Tokenizer.load, folder))
     router.start()
     server, health, port = build_server(
         config.bind,

@@ -176,8 +176,11 @@ def start_span(
 def end_span(
     span: Span, end_ns: int | None = None, error: BaseException | str | None = None
 ) -> None:
-    if error is not None:
-        set_error(span, error)
+    if isinstance(error, BaseException):
+        span.record_exception(error)
+        span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+    elif error is not None:
+        span.set_status(Status(StatusCode.ERROR, error))
     span.end(end_time=end_ns)
 
 
@@ -194,22 +197,6 @@ def record_span(
     span = start_span(name, parent, start_ns, attributes, links)
     end_span(span, max(start_ns, end_ns), error)
     return span
-
-
-def set_error(span: Span, error: BaseException | str) -> None:
-    if isinstance(error, BaseException):
-        span.record_exception(error)
-        description = f"{type(error).__name__}: {error}"
-    else:
-        description = error
-    span.set_status(Status(StatusCode.ERROR, description))
-
-
-def link_to(ctx: Context | None) -> list[Link]:
-    """A link to the span `ctx` holds (none for None)."""
-    if ctx is None:
-        return []
-    return [Link(trace.get_current_span(ctx).get_span_context())]
 
 
 @contextmanager

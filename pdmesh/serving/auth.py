@@ -7,14 +7,14 @@ every other method of a server built with `ApiKeyInterceptor` needs a key, refle
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from pdmesh.serving.errors import with_behavior
+from pdmesh.serving.errors import HandlerInterceptor, with_behavior
 
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 _BEARER = "bearer "
@@ -87,23 +87,18 @@ async def _deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
     yield  # pragma: no cover - abort raises; this makes the function an async generator
 
 
-class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+class ApiKeyInterceptor(HandlerInterceptor):
     """UNAUTHENTICATED for calls without a valid key, before any handler runs."""
 
     def __init__(self, keys: ApiKeys, open_prefixes: Sequence[str] = OPEN_PREFIXES) -> None:
         self.keys = keys
         self.open_prefixes = tuple(open_prefixes)
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
+    def replace(
+        self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if (
-            handler is None
-            or details.method.startswith(self.open_prefixes)
-            or self.keys.check_header(_metadata_value(details, "authorization"))
+        if details.method.startswith(self.open_prefixes) or self.keys.check_header(
+            _metadata_value(details, "authorization")
         ):
             return handler
         return with_behavior(handler, _deny_stream if handler.response_streaming else _deny_unary)

@@ -33,13 +33,30 @@ _HANDLER_KINDS = {  # (request streamed, response streamed) -> how grpc builds s
 }
 
 
+class HandlerInterceptor(grpc.aio.ServerInterceptor):
+    """Base of the interceptors that wrap or replace what a method does, per call: `replace`
+    gets the method's handler and returns the one to run (`with_behavior` builds it)."""
+
+    def replace(
+        self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler:
+        raise NotImplementedError
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        return handler if handler is None else self.replace(handler, details)
+
+
 def with_behavior(
     handler: grpc.RpcMethodHandler,
     behavior: Callable[..., Any],
     request_deserializer: Callable[[bytes], Any] | None = None,
 ) -> grpc.RpcMethodHandler:
-    """`handler` (same kind of method, same serializers) running `behavior` instead, for
-    interceptors that wrap or replace what a method does."""
+    """`handler` (same kind of method, same serializers) running `behavior` instead."""
     make = _HANDLER_KINDS[handler.request_streaming, handler.response_streaming]
     return make(
         behavior,
@@ -143,17 +160,14 @@ def _wrap_stream(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIt
     return handler
 
 
-class ErrorInterceptor(grpc.aio.ServerInterceptor):
+class ErrorInterceptor(HandlerInterceptor):
     """Wraps handlers of single-message requests (parsed tolerantly, so a malformed one is
     INVALID_ARGUMENT); streamed-request handlers pass through."""
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
+    def replace(
+        self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or handler.request_streaming:
+        if handler.request_streaming:
             return handler
         if handler.response_streaming:
             behavior = _wrap_stream(handler.unary_stream)
