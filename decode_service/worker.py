@@ -300,16 +300,3 @@ class DecodeWorker(WorkerProcess):
             )
         if out and self._aio is not None:
             self._aio.call_soon_threadsafe(self._dispatch, out)
-
-    # -- figures ------------------------------------------------------------------------------
-    def kv_report(self, engine: LLMEngine) -> dict[str, object]:
-        rx = self.kv.stats
-        return {
-            "kv_bytes_received": self.kv.bytes_moved(),  # every rank's
-            "kv_seconds": rx.seconds_receiving,
-            "kv_transfers": rx.transfers_completed,
-            "kv_frames_dropped": rx.frames_dropped,
-            "local_prefills": self.prefills["local"],
-            "remote_prefills": self.prefills["remote"],
-            "prefill_fallbacks": self.prefills["fallback"],
-        }

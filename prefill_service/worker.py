@@ -180,16 +180,6 @@ class PrefillWorker(WorkerProcess):
                 result = (d.token_ids[0], out.num_cached_tokens)
                 self._aio.call_soon_threadsafe(_resolve, pending.done, result)
 
-    # -- figures ------------------------------------------------------------------------------
-    def kv_report(self, engine: LLMEngine) -> dict[str, object]:
-        tx = self.kv.stats
-        return {
-            "kv_bytes_sent": self.kv.bytes_moved(),  # every rank's
-            "kv_seconds": tx.seconds_sending,
-            "kv_transfers": tx.transfers,
-            "remote_prefills": self.prefills["remote"],
-        }
-
 
 def _resolve(future: asyncio.Future[tuple[int, int]], value: tuple[int, int]) -> None:
     if not future.done():

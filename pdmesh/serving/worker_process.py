@@ -79,20 +79,20 @@ class WorkerProcess(ABC):
     def _on_engine_deltas(self, deltas: list[StepDelta]) -> None:
         """Each step's deltas, on the engine thread."""
 
-    @abstractmethod
-    def kv_report(self, engine: LLMEngine) -> dict[str, Any]:
-        """The service's WorkerStats fields (engine thread: may ask the other ranks)."""
-
     def banner(self) -> str:
         """What the start-up log line adds after the port."""
         return ""
 
     # -- figures ------------------------------------------------------------------------------
+    def transfer_totals(self) -> list[TransferTotals]:
+        """Rank 0's KV transfer counters per transport (any thread)."""
+        return [_totals(n, s) for n, s in self.connector.stats_by_transport().items()]
+
     def metrics_snapshot(self) -> WorkerSnapshot:
         """State for a Prometheus scrape, read from the scraping thread (no engine wait)."""
         return WorkerSnapshot(
             **worker_stat_fields(self.engine.stats()),
-            transfers=[_totals(n, s) for n, s in self.connector.stats_by_transport().items()],
+            transfers=self.transfer_totals(),
             expert_token_counts=self.engine.runner.expert_counts() or (),
             prefills=dict(self.prefills),
         )
@@ -101,9 +101,15 @@ class WorkerProcess(ABC):
         """The fields of a WorkerStats message (GetStats)."""
 
         def read(e: LLMEngine) -> dict[str, Any]:
+            moved = "kv_bytes_received" if self.connector.receives else "kv_bytes_sent"
+            totals = self.transfer_totals()
             return {
                 **worker_stat_fields(e.stats()),
-                **self.kv_report(e),
+                moved: self.connector.bytes_moved(),  # every rank's
+                "kv_seconds": sum(t.seconds for t in totals),
+                "kv_transfers": sum(t.transfers for t in totals),
+                "kv_frames_dropped": sum(t.frames_dropped for t in totals),
+                **{_PREFILL_FIELDS[where]: n for where, n in self.prefills.items()},
                 "expert_token_counts": e.expert_counts() or [],
             }
 
@@ -114,6 +120,13 @@ class WorkerProcess(ABC):
             "block_size": self.geometry.block_size,
             "tensor_parallel_size": 1,
         }
+
+
+_PREFILL_FIELDS = {
+    "local": "local_prefills",
+    "remote": "remote_prefills",
+    "fallback": "prefill_fallbacks",
+}
 
 
 def _totals(transport: str, s: SenderStats | ReceiverStats) -> TransferTotals:
