@@ -30,7 +30,6 @@ import gc
 import json
 import math
 import os
-import signal
 import statistics
 import subprocess
 import tempfile
@@ -47,6 +46,7 @@ from pdmesh.bench.report import Report, out_parser
 from pdmesh.bench.serving import LoadConfig, exact_request, make_workload, run_load
 from pdmesh.mesh import quiet_up, read_services
 from pdmesh.processes import free_port
+from pdmesh.supervisor import stop
 
 SLO = Slo(ttft_ms=1500, tpot_ms=40)
 ATTAINMENT = 0.9
@@ -99,12 +99,7 @@ def mesh(folder: Path, layout: str, log: Path, spans: Path | None = None) -> Ite
             metrics = {s.name: s.metrics for s in services if s.metrics}
             yield Mesh(f"127.0.0.1:{port}", metrics)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc, 60)
 
 
 def load(target: str, n: int, in_len: int, out_len: int, rate: float, seed: int, conc=None):

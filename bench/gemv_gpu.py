@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from pdmesh.bench.kernel_cases import rel_err
 from pdmesh.bench.report import Report, ceilings, free_memory, median_s, out_parser, run_info
 from pdmesh.kernels.activation import silu_and_mul_ref
 from pdmesh.kernels.triton.activation import silu_and_mul
@@ -74,11 +75,9 @@ def per_call_us(fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor
     return median_s(graph.replay, warmup=10, rep=100) * 1e6 / len(weights)
 
 
-def rel_err(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, gated: bool) -> float:
-    if gated:
-        x = silu_and_mul_ref(x)
-    ref = x.double() @ w.double().t()
-    return float((out.double() - ref).norm() / ref.norm())
+def reference(x: torch.Tensor, w: torch.Tensor, gated: bool) -> torch.Tensor:
+    """The projection in float64 (after the MLP's SiLU-and-multiply if `gated`)."""
+    return (silu_and_mul_ref(x) if gated else x).double() @ w.double().t()
 
 
 def measure(name: str, n: int, k: int, rows: int, quick: bool, bw: float) -> dict[str, Any]:
@@ -93,7 +92,7 @@ def measure(name: str, n: int, k: int, rows: int, quick: bool, bw: float) -> dic
     tried: list[dict[str, Any]] = []
     default = default_config(rows, n, k)
     for cfg in [default, *[c for c in sweep(rows, quick) if c != default]]:
-        err = rel_err(gemv(x, weights[0], config=cfg, gated=gated), x, weights[0], gated)
+        err = rel_err(gemv(x, weights[0], config=cfg, gated=gated), reference(x, weights[0], gated))
         if not err < 1e-2:
             tried.append({"config": cfg._asdict(), "rel_err": err, "error": "wrong result"})
             continue

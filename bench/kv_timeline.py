@@ -14,20 +14,24 @@ from typing import Any
 STAMPS: list[tuple[float, str]] = []
 
 
-def stamped(owner: Any, name: str, label: str, enter: bool = True) -> None:
-    """Wrap `owner.name` so that each call stamps `label` when entered (if `enter`) and when
-    it returns."""
-    inner = getattr(owner, name)
+def _timed(fn: Any, label: str, enter: bool = True) -> Any:
+    """`fn`, stamping `label` when called (if `enter`) and when it returns."""
 
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
         if enter:
             STAMPS.append((time.monotonic(), f"{label}>"))
         try:
-            return inner(*args, **kwargs)
+            return fn(*args, **kwargs)
         finally:
             STAMPS.append((time.monotonic(), f"{label}<"))
 
-    setattr(owner, name, wrapper)
+    return call
+
+
+def stamped(owner: Any, name: str, label: str, enter: bool = True) -> None:
+    """Wrap `owner.name` so that each call stamps `label` when entered (if `enter`) and when
+    it returns."""
+    setattr(owner, name, _timed(getattr(owner, name), label, enter))
 
 
 class Stamped:
@@ -42,14 +46,10 @@ class Stamped:
         if name not in self._methods:
             return attr
         label = f"{self._label}.{name}"
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            STAMPS.append((time.monotonic(), f"{label}>"))
-            out = attr(*args, **kwargs)
-            STAMPS.append((time.monotonic(), f"{label}<"))
-            return Stamped(out, label, ("wait",)) if name in ("send", "recv") else out
-
-        return call
+        call = _timed(attr, label)
+        if name not in ("send", "recv"):
+            return call
+        return lambda *a, **k: Stamped(call(*a, **k), label, ("wait",))
 
 
 def stamp_pairs(module: Any) -> None:

@@ -25,7 +25,6 @@ transfer's steps per mode, in ms from the sender's first call.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -270,28 +269,27 @@ def main() -> None:
     me = [sys.executable, "-m", "pdmesh.bench.kv_transfer_gpu", "--init", init]
     if args.timeline:
         me.append("--timeline")
-    env = dict(os.environ)
-    rx = subprocess.Popen([*me, "--role", "receiver"], stdout=subprocess.PIPE, text=True, env=env)
-    tx = subprocess.Popen(
-        [*me, "--role", "sender"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
-    )
+    pipe = subprocess.PIPE
+    rx = subprocess.Popen([*me, "--role", "receiver"], stdout=pipe, text=True)
+    tx = subprocess.Popen([*me, "--role", "sender"], stdin=pipe, stdout=pipe, text=True)
     assert rx.stdout and tx.stdin and tx.stdout
 
     def from_rx() -> dict[str, Any]:
         return json.loads(rx.stdout.readline())
 
+    def to_tx(message: dict[str, Any]) -> dict[str, Any]:
+        """Send the sender a line; its answer."""
+        tx.stdin.write(json.dumps(message) + "\n")
+        tx.stdin.flush()
+        return json.loads(tx.stdout.readline())
+
     hello = from_rx()
-    tx.stdin.write(json.dumps({"endpoint": hello["endpoint"], "ipc": hello["ipc"]}) + "\n")
-    tx.stdin.flush()
-    sender_hello = json.loads(tx.stdout.readline())
+    sender_hello = to_tx({"endpoint": hello["endpoint"], "ipc": hello["ipc"]})
     ipc_gb_s = sender_hello["ipc_copy_gb_s"]
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     for mode in MODES:
         for _ in range(REPEATS + 1):
-            job = from_rx()
-            tx.stdin.write(json.dumps({**job, "mode": mode}) + "\n")
-            tx.stdin.flush()
-            sent = json.loads(tx.stdout.readline())
+            sent = to_tx({**from_rx(), "mode": mode})
             got = from_rx()
             runs[mode].append({**sent, **got})
     copies = json.loads(tx.stdout.readline())

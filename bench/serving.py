@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -139,7 +140,7 @@ async def run_load(
     """All requests on their schedule; returns the records and the wall time."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-    sem = asyncio.Semaphore(cfg.concurrency) if cfg.concurrency else None
+    limit = asyncio.Semaphore(cfg.concurrency) if cfg.concurrency else contextlib.nullcontext()
     times = arrival_times(cfg)
     async with channel(target) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
@@ -161,11 +162,8 @@ async def run_load(
 
             async def send(i: int) -> RequestRecord:
                 await asyncio.sleep(max(0.0, times[i] - (time.perf_counter() - start)))
-                if sem is None:
+                async with limit:
                     rec = await one_request(stub, work.prompts[i], work.output_lens[i])
-                else:
-                    async with sem:
-                        rec = await one_request(stub, work.prompts[i], work.output_lens[i])
                 bar.advance(task)
                 return rec
 

@@ -27,6 +27,7 @@ import grpc
 from pdmesh.flags import engine_argv, engine_options
 from pdmesh.mesh import quiet_up, read_services
 from pdmesh.processes import free_port
+from pdmesh.supervisor import stop
 from pdmesh.v1 import generation_pb2 as gen_pb
 from pdmesh.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -297,8 +298,7 @@ def run_soak_bench(args: argparse.Namespace) -> int:
         print(f"soak: {cfg.duration_s:.0f} s at {cfg.kv_target:.0%} of KV capacity", flush=True)
         result = run_soak(cfg)
     finally:
-        proc.terminate()
-        proc.wait(60)
+        stop(proc, 60)
     growth = result.rss_growth
     print(
         f"requests {result.requests}: completed {result.completed}, cancelled "

@@ -56,14 +56,17 @@ class Subscriber:
 
 
 class TokenSource:
-    """The state behind the servicer: subscribers and their active requests."""
+    """The DecodeWorker servicer (Submit, Subscribe, Abort, GetStats) and its state: subscribers
+    and their active requests."""
 
     def __init__(self, step_s: float) -> None:
         self.step_s = step_s
         self.subscribers: dict[str, Subscriber] = {}
         self.owner: dict[str, str] = {}  # request id -> subscriber id
 
-    def submit(self, req: worker_pb2.DecodeRequest) -> None:
+    async def Submit(
+        self, req: worker_pb2.DecodeRequest, context: object
+    ) -> worker_pb2.SubmitReply:
         sub = self.subscribers.get(req.subscriber_id)
         if sub is None:
             raise FailedPrecondition(
@@ -87,15 +90,18 @@ class TokenSource:
         )
         self.owner[req.request_id] = req.subscriber_id
         sub.wake.set()
+        return worker_pb2.SubmitReply()
 
-    def abort(self, request_ids: list[str]) -> int:
+    async def Abort(
+        self, request: worker_pb2.AbortRequest, context: object
+    ) -> worker_pb2.AbortReply:
         aborted = 0
-        for rid in request_ids:
+        for rid in request.request_ids:
             sub_id = self.owner.pop(rid, None)
             sub = self.subscribers.get(sub_id or "")
             if sub is not None and sub.requests.pop(rid, None) is not None:
                 aborted += 1
-        return aborted
+        return worker_pb2.AbortReply(aborted=aborted)
 
     def steps(self, sub: Subscriber, n: int) -> bytes:
         """`n` steps of every active request of `sub`, serialised as one StepUpdate."""
@@ -126,7 +132,10 @@ class TokenSource:
             timings=gen_pb.Timings(),
         )
 
-    async def subscribe(self, subscriber_id: str) -> AsyncIterator[bytes]:
+    async def Subscribe(
+        self, request: worker_pb2.SubscribeRequest, context: object
+    ) -> AsyncIterator[bytes]:
+        subscriber_id = request.subscriber_id
         if not subscriber_id:
             raise ValueError("subscriber_id must not be empty.")
         sub = Subscriber()
@@ -155,23 +164,8 @@ class TokenSource:
             for rid in sub.requests:
                 self.owner.pop(rid, None)
 
-
-class TokenSourceServicer:
-    def __init__(self, source: TokenSource) -> None:
-        self.source = source
-
-    async def Submit(self, request, context):
-        self.source.submit(request)
-        return worker_pb2.SubmitReply()
-
-    def Subscribe(self, request, context):
-        return self.source.subscribe(request.subscriber_id)
-
-    async def Abort(self, request, context):
-        return worker_pb2.AbortReply(aborted=self.source.abort(list(request.request_ids)))
-
-    async def GetStats(self, request, context):
-        running = sum(len(s.requests) for s in self.source.subscribers.values())
+    async def GetStats(self, request: object, context: object) -> worker_pb2.WorkerStats:
+        running = sum(len(s.requests) for s in self.subscribers.values())
         return worker_pb2.WorkerStats(
             role="decode",
             num_running=running,
@@ -183,7 +177,7 @@ class TokenSourceServicer:
         )
 
 
-def add_to_server(servicer: TokenSourceServicer, server: grpc.aio.Server) -> None:
+def add_to_server(servicer: TokenSource, server: grpc.aio.Server) -> None:
     """DecodeWorker's handlers, with Subscribe sending pre-serialised StepUpdate bytes."""
     unary, stream = grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler
     rpcs = {  # name: (handler kind, request type, response serializer)
@@ -201,9 +195,7 @@ def add_to_server(servicer: TokenSourceServicer, server: grpc.aio.Server) -> Non
 
 async def serve(bind: str, step_s: float) -> None:
     source = TokenSource(step_s)
-    server, health, port = build_server(
-        bind, [ServiceSpec(SERVICE, add_to_server, TokenSourceServicer(source))]
-    )
+    server, health, port = build_server(bind, [ServiceSpec(SERVICE, add_to_server, source)])
     await server.start()
     print(f"token source on port {port}", flush=True)
     await serve_until_stopped(server, health, _nothing)

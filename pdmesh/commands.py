@@ -78,7 +78,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 # -- up ---------------------------------------------------------------------------------------
 def add_up(sub: Any) -> None:
-    u = sub.add_parser("up", help="start a router and its workers as local processes")
+    u = _service(sub, "up", "start a router and its workers as local processes", 50051, cmd_up)
     u.add_argument("--prefill", type=int, default=1, help="prefill workers")
     u.add_argument("--decode", type=int, default=1, help="decode workers")
     u.add_argument(
@@ -95,22 +95,15 @@ def add_up(sub: Any) -> None:
         action="store_true",
         help="no prefill pool: decode workers do both phases (the baseline)",
     )
-    u.add_argument("--host", default="127.0.0.1")
-    u.add_argument("--port", type=int, default=50051, help="the router's gRPC port")
-    u.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP; 0: off")
-    u.add_argument("--policy", default="kv")
-    u.add_argument("--disagg-min-tokens", type=int, default=64)
     u.add_argument("--ready-timeout", type=float, default=600.0)
+    _front_args(u)
     _reliability_args(u)
-    _api_key_args(u)
-    tls_args(u)
     u.add_argument(
         "--ask",
         default="What is the capital of France?",
         help="ask this once everything is up (empty: don't)",
     )
     engine_args(u)
-    u.set_defaults(func=cmd_up)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -139,12 +132,9 @@ def _worker(sub: Any, name: str, port: int, func: Any) -> argparse.ArgumentParse
 
 def add_services(sub: Any) -> None:
     r = _service(sub, "router", "run the router (gRPC API + HTTP gateway)", 50051, cmd_router)
-    r.add_argument("--http-port", type=int, default=8000, help="0: no HTTP gateway")
     r.add_argument("--prefill", default="", help="prefill workers: HOST:PORT,HOST:PORT")
     r.add_argument("--decode", default="", help="decode workers: HOST:PORT,HOST:PORT")
-    r.add_argument("--policy", default="kv", help="kv | round_robin")
     r.add_argument("--overlap-weight", type=float, default=1.0)
-    r.add_argument("--disagg-min-tokens", type=int, default=64)
     r.add_argument("--served-model-name", default=None)
     r.add_argument("--model", default=None, help="for the tokenizer and model info")
     r.add_argument("--max-model-len", type=int, default=None)
@@ -154,7 +144,7 @@ def add_services(sub: Any) -> None:
         default=2,
         help="times a request moves to another decode worker when its worker is lost",
     )
-    _api_key_args(r)
+    _front_args(r)
 
     d = _worker(sub, "decode", 50061, cmd_decode)
     d.add_argument(
@@ -199,6 +189,14 @@ def _reliability_args(p: argparse.ArgumentParser) -> None:
         default=300.0,
         help="seconds a remote prefill and its KV push may take before the failure policy",
     )
+
+
+def _front_args(p: argparse.ArgumentParser) -> None:
+    """The router's public side and dispatch, which `pdmesh up` passes through."""
+    p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP; 0: off")
+    p.add_argument("--policy", default="kv", help="kv | round_robin")
+    p.add_argument("--disagg-min-tokens", type=int, default=64)
+    _api_key_args(p)
 
 
 def _api_key_args(p: argparse.ArgumentParser) -> None:

@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pdmesh.processes import die_with_parent
 
@@ -109,6 +110,17 @@ def wait_ready(
     raise TimeoutError(f"{what} was not ready within {timeout_s:.0f} s")
 
 
+def stop(proc: subprocess.Popen[Any], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM `proc`, SIGKILL if it still runs after `grace_s`; returns once it has exited."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def stop_all(children: list[Child]) -> None:
     """SIGTERM every child, then SIGKILL those still running after STOP_GRACE_S."""
     for c in children:
@@ -116,8 +128,4 @@ def stop_all(children: list[Child]) -> None:
             c.proc.terminate()
     deadline = time.monotonic() + STOP_GRACE_S
     for c in children:
-        try:
-            c.proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            c.proc.kill()
-            c.proc.wait()
+        stop(c.proc, max(0.1, deadline - time.monotonic()))

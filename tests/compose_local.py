@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdmesh import supervisor
 from pdmesh.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,10 +172,5 @@ def stop(services: dict[str, LocalService]) -> None:
         if s.proc is not None and s.proc.poll() is None:
             s.proc.send_signal(signal.SIGTERM)
     for s in services.values():
-        if s.proc is None:
-            continue
-        try:
-            s.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            s.proc.kill()
-            s.proc.wait()
+        if s.proc is not None:
+            supervisor.stop(s.proc, 20)

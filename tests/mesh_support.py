@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 from dataclasses import dataclass, field
 
@@ -13,6 +12,7 @@ import grpc
 from pdmesh.bench.serving import exact_request
 from pdmesh.mesh import quiet_up, read_services
 from pdmesh.processes import free_port
+from pdmesh.supervisor import stop
 from pdmesh.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 
@@ -36,13 +36,7 @@ class Mesh:
             return stub_cls(ch).GetStats(worker_pb2.StatsRequest(), timeout=10)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop(self.proc, 30)
 
 
 def start_mesh(*args: str, http: bool = False) -> Mesh:
