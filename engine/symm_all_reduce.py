@@ -13,7 +13,8 @@ PDMESH_ALL_REDUCE picks the way (pdmesh/envs.py).
 The buffer is registered under a name of its own, made by rank 0 for each engine, not under the
 process group's name: torch keeps a name's symmetric-memory store for the life of the process,
 and group names start again from "0" after `destroy_process_group`, so a second engine in the
-same process would rendezvous through the first one's closed store and hang.
+same process would rendezvous through the first one's closed store and hang. The tensor-parallel
+group is registered under that name too: the rendezvous and the kernels look the group up by it.
 """
 
 from __future__ import annotations
@@ -37,12 +38,13 @@ class SymmetricAllReduce:
     def __init__(
         self, tp: ParallelGroup, max_numel: int, dtype: torch.dtype, copy_in_kernel: bool = True
     ):
-        from torch._C._distributed_c10d import _SymmetricMemory
+        from torch._C._distributed_c10d import _register_process_group, _SymmetricMemory
         from torch.distributed import _symmetric_memory as symm_mem
 
         if tp.rank == 0:
             tp.store.set(NAME_KEY, f"pdmesh-{secrets.token_hex(8)}")
         self.group_name = tp.store.get(NAME_KEY).decode()
+        _register_process_group(self.group_name, tp.group)
         _SymmetricMemory.set_group_info(
             self.group_name, tp.rank, tp.size, dist.PrefixStore(self.group_name, tp.store)
         )
