@@ -1,8 +1,5 @@
 """What the benchmarks share: a JSON report written as each figure comes in, the run's device, the
-hardware ceilings figures are compared with, and token-list checks.
-
-torch is imported where it is used: the CPU benchmarks (`pdmesh bench`) use this module too.
-"""
+hardware ceilings figures are compared with, and token-list checks."""
 
 from __future__ import annotations
 
@@ -32,7 +29,7 @@ class Report:
     def record(self, key: str, value: Any) -> None:
         self.data[key] = value
         self.save()
-        print(f"[{key}] {json.dumps(value, default=float)[:600]}", flush=True)
+        print(f"[{key}] {json.dumps(value, default=float)[:600]}", flush=True)  # the file has all
 
     def append(self, key: str, item: Any) -> None:
         """Add `item` to the list under `key` (saved, not printed)."""

@@ -70,6 +70,7 @@ class RouterClient:
 
 
 def request_from_args(args: argparse.Namespace) -> gen_pb.GenerateRequest:
+    """The request the sampling flags and `--prompt` / `--chat` of `pdmesh generate` describe."""
     sampling = gen_pb.SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
     )

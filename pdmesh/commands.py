@@ -18,18 +18,6 @@ from pdmesh.flags import (
 )
 
 
-def _sampling_params(args: argparse.Namespace) -> Any:
-    from pdmesh import SamplingParams
-
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.sample_seed,
-    )
-
-
 # -- generate ---------------------------------------------------------------------------------
 def add_generate(sub: Any) -> None:
     g = sub.add_parser("generate", help="generate text for one prompt (offline or from a router)")
@@ -52,9 +40,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         return asyncio.run(stream_generate(args))
     from pdmesh import LLM
+    from pdmesh.client import request_from_args
+    from pdmesh.serving.convert import sampling_from_pb
 
     llm = LLM(**engine_options(args))
-    params = _sampling_params(args)
+    params = sampling_from_pb(request_from_args(args).sampling)  # as a router would take them
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
     else:

@@ -60,17 +60,17 @@ def read_services(
     (RuntimeError if the lines end first: it exited). Every line goes to `sink` too, and a daemon
     thread then keeps reading the rest into it, so that the pipe never fills up and blocks it."""
     sink = sink or (lambda line: None)
-    lines = iter(lines)
+    stream = iter(lines)
     services = []
-    for line in lines:
+    for line in stream:
         sink(line)
         if m := SERVICE_LINE.match(line):
-            metrics = m["metrics"]
-            services.append(Service(m["name"], m["role"], m["address"], int(m["pid"]), metrics))
+            pid, metrics = int(m["pid"]), m["metrics"]
+            services.append(Service(m["name"], m["role"], m["address"], pid, metrics))
         elif line.startswith(READY):
 
             def pump() -> None:
-                for rest in lines:
+                for rest in stream:
                     sink(rest)
 
             threading.Thread(target=pump, daemon=True).start()
