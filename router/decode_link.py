@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from typing import NamedTuple
 
 import grpc
 
@@ -27,12 +28,11 @@ log = get_logger(__name__)
 RECONNECT_S = 0.5
 
 
-class LinkLost:
+class LinkLost(NamedTuple):
     """Queued for a request whose decode worker's stream broke."""
 
-    def __init__(self, address: str, detail: str) -> None:
-        self.address = address
-        self.detail = detail
+    address: str
+    detail: str
 
 
 Item = worker_pb2.RequestDelta | LinkLost

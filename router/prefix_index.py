@@ -28,6 +28,3 @@ class PrefixIndex:
             self._hashes.move_to_end(h)
         while len(self._hashes) > self.capacity:
             self._hashes.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._hashes)

@@ -18,16 +18,10 @@ MAX_INTERVAL_S = 0.05
 
 
 class StreamPacer:
-    """Counts open streams; `interval()` is the least time between two messages of one."""
+    """Counts open streams (`open`); `interval()` is the least time between two messages of one."""
 
-    def __init__(self, per_stream_s: float = PER_STREAM_S, max_s: float = MAX_INTERVAL_S) -> None:
-        if per_stream_s < 0 or max_s < 0:
-            raise ValueError(
-                f"per_stream_s and max_s must be >= 0, got {per_stream_s!r}, {max_s!r}."
-            )
-        self.per_stream_s = per_stream_s
-        self.max_s = max_s
+    def __init__(self) -> None:
         self.open = 0
 
     def interval(self) -> float:
-        return min(self.max_s, self.open * self.per_stream_s)
+        return min(MAX_INTERVAL_S, self.open * PER_STREAM_S)

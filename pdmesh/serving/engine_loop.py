@@ -42,7 +42,6 @@ class EngineLoop:
         )
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.steps = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -108,7 +107,6 @@ class EngineLoop:
                     self._on_tick(engine)
                 if engine.has_unfinished_requests():
                     deltas = engine.step()
-                    self.steps += 1
                     if deltas:
                         self._on_deltas(deltas)
         except BaseException as exc:
