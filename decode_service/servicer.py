@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import grpc
@@ -41,25 +42,11 @@ def delta_to_pb(d: Delta) -> worker_pb2.RequestDelta:
         error_message=d.error_message,
     )
     if d.usage is not None:
-        pb.usage.CopyFrom(
-            gen_pb.Usage(
-                prompt_tokens=d.usage.prompt_tokens,
-                completion_tokens=d.usage.completion_tokens,
-                cached_prompt_tokens=d.usage.cached_prompt_tokens,
-            )
-        )
+        pb.usage.CopyFrom(gen_pb.Usage(**dataclasses.asdict(d.usage)))
     if d.timings is not None:
-        t = d.timings
-        pb.timings.CopyFrom(
-            gen_pb.Timings(
-                queue_ns=max(0, t.queue_ns),
-                prefill_ns=max(0, t.prefill_ns),
-                first_token_ns=max(0, t.first_token_ns),
-                decode_ns=max(0, t.decode_ns),
-                total_ns=max(0, t.total_ns),
-                disaggregated=t.disaggregated,
-            )
-        )
+        # uint64 on the wire: a wall clock stepping back must not make a duration negative.
+        timings = {k: max(0, v) for k, v in dataclasses.asdict(d.timings).items()}
+        pb.timings.CopyFrom(gen_pb.Timings(**timings))
     return pb
 
 

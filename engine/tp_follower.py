@@ -19,9 +19,9 @@ from pdmesh.checkpoint.source import resolve_model_folder
 from pdmesh.engine import step_codec
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.distributed import broadcast_bytes, destroy, gather_bytes, init_group
+from pdmesh.engine.llm_engine import resolve_max_model_len
 from pdmesh.engine.model_info import ModelInfo
 from pdmesh.engine.model_runner import ModelRunner
-from pdmesh.engine.parallel import ParallelGroup
 from pdmesh.engine.tp_driver import OP_CONTROL, OP_STEP, OP_STOP, CountExperts, ExpertCounts
 from pdmesh.kv_transfer.connector import (
     Failed,
@@ -36,19 +36,6 @@ from pdmesh.processes import die_with_parent
 log = get_logger(__name__)
 
 
-def build_runner(
-    config: EngineConfig,
-    info: ModelInfo,
-    device: torch.device,
-    group: ParallelGroup,
-    connector: KVConnector | None,
-) -> ModelRunner:
-    from pdmesh.engine.llm_engine import resolve_max_model_len
-
-    max_len = resolve_max_model_len(config, info)
-    return ModelRunner(info, config, device, max_len, tp=group, kv_connector=connector)
-
-
 def serve_rank(spec: dict[str, Any]) -> None:
     config = EngineConfig(**spec["engine"])
     device = torch.device(spec["device"])
@@ -58,7 +45,8 @@ def serve_rank(spec: dict[str, Any]) -> None:
     info = ModelInfo.load(resolve_model_folder(config.model))
     options = decode(spec["kv_connector"].encode())
     connector = create_connector(options) if options is not None else None
-    runner = build_runner(config, info, device, group, connector)
+    max_len = resolve_max_model_len(config, info)
+    runner = ModelRunner(info, config, device, max_len, tp=group, kv_connector=connector)
     try:
         while True:
             header = step_codec.receive_header(group)

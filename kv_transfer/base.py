@@ -24,7 +24,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import torch
 
-from pdmesh.kv_transfer.frame import DTYPE_CODES, ID_NBYTES, TOKEN_NBYTES
+from pdmesh.kv_transfer.frame import (
+    DTYPE_CODES,
+    ID_NBYTES,
+    TOKEN_NBYTES,
+    FrameHeader,
+    payload_nbytes,
+)
 from pdmesh.kv_transfer.pages import gather_blocks
 from pdmesh.kv_transfer.stats import ReceiverStats, SenderStats, TransferStats
 
@@ -213,6 +219,24 @@ class SendHandle:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.transfer_id} -> {self.endpoint})"
+
+    def header(self, geometry: PageGeometry, layer: int, first_block: int, n: int) -> FrameHeader:
+        """The header of this transfer's frame of `n` blocks from `first_block` of one layer."""
+        return FrameHeader(
+            transfer_id=self.raw_id,
+            token=self.token,
+            layer=layer,
+            first_block=first_block,
+            num_blocks=n,
+            head_start=self.head_start,
+            num_heads=self.num_heads,
+            block_size=geometry.block_size,
+            head_dim=geometry.head_dim,
+            dtype_code=DTYPE_CODES[geometry.dtype],
+            payload_nbytes=payload_nbytes(
+                n, geometry.block_size, self.num_heads, geometry.head_dim, geometry.dtype.itemsize
+            ),
+        )
 
 
 class _Closes(ABC):

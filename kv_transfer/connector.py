@@ -316,18 +316,6 @@ def raise_failures(replies: list[object | None]) -> list[object | None]:
     return replies
 
 
-def _to_json(value: object) -> object:
-    if isinstance(value, bytes):
-        return value.hex()
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, list | tuple):
-        return [_to_json(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _to_json(v) for k, v in value.items()}
-    return value
-
-
 def _from_json(hint: Any, value: Any) -> Any:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is bytes:
@@ -351,7 +339,9 @@ def encode(message: object | None) -> bytes:
     name = type(message).__name__
     if _MESSAGES.get(name) is not type(message):
         raise TypeError(f"{name} is not a registered control message")
-    return json.dumps({"type": name, "fields": _to_json(message)}).encode()
+    # asdict recurses into nested messages; bytes travel as hex.
+    fields = dataclasses.asdict(message)  # type: ignore[call-overload]
+    return json.dumps({"type": name, "fields": fields}, default=bytes.hex).encode()
 
 
 def decode(data: bytes) -> object | None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdmesh.kv_transfer.base import KVSender, PageGeometry, SendHandle, TransferError
-from pdmesh.kv_transfer.frame import DTYPE_CODES, FrameHeader, payload_nbytes
+from pdmesh.kv_transfer.frame import payload_nbytes
 from pdmesh.kv_transfer.p2p_pairs import (
     BATCH_BYTES,
     GIL_SWITCH_S,
@@ -137,7 +137,7 @@ class P2PSender(KVSender):
                 chunk = gather_blocks(heads[start : start + step], 2, block_ids)
                 ready = _recorded(chunk)
                 flat = chunk.view(-1).view(torch.uint8)
-                header = self._header(h, start, first_block, n)
+                header = h.header(geo, start, first_block, n)
                 frames = [
                     Frame(packed, flat[i * layer_bytes : (i + 1) * layer_bytes], ready)
                     for i, packed in enumerate(header.pack_layers(chunk.shape[0]))
@@ -158,26 +158,8 @@ class P2PSender(KVSender):
 
     def _queue(self, h: _Handle, layer: int, first_block: int, n: int, kv: torch.Tensor) -> None:
         """Queue one frame; `kv` ([2, n, block_size, heads, head_dim]) is this frame's own."""
-        header = self._header(h, layer, first_block, n).pack()
+        header = h.header(self.geometry, layer, first_block, n).pack()
         self._put(h, [Frame(header, kv.contiguous().view(-1).view(torch.uint8), _recorded(kv))])
-
-    def _header(self, h: _Handle, layer: int, first_block: int, n: int) -> FrameHeader:
-        geo = self.geometry
-        return FrameHeader(
-            transfer_id=h.raw_id,
-            token=h.token,
-            layer=layer,
-            first_block=first_block,
-            num_blocks=n,
-            head_start=h.head_start,
-            num_heads=h.num_heads,
-            block_size=geo.block_size,
-            head_dim=geo.head_dim,
-            dtype_code=DTYPE_CODES[geo.dtype],
-            payload_nbytes=payload_nbytes(
-                n, geo.block_size, h.num_heads, geo.head_dim, geo.dtype.itemsize
-            ),
-        )
 
     def _put(self, h: _Handle, frames: list[Frame]) -> None:
         try:

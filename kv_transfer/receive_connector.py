@@ -123,9 +123,10 @@ class ReceiveConnector(KVConnector):
             address: resolve_transport(name, cache.device)
             for address, name in self.options.transport_for.items()
         }
+        any_port = f"{self.options.bind.rsplit(':', 1)[0]}:0"  # of the first receiver's host
         try:
             for name in dict.fromkeys(resolved):
-                at = self.options.bind if not self.receivers else self._any_port()
+                at = any_port if self.receivers else self.options.bind
                 self.receivers[name] = create_receiver(name, cache, geometry, at)
         except BaseException:
             self.close()
@@ -144,9 +145,6 @@ class ReceiveConnector(KVConnector):
             assert isinstance(reply, RankEndpoints)
             for name, endpoint in reply.endpoints.items():
                 self._endpoints[name].append(endpoint)
-
-    def _any_port(self) -> str:
-        return f"{self.options.bind.rsplit(':', 1)[0]}:0"
 
     def follower_options(self) -> ReceiveOptions:
         """Every other rank binds a port of its own: only the advertised host is shared."""

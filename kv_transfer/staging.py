@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from pdmesh.kv_transfer.base import PageGeometry, SendHandle
-from pdmesh.kv_transfer.frame import DTYPE_CODES, FrameHeader
 
 
 @dataclass(frozen=True)
@@ -95,18 +94,6 @@ def stage_layer(
         if on_cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(k.device))
-        header = FrameHeader(
-            transfer_id=handle.raw_id,
-            token=handle.token,
-            layer=layer,
-            first_block=first_block + start,
-            num_blocks=stop - start,
-            head_start=handle.head_start,
-            num_heads=handle.num_heads,
-            block_size=geometry.block_size,
-            head_dim=geometry.head_dim,
-            dtype_code=DTYPE_CODES[geometry.dtype],
-            payload_nbytes=payload.numel() * payload.element_size(),
-        )
+        header = handle.header(geometry, layer, first_block + start, stop - start)
         frames.append(StagedFrame(header.pack(), payload, ready))
     return frames

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from pdmesh.errors import InvalidRequest
 from pdmesh.kv_transfer.target import KVTarget
 from pdmesh.prefill_service.worker import PrefillTask, PrefillWorker
@@ -26,13 +28,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     async def Prefill(self, request, context):
         out = await self.worker.prefill(task_from_pb(request, self.worker.config.kv_send_timeout_s))
-        return worker_pb2.PrefillReply(
-            first_token_id=out.first_token,
-            cached_prompt_tokens=out.cached_prompt_tokens,
-            prefill_ns=out.prefill_ns,
-            kv_bytes=out.kv_bytes,
-            kv_send_ns=out.kv_send_ns,
-        )
+        return worker_pb2.PrefillReply(**dataclasses.asdict(out))
 
     async def GetStats(self, request, context):
         return worker_pb2.WorkerStats(**await self.worker.report())

@@ -38,7 +38,9 @@ class PrefillTask:
 
 @dataclass(frozen=True)
 class PrefillOutcome:
-    first_token: int
+    """The fields of a PrefillReply."""
+
+    first_token_id: int
     cached_prompt_tokens: int
     prefill_ns: int
     kv_bytes: int
@@ -141,7 +143,7 @@ class PrefillWorker(WorkerProcess):
         self.metrics.prefilled(prefill_ns, job.forward_ns - received_ns, transfer_s)
         self.prefills["remote"] += 1
         return PrefillOutcome(
-            first_token=first_token,
+            first_token_id=first_token,
             cached_prompt_tokens=cached,
             prefill_ns=prefill_ns,
             kv_bytes=sum(s.bytes for s in stats),
