@@ -161,8 +161,9 @@ class Validator:
             self._check_chars(sum(len(m["content"]) for m in messages), "the chat", "messages")
             return await self._run(lambda: chat_token_ids(self.tokenizer, messages))
         if prompt.text is not None:
-            self._check_chars(len(check_text(prompt.text, name)), "the prompt", "prompt")
-            return await self._run(lambda: self.tokenizer.encode(prompt.text))
+            text = check_text(prompt.text, name)
+            self._check_chars(len(text), "the prompt", "prompt")
+            return await self._run(lambda: self.tokenizer.encode(text))
         if prompt.token_ids is not None:
             return list(prompt.token_ids)
         raise InvalidRequest(
