@@ -1,2 +1,2 @@
 """Client-facing gRPC `Generate` API and OpenAI-compatible HTTP gateway, worker registry and
-health, dispatch policy, token streaming (DESIGN.md §4)."""
+health, dispatch policy, token streaming (docs/architecture.md)."""

@@ -7,8 +7,7 @@ on it gets a `LinkLost` marker and the link reconnects.
 This runs once per token of every request, so it is kept lean: a request's queue is a plain list
 with one waiter (`DeltaQueue`), not an asyncio.Queue. An aio read costs one turn of the event
 loop; that only keeps up because client streams are paced under load (stream_pacing.py), which
-keeps the turns short. (A blocking reader thread was measured too: GIL contention made it half
-as fast as this on 2 cores.)
+keeps the turns short.
 """
 
 from __future__ import annotations

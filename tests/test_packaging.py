@@ -42,7 +42,7 @@ def test_the_command_line_parser_imports_no_torch() -> None:
 
 
 def test_no_top_level_name_but_pdmesh() -> None:
-    # `kernels` and `router` would collide with other distributions (DESIGN.md §1).
+    # `kernels` and `router` would collide with other distributions (docs/architecture.md).
     names = ("kernels", "router", "engine", "kv_transfer")
     code = f"import importlib.util as u; print([n for n in {names!r} if u.find_spec(n)])"
     out = subprocess.run(
