@@ -4,6 +4,7 @@ decode worker sends them to a prefill worker (proto `KVTarget`; protobuf only in
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -52,17 +53,10 @@ class KVTarget:
         return len(self.block_ids)
 
     def to_pb(self) -> worker_pb2.KVTarget:
-        return worker_pb2.KVTarget(
-            transport=self.transport,
-            transfer_id=self.transfer_id,
-            token=self.token,
-            first_block=self.first_block,
-            block_ids=list(self.block_ids),
-            block_size=self.block_size,
-            endpoints=[e.to_pb() for e in self.endpoints],
-            timeout_ms=int(self.timeout_s * 1000),
-            trace_context=dict(self.trace_context),
-        )
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        timeout_ms = int(fields.pop("timeout_s") * 1000)
+        endpoints = [e.to_pb() for e in self.endpoints]
+        return worker_pb2.KVTarget(**fields | {"endpoints": endpoints, "timeout_ms": timeout_ms})
 
     @staticmethod
     def from_pb(pb: worker_pb2.KVTarget, default_timeout_s: float) -> KVTarget:
