@@ -99,26 +99,20 @@ class PageGeometry:
         """One block of all this rank's heads, K and V, in one layer: a frame's cost per block."""
         return 2 * self.num_kv_heads * self.bytes_per_block_per_head
 
-    def cache_shape(self, num_blocks: int) -> tuple[int, int, int, int, int, int]:
-        return (
-            self.num_layers,
-            2,
-            num_blocks,
-            self.block_size,
-            self.num_kv_heads,
-            self.head_dim,
-        )
+    @property
+    def page_shape(self) -> tuple[int, int, int]:
+        """One block of one layer's K (or V): [block_size, num_kv_heads, head_dim]."""
+        return self.block_size, self.num_kv_heads, self.head_dim
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (self.num_layers, 2, num_blocks, *self.page_shape)
 
     def check_pages(self, pages: torch.Tensor, lead: tuple[int, ...], what: str) -> None:
         """ValueError unless `pages` is [*lead, any number of blocks, block_size, num_kv_heads,
         head_dim] (one layer's pages: lead (2,); a whole cache: (num_layers, 2))."""
         n = len(lead)
-        if pages.dim() != n + 4 or (*pages.shape[:n], *pages.shape[n + 1 :]) != (
-            *lead,
-            self.block_size,
-            self.num_kv_heads,
-            self.head_dim,
-        ):
+        shape = (*pages.shape[:n], *pages.shape[n + 1 :])
+        if pages.dim() != n + 4 or shape != (*lead, *self.page_shape):
             raise ValueError(f"{what} {list(pages.shape)} do not fit {self}")
 
     def check_cache(self, cache: torch.Tensor) -> int:

@@ -84,11 +84,7 @@ class P2PSender(KVSender):
         geo = self.geometry
         n = k.shape[0]
         h = self._checked(handle, "send_layer", layer, first_block, n)
-        if k.shape != v.shape or tuple(k.shape[1:]) != (
-            geo.block_size,
-            geo.num_kv_heads,
-            geo.head_dim,
-        ):
+        if k.shape != v.shape or tuple(k.shape[1:]) != geo.page_shape:
             raise ValueError(f"k {list(k.shape)} / v {list(v.shape)} do not fit {geo}")
         lo = h.head_start - geo.head_start
         payload = torch.stack((k[:, :, lo : lo + h.num_heads], v[:, :, lo : lo + h.num_heads]))

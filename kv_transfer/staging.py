@@ -55,7 +55,7 @@ def stage_layer(
     max_frame_bytes: int,
 ) -> list[StagedFrame]:
     """k, v: [n, block_size, num_kv_heads, head_dim] -> frames of at most `max_frame_bytes`."""
-    expected = (geometry.block_size, geometry.num_kv_heads, geometry.head_dim)
+    expected = geometry.page_shape
     for name, t in (("k", k), ("v", v)):
         if t.dim() != 4 or tuple(t.shape[1:]) != expected or t.shape[0] < 1:
             raise ValueError(
