@@ -1,4 +1,4 @@
-"""KV transports by name (DESIGN.md §6): services pick one from config.
+"""KV transports by name (docs/architecture.md): services pick one from config.
 
 A transport registers a class that names its pair, and the caches it can move (default: CPU
 and GPU):

@@ -1,2 +1,2 @@
 """Prefill worker: runs prompts, pushes their KV blocks to the chosen decode worker, returns the
-first token (DESIGN.md §2)."""
+first token (docs/architecture.md)."""
