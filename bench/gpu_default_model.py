@@ -60,7 +60,7 @@ def on_gpu(gguf: Path, reference: Path, out: Path) -> dict[str, Any]:
     from pdmesh import LLM, SamplingParams
 
     ref = json.loads(reference.read_text())
-    llm = LLM(str(gguf), dtype="float32", kv_cache_tokens=16384)
+    llm = LLM(str(gguf) if gguf else None, dtype="float32", kv_cache_tokens=16384)
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in ref["prompts"]],
         SamplingParams(max_tokens=NEW_TOKENS, temperature=0),
@@ -119,7 +119,7 @@ def tiny_bf16() -> dict[str, Any]:
 def main() -> None:
     parser = out_parser(__doc__, out_required=False)
     parser.add_argument("--make-reference", type=Path)
-    parser.add_argument("--gguf", type=Path)
+    parser.add_argument("--gguf", type=Path, help="the model file (default: the embedded model)")
     parser.add_argument("--reference", type=Path)
     args = parser.parse_args()
     if args.make_reference:
