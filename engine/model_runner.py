@@ -103,8 +103,6 @@ class ModelRunner:
             torch.cuda.set_device(device)  # for this (the building) thread
         self.dtype = dtype = config.torch_dtype(device)
         self.block_size = block_size = config.block_size
-        kv_cache_tokens = config.kv_cache_tokens
-        kv_cache_memory_fraction = config.kv_cache_memory_fraction
         with torch.device(device), _default_dtype(dtype):
             model = info.model_cls(info.hf_config, max_model_len, tp)
         # Placement is made explicit: a torch.device context can be overridden by a default-device
@@ -124,7 +122,7 @@ class ModelRunner:
             dtype=dtype,
         )
         num_blocks = plan_num_blocks(
-            self.kv_spec, device, kv_cache_tokens, kv_cache_memory_fraction
+            self.kv_spec, device, config.kv_cache_tokens, config.kv_cache_memory_fraction
         )
         if tp.size > 1:  # every rank must hold the same blocks
             num_blocks = all_reduce_min(num_blocks, tp)
@@ -178,15 +176,9 @@ class ModelRunner:
         host does not know that token yet; see engine/overlap.py)."""
         bs = self.block_size
         order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] != 1)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefill_tables: list[list[int]] = []
-        prefill_lens: list[int] = []
-        cu_seqlens = [0]
-        logits_indices: list[int] = []
+        # input_ids, positions, slots, decode tables and lens, cu_seqlens, prefill lens and
+        # tables, logits indices: filled below.
+        host = HostInputs([], [], [], [], [], [0], [], [], [])
         sample_seq_index: list[int] = []
         for i in order:
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
@@ -194,32 +186,21 @@ class ModelRunner:
             end = start + n
             table = seq.block_table
             if next_ids is None:
-                input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                host.input_ids.extend(seq.token_ids[start:end])
+            host.positions.extend(range(start, end))
+            host.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if n == 1:
-                decode_tables.append(table)
-                decode_lens.append(end)
+                host.decode_tables.append(table)
+                host.decode_lens.append(end)
             else:
-                prefill_tables.append(table)
-                prefill_lens.append(end)
-                cu_seqlens.append(cu_seqlens[-1] + n)
+                host.prefill_tables.append(table)
+                host.prefill_lens.append(end)
+                host.cu_seqlens.append(host.cu_seqlens[-1] + n)
             if end >= seq.num_tokens:
-                logits_indices.append(len(positions) - 1)
+                host.logits_indices.append(len(host.positions) - 1)
                 sample_seq_index.append(i)
-        if next_ids is not None and (order != sorted(order) or len(positions) != len(order)):
+        if next_ids is not None and (order != sorted(order) or host.num_tokens != len(order)):
             raise ValueError("next_ids is for decode-only batches (one token per sequence)")
-        host = HostInputs(
-            input_ids,
-            positions,
-            slots,
-            decode_tables,
-            decode_lens,
-            cu_seqlens,
-            prefill_lens,
-            prefill_tables,
-            logits_indices,
-        )
         return host.to_device(self.device, sample_seq_index, next_ids)
 
     @torch.inference_mode()
@@ -310,10 +291,6 @@ class ModelRunner:
         for i, token in zip(handle.sample_seq_index, handle.read(), strict=True):
             sampled[i] = token
         return sampled
-
-    def run(self, batch: ScheduledBatch) -> list[int | None]:
-        """Forward `batch`; the sampled token of each sequence whose KV is now complete."""
-        return self.collect(self.launch(batch))
 
     def expert_counts(self) -> list[int] | None:
         """Tokens routed to each expert, summed over MoE layers (None for dense models)."""

@@ -18,17 +18,8 @@ from pdmesh.engine.step_inputs import HostInputs, StepInputs, padded
 
 # Header layout (int64): op first, then the sizes below.
 HEADER_LEN = 16
-_FIELDS = (
-    "op",
-    "tokens",
-    "num_decode",
-    "decode_width",
-    "num_prefill",
-    "prefill_width",
-    "num_sampled",
-    "extra",
-    "ids_on_device",
-)
+_SIZES = ("tokens", "num_decode", "decode_width", "num_prefill", "prefill_width", "num_sampled")
+_FIELDS = ("op", *_SIZES, "extra", "ids_on_device")
 
 
 def encode(op: int, host: HostInputs, extra: torch.Tensor | None) -> tuple[list[int], torch.Tensor]:
@@ -80,15 +71,8 @@ def receive_header(group: ParallelGroup) -> dict[str, int]:
 def receive_step(
     h: dict[str, int], group: ParallelGroup, device: torch.device
 ) -> tuple[StepInputs, torch.Tensor | None]:
-    t, d, dw, p, pw, s, e = (
-        h["tokens"],
-        h["num_decode"],
-        h["decode_width"],
-        h["num_prefill"],
-        h["prefill_width"],
-        h["num_sampled"],
-        h["extra"],
-    )
+    t, d, dw, p, pw, s = (h[name] for name in _SIZES)
+    e = h["extra"]
     on_device = bool(h["ids_on_device"])
     sizes = [0 if on_device else t, t, t, d * dw, d, p + 1, p, p * pw, s]
     payload = broadcast_host(None, sum(sizes) + e, torch.int64, group)

@@ -97,7 +97,6 @@ def load_named(
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     mapper: WeightMapped = model  # type: ignore[assignment]
-    folder = source
     with torch.no_grad():
         for name, tensor in tensors:
             if isinstance(tensor, torch.Tensor):
@@ -115,7 +114,7 @@ def load_named(
     missing = sorted(set(params) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-        raise ValueError(f"model: {folder} lacks {len(missing)} weights: {shown}")
+        raise ValueError(f"model: {source} lacks {len(missing)} weights: {shown}")
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
