@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import os
 import urllib.parse
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,10 +23,6 @@ from pdmesh.engine.parallel import ParallelGroup
 # Followers wait idle in a broadcast for as long as rank 0 has nothing to do; a dead peer is
 # noticed by process monitoring, not by collective timeouts.
 IDLE_TIMEOUT = datetime.timedelta(days=7)
-
-
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
 
 
 def init_group(
@@ -43,32 +38,19 @@ def init_group(
     store = dist.TCPStore(
         address.hostname, address.port, size, is_master=rank == 0, timeout=IDLE_TIMEOUT
     )
-    dist.init_process_group(
-        backend_for(device), store=store, rank=rank, world_size=size, timeout=IDLE_TIMEOUT
-    )
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=IDLE_TIMEOUT)
     host = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    return ParallelGroup(
-        rank,
-        size,
-        dist.group.WORLD,
-        expert_parallel=expert_parallel,
-        device=device,
-        host_group=host,
-        store=store,
-    )
+    return ParallelGroup(rank, size, dist.group.WORLD, host, store, expert_parallel, device)
 
 
-def valid_tp_sizes(num_heads: int, num_kv_heads: int) -> list[int]:
-    """Sizes that split the query heads evenly and the KV heads evenly or by replication."""
-    return [
+def check_tp_size(size: int, num_heads: int, num_kv_heads: int) -> None:
+    # Valid sizes split the query heads evenly and the KV heads evenly or by replication.
+    valid = [
         n
         for n in range(1, num_heads + 1)
         if num_heads % n == 0 and (num_kv_heads % n == 0 or n % num_kv_heads == 0)
     ]
-
-
-def check_tp_size(size: int, num_heads: int, num_kv_heads: int) -> None:
-    valid = valid_tp_sizes(num_heads, num_kv_heads)
     if size not in valid:
         raise ValueError(
             f"tensor_parallel_size {size} does not fit this model's {num_heads} attention heads "
@@ -159,6 +141,3 @@ def all_reduce_min(value: int, group: ParallelGroup) -> int:
 def destroy() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-Jsonable = dict[str, Any]

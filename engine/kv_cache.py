@@ -41,16 +41,13 @@ class KVCache:
         # Zeroed, not empty: padded reads (masked out) must never meet NaN bit patterns.
         self.data = torch.zeros(shape, dtype=spec.dtype, device=device)
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.data[i, 0], self.data[i, 1]
-
     def bind(self, attention_layers: list[nn.Module]) -> None:
         if len(attention_layers) != self.spec.num_layers:
             raise RuntimeError(
                 f"{len(attention_layers)} attention layers, cache has {self.spec.num_layers}"
             )
         for i, layer in enumerate(attention_layers):
-            layer.k_cache, layer.v_cache = self.layer(i)
+            layer.k_cache, layer.v_cache = self.data[i, 0], self.data[i, 1]
 
     @property
     def nbytes(self) -> int:

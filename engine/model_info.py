@@ -8,6 +8,7 @@ from typing import Any
 
 from pdmesh.checkpoint.config import ModelConfig
 from pdmesh.engine.models import model_class
+from pdmesh.engine.models.llama import head_dim_of
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,6 @@ class ModelInfo:
             raise ValueError(f"model: cannot read {folder / 'config.json'}: {e}") from None
         model_cls = model_class(hf_config)
         meta = ModelConfig.load(folder)  # the eos ids the router uses too
-        head_dim = getattr(hf_config, "head_dim", None)
-        head_dim = head_dim or hf_config.hidden_size // hf_config.num_attention_heads
         return cls(
             folder=folder,
             hf_config=hf_config,
@@ -43,7 +42,7 @@ class ModelInfo:
             num_layers=hf_config.num_hidden_layers,
             num_heads=hf_config.num_attention_heads,
             num_kv_heads=hf_config.num_key_value_heads,
-            head_dim=head_dim,
+            head_dim=head_dim_of(hf_config),
             hidden_size=hf_config.hidden_size,
             vocab_size=hf_config.vocab_size,
             max_position=getattr(hf_config, "max_position_embeddings", 4096),

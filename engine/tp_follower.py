@@ -23,13 +23,7 @@ from pdmesh.engine.llm_engine import resolve_max_model_len
 from pdmesh.engine.model_info import ModelInfo
 from pdmesh.engine.model_runner import ModelRunner
 from pdmesh.engine.tp_driver import OP_CONTROL, OP_STEP, OP_STOP, CountExperts, ExpertCounts
-from pdmesh.kv_transfer.connector import (
-    Failed,
-    KVConnector,
-    create_connector,
-    decode,
-    encode,
-)
+from pdmesh.kv_transfer.connector import Failed, KVConnector, create_connector, decode, encode
 from pdmesh.logger import get_logger
 from pdmesh.processes import die_with_parent
 

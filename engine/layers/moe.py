@@ -17,9 +17,6 @@ from pdmesh.engine.parallel import SINGLE, ParallelGroup
 from pdmesh.engine.weights import CheckpointTensor
 from pdmesh.kernels import count_expert_tokens, moe_experts, moe_route
 
-# Which stacked tensor and which half of it each per-expert checkpoint matrix fills.
-EXPERT_PARTS = ("gate", "up", "down")
-
 
 class FusedMoE(nn.Module):
     def __init__(
@@ -116,14 +113,8 @@ class FusedMoE(nn.Module):
         recv_x = g.all_to_all(mine[tokens], send, recv)  # [R, H]
         recv_meta = g.all_to_all(meta, send, recv)  # [R, 2]: expert id, routing weight
         # Each received row is one pair: weight * expert(x) for an expert held here.
-        done = moe_experts(
-            recv_x,
-            self.w13_weight,
-            self.w2_weight,
-            recv_meta[:, 1:2],
-            recv_meta[:, 0:1].long(),
-            self.first_expert,
-        )
+        e_w, e_ids = recv_meta[:, 1:2], recv_meta[:, 0:1].long()
+        done = moe_experts(recv_x, self.w13_weight, self.w2_weight, e_w, e_ids, self.first_expert)
         back = g.all_to_all(done, recv, send)  # [t * k, H] in `order`
         contrib = torch.empty_like(back)
         contrib[order] = back

@@ -47,6 +47,10 @@ class WorkerSnapshot:
     expert_token_counts: Sequence[int] = ()
     prefills: Mapping[str, int] = field(default_factory=dict)  # by mode: local, remote, fallback
 
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / max(1, self.prefix_queried_tokens)
+
 
 class WorkerCollector:
     def __init__(self, role: str, snapshot: Callable[[], WorkerSnapshot]) -> None:
@@ -60,53 +64,11 @@ class WorkerCollector:
         return self._families(self._snapshot())
 
     def _families(self, s: WorkerSnapshot | None) -> Iterator[Metric]:
-        role = [self.role]
-
-        def gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(name, doc, labels=["role"])
-            if value is not None:
-                family.add_metric(role, value)
-            return family
-
-        def counter(name: str, doc: str, value: float | None) -> CounterMetricFamily:
-            family = CounterMetricFamily(name, doc, labels=["role"])
-            if value is not None:
-                family.add_metric(role, value)
-            return family
-
-        yield gauge(
-            "pdmesh_requests_running", "Requests in the running batch.", s and s.num_running
-        )
-        yield gauge(
-            "pdmesh_requests_waiting", "Requests queued for admission.", s and s.num_waiting
-        )
-        yield gauge("pdmesh_kv_blocks_total", "KV-cache blocks.", s and s.kv_blocks_total)
-        yield gauge("pdmesh_kv_blocks_used", "KV-cache blocks in use.", s and s.kv_blocks_used)
-        yield gauge("pdmesh_kv_blocks_free", "KV-cache blocks free.", s and s.kv_blocks_free)
-        yield counter(
-            "pdmesh_prefix_cache_queried_tokens",
-            "Prompt tokens looked up in the prefix cache.",
-            s and s.prefix_queried_tokens,
-        )
-        yield counter(
-            "pdmesh_prefix_cache_hit_tokens",
-            "Prompt tokens found in the prefix cache.",
-            s and s.prefix_hit_tokens,
-        )
-        yield gauge(
-            "pdmesh_prefix_cache_hit_rate",
-            "Hit tokens / queried tokens since start (rate() the counters for a window).",
-            None if s is None else s.prefix_hit_tokens / max(1, s.prefix_queried_tokens),
-        )
-        yield counter(
-            "pdmesh_preemptions", "Requests preempted (recomputed later).", s and s.num_preemptions
-        )
-        yield counter(
-            "pdmesh_steps_launched_ahead",
-            "Decode steps launched before the previous step's tokens were read (async "
-            "scheduling: the host's work hidden behind the device's).",
-            s and s.steps_launched_ahead,
-        )
+        for attr, (kind, name, doc) in _ENGINE_FAMILIES.items():
+            family = kind(name, doc, labels=["role"])
+            if s is not None:
+                family.add_metric([self.role], getattr(s, attr))
+            yield family
         yield from _transfer_families(s.transfers if s else ())
         experts = CounterMetricFamily(
             "pdmesh_expert_tokens", "Tokens routed to each MoE expert.", labels=["role", "expert"]
@@ -121,6 +83,39 @@ class WorkerCollector:
                 prefills.add_metric([self.role, mode], n)
         yield experts
         yield prefills
+
+
+G, C = GaugeMetricFamily, CounterMetricFamily
+# WorkerSnapshot field -> (family, metric name, help), labelled by role.
+_ENGINE_FAMILIES: dict[str, tuple[type[Metric], str, str]] = {
+    "num_running": (G, "pdmesh_requests_running", "Requests in the running batch."),
+    "num_waiting": (G, "pdmesh_requests_waiting", "Requests queued for admission."),
+    "kv_blocks_total": (G, "pdmesh_kv_blocks_total", "KV-cache blocks."),
+    "kv_blocks_used": (G, "pdmesh_kv_blocks_used", "KV-cache blocks in use."),
+    "kv_blocks_free": (G, "pdmesh_kv_blocks_free", "KV-cache blocks free."),
+    "prefix_queried_tokens": (
+        C,
+        "pdmesh_prefix_cache_queried_tokens",
+        "Prompt tokens looked up in the prefix cache.",
+    ),
+    "prefix_hit_tokens": (
+        C,
+        "pdmesh_prefix_cache_hit_tokens",
+        "Prompt tokens found in the prefix cache.",
+    ),
+    "prefix_hit_rate": (
+        G,
+        "pdmesh_prefix_cache_hit_rate",
+        "Hit tokens / queried tokens since start (rate() the counters for a window).",
+    ),
+    "num_preemptions": (C, "pdmesh_preemptions", "Requests preempted (recomputed later)."),
+    "steps_launched_ahead": (
+        C,
+        "pdmesh_steps_launched_ahead",
+        "Decode steps launched before the previous step's tokens were read (async "
+        "scheduling: the host's work hidden behind the device's).",
+    ),
+}
 
 
 def _transfer_families(totals: Sequence[TransferTotals]) -> Iterator[Metric]:

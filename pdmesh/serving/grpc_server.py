@@ -65,11 +65,8 @@ class Health:
         self._names = ["", *service_names]
 
     async def set(self, serving: bool) -> None:
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if serving
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
+        response = health_pb2.HealthCheckResponse
+        status = response.SERVING if serving else response.NOT_SERVING
         for name in self._names:
             await self.servicer.set(name, status)
 
@@ -95,14 +92,8 @@ def build_server(
         spec.add_to_server(spec.servicer, server)
     health = Health(names)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
-    reflection.enable_server_reflection(
-        [
-            *names,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ],
-        server,
-    )
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.enable_server_reflection([*names, health_name, reflection.SERVICE_NAME], server)
     if tls is not None:
         port = server.add_secure_port(bind, tls.server_credentials(require_client_cert))
     else:
