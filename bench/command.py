@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 from typing import Any
 
 from pdmesh.flags import engine_args
@@ -66,18 +67,8 @@ def add_bench(sub: Any) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    if args.target:
-        from pdmesh.bench.serving import run_serving_bench
-
-        return run_serving_bench(args)
-    if args.relay:
-        from pdmesh.bench.relay import run_relay_bench
-
-        return run_relay_bench(args)
-    if args.soak:
-        from pdmesh.bench.soak import run_soak_bench
-
-        return run_soak_bench(args)
-    from pdmesh.bench.offline import run_offline_bench
-
-    return run_offline_bench(args)
+    """Run the benchmark the mode flag picks: bench/<mode>.py's run_<mode>_bench(args)."""
+    mode = (
+        "serving" if args.target else "relay" if args.relay else "soak" if args.soak else "offline"
+    )
+    return getattr(importlib.import_module(f"pdmesh.bench.{mode}"), f"run_{mode}_bench")(args)

@@ -4,14 +4,11 @@ async scheduling (each step launched before the previous one's tokens are read).
 
     python -m pdmesh.bench.decode_step_gpu --out DIR [--profile]
 
-Two models, bf16 random weights: the Llama-3.1-8B shape, and one rank's shard of it under TP=2
-(16 of 32 query heads, 4 of 8 KV heads, half the MLP and half the vocabulary): that model's
-graph replay is what a TP=2 rank computes per step, all-reduces and the logits' all-gather
-aside. Each is built three times: PDMESH_GEMV_MAX_ROWS=0 (cuBLAS) and =1 (the GEMV, the
-default), one step at a time; and the GEMV with async scheduling (the default on a GPU).
-Every build replays its batch-1 graph on one fixed token and compares the logits with the cuBLAS
-build's (same dummy weights): the relative error is in the results.
-Writes DIR/decode_step.json (and, with --profile, a torch.profiler table of the 8B step per
+Two bf16 random-weight models: the Llama-3.1-8B shape and one TP=2 rank's shard of it (half
+the heads, MLP and vocabulary: what a rank computes per step, collectives aside), each built
+with PDMESH_GEMV_MAX_ROWS=0 (cuBLAS), =1 (the GEMV, default), and the GEMV with async
+scheduling. Each build's batch-1 logits on one fixed token are compared with cuBLAS's (relative
+error in the results). Writes DIR/decode_step.json (--profile: a torch.profiler table per
 setting); prints a table.
 """
 

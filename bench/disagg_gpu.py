@@ -3,22 +3,16 @@ decode) serving on the same two GPUs, the same engine, the Llama-3.1-8B shape (r
 
     python -m pdmesh.bench.disagg_gpu --out DIR [--stages ttft,load,tp] [--requests 32] [--trace]
 
-Stages, each writing its figures to DIR/disagg.json as it ends:
-- ttft: one 4,096-token prompt at a time (concurrency 1), the time to its first token, on each
-  layout. The disaggregated TTFT includes the prefill on the other GPU and the KV transfer over
-  the `nccl` transport, layer by layer behind the prefill forward.
-- load: Poisson arrivals at several rates, two workloads (prefill-heavy 4,096 in / 256 out and
-  chat-like 512 in / 256 out), each layout: TTFT, TPOT, inter-token latency, throughput, and the
-  fraction of requests within the SLO (TTFT <= 1.5 s and TPOT <= 40 ms). Goodput is the highest
-  rate run whose attainment is >= 90%, and also reported as good requests per second. Every
-  request's TTFT and inter-token latencies go to DIR/disagg_samples.json for the CDF plots.
-  With --trace, the mesh exports its spans (OTEL_TRACES_EXPORTER=console) and the stage records
-  where a request's first token went: each span's median start and end, in ms from the router's
-  root span, over the TTFT requests (DIR/spans-LAYOUT.txt holds the spans).
-- tp: decode time per token at batch 1 for TP=1 and TP=2 over NCCL (CUDA graphs on both).
-
-Each layout is a real `pdmesh up` on the two GPUs (workers placed on cuda:0 and cuda:1), driven by
-the serving benchmark's client over gRPC.
+Each layout is a real `pdmesh up` (workers on cuda:0 and cuda:1) driven by the serving
+benchmark's gRPC client. Stages, each writing DIR/disagg.json as it ends:
+- ttft: one 4,096-token prompt at a time; disaggregated TTFT includes the prefill on the other
+  GPU and the layer-by-layer KV transfer over `nccl`.
+- load: Poisson arrivals at several rates, prefill-heavy (4,096 in / 256 out) and chat-like (512
+  in / 256 out): TTFT, TPOT, ITL, throughput, SLO attainment (TTFT <= 1.5 s, TPOT <= 40 ms);
+  goodput is the highest rate with attainment >= 90%. Per-request samples go to
+  DIR/disagg_samples.json (CDF plots). --trace exports spans (DIR/spans-LAYOUT.txt) and records
+  each span's median [start, end] in ms from the router's root span over the TTFT requests.
+- tp: decode time per token at batch 1, TP=1 and TP=2 over NCCL (CUDA graphs on both).
 """
 
 from __future__ import annotations
@@ -127,14 +121,11 @@ async def _server_timings(target: str, n: int, seed: int) -> list[dict[str, floa
         for _ in range(n):
             req = exact_request([rng.randrange(1000, VOCAB) for _ in range(4096)], 2)
             last = [r async for r in stub.Generate(req, timeout=60)][-1].timings
-            out.append(
-                {
-                    "queue_ms": last.queue_ns / 1e6,
-                    "prefill_ms": last.prefill_ns / 1e6,
-                    "first_token_ms": last.first_token_ns / 1e6,
-                    "disaggregated": last.disaggregated,
-                }
-            )
+            ms = {
+                f"{k}_ms": getattr(last, f"{k}_ns") / 1e6
+                for k in ("queue", "prefill", "first_token")
+            }
+            out.append({**ms, "disaggregated": last.disaggregated})
     return out
 
 

@@ -49,22 +49,11 @@ class Shapes:
 
 
 SMOKE = Shapes(
-    heads=4,
-    kv_heads=2,
-    head_dim=64,
-    hidden=128,
-    inter=96,
-    decode_batches=(2,),
-    decode_contexts=(40,),
-    prefills=(((33, 33),), ((20, 50), (7, 7))),
-    token_counts=(5,),
-    experts=8,
-    top_k=2,
-    moe_hidden=64,
-    moe_inter=32,
-    moe_tokens=(3,),
+    heads=4, kv_heads=2, head_dim=64, hidden=128, inter=96,
+    decode_batches=(2,), decode_contexts=(40,), prefills=(((33, 33),), ((20, 50), (7, 7))),
+    token_counts=(5,), experts=8, top_k=2, moe_hidden=64, moe_inter=32, moe_tokens=(3,),
     projections=((40, 96),),
-)
+)  # fmt: skip
 
 
 @dataclass

@@ -25,13 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pdmesh.bench.kernel_cases import SMOKE, Case, Shapes, all_cases, rel_err
-from pdmesh.bench.report import Report, Timer, ceilings, out_parser
-
-
-@dataclass(frozen=True)
-class Ceilings:
-    copy_bytes_per_s: float  # read + write bytes of a device-to-device copy
-    matmul_flops_per_s: float  # dense bf16 matmul
+from pdmesh.bench.report import Report, Timer, ceilings, median_s, out_parser
 
 
 @dataclass(frozen=True)
@@ -62,24 +56,25 @@ def _timer(device: torch.device, smoke: bool) -> Timer:
             return time.perf_counter() - start
 
         return once
-    from triton.testing import do_bench
-
-    return lambda fn: do_bench(fn, return_mode="median") / 1e3
+    return lambda fn: median_s(fn, rep=100)  # do_bench's default repetitions
 
 
-def measure_ceilings(device: torch.device, timer: Timer, smoke: bool) -> Ceilings:
-    # bf16 elements: 1 GiB per buffer at full size
+def measure_ceilings(device: torch.device, timer: Timer, smoke: bool) -> dict[str, float]:
+    """copy_bytes_per_s (read + write bytes of a device-to-device copy) and matmul_flops_per_s
+    (dense bf16), of 1 GiB buffers and an 8192^3 matmul at full size."""
     c = ceilings(timer, 1 << (16 if smoke else 29), 256 if smoke else 8192, device.type)
-    return Ceilings(c["copy_gb_s"] * 1e9, c["matmul_tflop_s"] * 1e12)
+    return {
+        "copy_bytes_per_s": c["copy_gb_s"] * 1e9,
+        "matmul_flops_per_s": c["matmul_tflop_s"] * 1e12,
+    }
 
 
-def run_case(case: Case, timer: Timer, ceilings: Ceilings, tol: float) -> Result:
+def run_case(case: Case, timer: Timer, ceil: dict[str, float], tol: float) -> Result:
     err = case.check() if case.check else rel_err(case.triton_fn(), case.torch_fn())
     t_triton = timer(case.triton_fn)
     t_torch = timer(case.torch_fn)
-    ideal = max(
-        case.bytes_moved / ceilings.copy_bytes_per_s, case.flops / ceilings.matmul_flops_per_s
-    )
+    bw, mm = ceil["copy_bytes_per_s"], ceil["matmul_flops_per_s"]
+    ideal = max(case.bytes_moved / bw, case.flops / mm)
     return Result(
         kernel=case.kernel,
         shape=case.shape,
@@ -90,16 +85,16 @@ def run_case(case: Case, timer: Timer, ceilings: Ceilings, tol: float) -> Result
         speedup=t_torch / t_triton,
         gbytes_per_s=case.bytes_moved / t_triton / 1e9,
         tflops=case.flops / t_triton / 1e12,
-        bw_ratio=case.bytes_moved / t_triton / ceilings.copy_bytes_per_s,
-        flops_ratio=case.flops / t_triton / ceilings.matmul_flops_per_s,
+        bw_ratio=case.bytes_moved / t_triton / bw,
+        flops_ratio=case.flops / t_triton / mm,
         roofline=ideal / t_triton,
     )
 
 
-def format_table(results: Sequence[Result], ceilings: Ceilings) -> str:
+def format_table(results: Sequence[Result], ceil: dict[str, float]) -> str:
     lines = [
-        f"ceilings: copy {ceilings.copy_bytes_per_s / 1e9:.0f} GB/s (read+write), "
-        f"bf16 matmul {ceilings.matmul_flops_per_s / 1e12:.0f} TFLOP/s",
+        f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e9:.0f} GB/s (read+write), "
+        f"bf16 matmul {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s",
         f"{'kernel':<24}{'shape':<34}{'triton us':>10}{'torch us':>10}{'x':>7}"
         f"{'GB/s':>8}{'TFLOP/s':>9}{'bw%':>6}{'mm%':>6}{'roof%':>7}{'rel err':>10}",
     ]
@@ -152,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch=torch.__version__,
         triton=triton.__version__,
         smoke=args.smoke,
-        ceilings=asdict(ceil),
+        ceilings=ceil,
         results=[asdict(r) for r in results],
     )
     report.save()

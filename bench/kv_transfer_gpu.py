@@ -2,24 +2,16 @@
 
     python -m pdmesh.bench.kv_transfer_gpu --out DIR        # on a machine with 2 GPUs
 
-Two processes, one per GPU (receiver: a decode rank on cuda:1; sender: a prefill rank on cuda:0),
-each seeing both GPUs. The ceiling is measured in the same run: NCCL send/recv of one 512 MiB
-buffer between the same two processes. So is the candidate for an `ipc` transport: a copy of
-512 MiB from the sender's GPU straight into a buffer of the receiver's, opened through a CUDA IPC
-handle (the handle's fields travel as JSON, never pickled), and the copy engines' own rate
-between the two GPUs: the same copy inside the sender's process (peer access on).
-Then a 4,096-token prompt of the Llama-3.1-8B shape (32 layers x 256 blocks of 16 tokens x 8
-KV heads x 128 dims, bf16: 512 MiB) goes through the `nccl` transport into shuffled destination
-blocks, from shuffled source blocks, checked byte for byte, two ways: "layers" (`send_blocks`
-after each layer, as a prefill pushes) and "whole" (`send_layers`, every layer at once, as blocks
-a prefill worker had cached go). Each transfer is timed end to end (the sender's first call ->
-the receiver's future resolved, on the host's one monotonic clock) and on the receiver's own
-span. The processes talk over stdin/stdout in JSON lines.
-
-With --timeline, both processes stamp (host monotonic clock) the steps of every transfer: the
-sender's calls, its pair thread taking and posting each batch, the receiver's pair thread getting
-each batch's headers and handing it over, and the future resolved; the result then holds one
-transfer's steps per mode, in ms from the sender's first call.
+Two processes (sender: a prefill rank on cuda:0; receiver: a decode rank on cuda:1) talk over
+stdin/stdout in JSON lines. Ceilings from the same run: NCCL send/recv of one 512 MiB buffer, a
+512 MiB copy into the receiver's buffer through a CUDA IPC handle (fields as JSON, never pickled:
+the `ipc` candidate), and that copy within the sender's process (peer access on). Then a
+4,096-token Llama-3.1-8B prompt (32 layers x 256 blocks of 16 x 8 KV heads x 128, bf16: 512 MiB)
+goes through the `nccl` transport between shuffled blocks, checked byte for byte, as "layers"
+(`send_blocks` after each layer, as a prefill pushes) and "whole" (`send_layers`, as cached
+blocks go): timed from the sender's first call to the receiver's future resolved (one monotonic
+clock) and on the receiver's own span. --timeline adds one transfer's steps per mode
+(bench/kv_timeline.py), in ms from the sender's first call.
 """
 
 from __future__ import annotations

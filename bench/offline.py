@@ -112,20 +112,15 @@ def run_offline_bench(args: argparse.Namespace) -> int:
         pad = llm.engine.info.eos_token_ids[0] if llm.engine.info.eos_token_ids else 0
         peer = {}
         for batch in (len(work.prompts), 8):
-            seconds = run_transformers(hf, work, batch, pad)
-            peer[batch] = seconds
+            peer[batch] = seconds = run_transformers(hf, work, batch, pad)
             print(
                 f"transformers generate, batches of {batch}: {seconds:.1f} s "
                 f"= {work.output_tokens / seconds:.1f} useful tok/s"
             )
         best = min(peer.values())
-        result.update(
-            {
-                "transformers_seconds_by_batch": {str(k): round(v, 2) for k, v in peer.items()},
-                "transformers_output_tok_s": round(work.output_tokens / best, 1),
-                "speedup": round(best / ours, 2),
-            }
-        )
+        result["transformers_seconds_by_batch"] = {str(k): round(v, 2) for k, v in peer.items()}
+        result["transformers_output_tok_s"] = round(work.output_tokens / best, 1)
+        result["speedup"] = round(best / ours, 2)
         print(f"speedup over transformers' best: {best / ours:.2f}x")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=2))

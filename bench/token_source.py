@@ -81,13 +81,9 @@ class TokenSource:
         delta = worker_pb2.RequestDelta(
             request_id=req.request_id, token_ids=[token_id], text=f" t{token_id}"
         )
-        sub.requests[req.request_id] = Active(
-            req.request_id,
-            len(req.prompt_token_ids),
-            max(1, max_tokens),
-            _frame(delta),
-            token_id,
-        )
+        n_prompt = len(req.prompt_token_ids)
+        active = Active(req.request_id, n_prompt, max(1, max_tokens), _frame(delta), token_id)
+        sub.requests[req.request_id] = active
         self.owner[req.request_id] = req.subscriber_id
         sub.wake.set()
         return worker_pb2.SubmitReply()
@@ -166,12 +162,11 @@ class TokenSource:
 
     async def GetStats(self, request: object, context: object) -> worker_pb2.WorkerStats:
         running = sum(len(s.requests) for s in self.subscribers.values())
+        blocks = {"kv_blocks_total": 1 << 20, "kv_blocks_used": 0, "kv_blocks_free": 1 << 20}
         return worker_pb2.WorkerStats(
             role="decode",
             num_running=running,
-            kv_blocks_total=1 << 20,
-            kv_blocks_used=0,
-            kv_blocks_free=1 << 20,
+            **blocks,
             block_size=BLOCK_SIZE,
             tensor_parallel_size=1,
         )

@@ -49,20 +49,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
     else:
         out = llm.generate([args.prompt], params)[0]
-    completion = out.outputs[0]
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "text": completion.text,
-                    "token_ids": completion.token_ids,
-                    "prompt_token_ids": out.prompt_token_ids,
-                    "finish_reason": completion.finish_reason,
-                }
-            )
-        )
-    else:
-        print(completion.text)
+    done = out.outputs[0]
+    ids = {"token_ids": done.token_ids, "prompt_token_ids": out.prompt_token_ids}
+    body = {"text": done.text, **ids, "finish_reason": done.finish_reason}
+    print(json.dumps(body) if args.json else done.text)
     return 0
 
 
