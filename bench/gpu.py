@@ -187,12 +187,8 @@ def plot(sweep: Any, out: Path) -> None:
     batches = [r["batch"] for r in sweep]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(batches, [r["step_ms"] / r["batch"] for r in sweep], "o-", label="pdmesh (measured)")
-    ax.plot(
-        batches,
-        [r["floor_ms"] / r["batch"] for r in sweep],
-        "--",
-        label="roofline: (weights + KV bytes) / copy bandwidth",
-    )
+    floor = [r["floor_ms"] / r["batch"] for r in sweep]
+    ax.plot(batches, floor, "--", label="roofline: (weights + KV bytes) / copy bandwidth")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("batch size (decode, context 1024)")

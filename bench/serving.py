@@ -219,11 +219,8 @@ def print_summary(summary: dict[str, Any]) -> None:
     if "goodput" in summary:
         table.add_row("goodput (req/s)", str(summary["goodput"]))
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
-        d = summary[name]
-        row = "  ".join(f"{k} {v:.1f}" for k, v in d.items())
-        table.add_row(name, row)
-    if "offline_peer" in summary:
-        peer = summary["offline_peer"]
+        table.add_row(name, "  ".join(f"{k} {v:.1f}" for k, v in summary[name].items()))
+    if peer := summary.get("offline_peer"):
         table.add_row("offline engine output_throughput", str(peer["output_throughput"]))
     Console(stderr=False).print(table)
     for e in summary.get("errors", []):

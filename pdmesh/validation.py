@@ -167,8 +167,7 @@ class Validator:
         if prompt.token_ids is not None:
             return list(prompt.token_ids)
         raise InvalidRequest(
-            "input must be one of text, token_ids or chat (none was set).",
-            "input",
+            "input must be one of text, token_ids or chat (none was set).", "input"
         )
 
     def _check_chars(self, n: int, what: str, field: str) -> None:
