@@ -49,6 +49,7 @@ class LLMEngine:
         self.info.check_parallel(config.tensor_parallel_size, config.enable_expert_parallel)
         self.tokenizer = None if config.skip_tokenizer_init else Tokenizer.load(self.info.folder)
         device = config.torch_device()
+        rank0 = rank_device(device, 0)
         max_len = resolve_max_model_len(config, self.info)
         self.tp_driver: TPDriver | None = None
         group = SINGLE
@@ -58,13 +59,7 @@ class LLMEngine:
             group = self.tp_driver.group
         try:
             self.runner = ModelRunner(
-                self.info,
-                config,
-                rank_device(device, 0),
-                max_len,
-                tp=group,
-                kv_connector=kv_connector,
-                followers=self.tp_driver,
+                self.info, config, rank0, max_len, group, kv_connector, self.tp_driver
             )
         except BaseException:
             self.close()
@@ -150,7 +145,7 @@ class LLMEngine:
             )
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        self.validate_prompt(token_ids)
+        check_prompt_ids(token_ids, self.info.vocab_size, self.max_model_len, "prompt_token_ids")
         if not 0 <= num_output_tokens < min(len(token_ids), params.max_tokens):
             raise InvalidRequest(
                 f"num_output_tokens_sent must be in [0, {min(len(token_ids), params.max_tokens)})"
@@ -201,10 +196,6 @@ class LLMEngine:
 
     def is_reserved(self, request_id: str) -> bool:
         return self.scheduler.is_reserved(request_id)
-
-    def validate_prompt(self, token_ids: list[int]) -> None:
-        """InvalidRequest (a ValueError) naming the prompt when it breaks a prompt rule."""
-        check_prompt_ids(token_ids, self.info.vocab_size, self.max_model_len, "prompt_token_ids")
 
     def abort_request(self, request_id: str) -> StepDelta | None:
         request = self._requests.get(request_id)

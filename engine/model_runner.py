@@ -206,15 +206,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_logits(self, inputs: StepInputs) -> torch.Tensor | None:
         """The model over the flat batch; logits [S, V] of the rows to sample (None if none)."""
-        meta = inputs.meta
-        if (
-            self.graphs is not None
-            and not self._saving
-            and self.graphs.covers(
-                inputs.input_ids.numel(), meta.num_decode_tokens, len(inputs.sample_seq_index)
-            )
-        ):
-            return self.graphs.run(inputs.input_ids, inputs.positions, meta)
+        meta, graphs = inputs.meta, None if self._saving else self.graphs
+        n, num_sampled = inputs.input_ids.numel(), len(inputs.sample_seq_index)
+        if graphs is not None and graphs.covers(n, meta.num_decode_tokens, num_sampled):
+            return graphs.run(inputs.input_ids, inputs.positions, meta)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if not inputs.sample_seq_index:
             return None
@@ -248,24 +243,17 @@ class ModelRunner:
             self._saving = False
             self.kv_connector.end_step()
 
-    @torch.inference_mode()
-    def step_logits(
-        self, batch: ScheduledBatch, next_ids: torch.Tensor | None = None
-    ) -> tuple[StepInputs, torch.Tensor | None]:
-        """One step's forward on every rank; the logits of the rows to sample (rank 0)."""
-        inputs = self.prepare(batch, next_ids)
-        plan = self.kv_connector.plan_step(batch) if self.kv_connector is not None else None
-        if self.followers is not None:
-            self.followers.send_step(inputs, plan)
-        return inputs, self.forward_with_plan(inputs, plan)
-
     @_on_device
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, next_ids: torch.Tensor | None = None) -> StepHandle:
         """Queue `batch`'s forward and sampling on the device; `collect` reads the tokens. The
         host does not wait for the device here (seeded sampling aside), so it can prepare the
         next step meanwhile. next_ids: see `prepare`."""
-        inputs, logits = self.step_logits(batch, next_ids)
+        inputs = self.prepare(batch, next_ids)
+        plan = self.kv_connector.plan_step(batch) if self.kv_connector is not None else None
+        if self.followers is not None:  # every rank runs the step; rank 0 samples
+            self.followers.send_step(inputs, plan)
+        logits = self.forward_with_plan(inputs, plan)
         if logits is None:
             return StepHandle(len(batch.seqs), [], None)
         seqs = [batch.seqs[i] for i in inputs.sample_seq_index]

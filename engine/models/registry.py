@@ -17,11 +17,6 @@ def register_model(*architectures: str) -> Callable[[type], type]:
     return deco
 
 
-def supported_architectures() -> list[str]:
-    _import_models()
-    return sorted(_MODELS)
-
-
 def model_class(hf_config: Any) -> type:
     _import_models()
     archs = list(getattr(hf_config, "architectures", None) or [])

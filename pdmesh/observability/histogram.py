@@ -1,11 +1,10 @@
 """A Prometheus histogram cheap enough to observe once per generated token.
 
-prometheus_client's Histogram takes a lock per value it updates (1.2 us an observation on the
-2-core build machine); the inter-token latency is observed for every token of every running
-request, on the engine thread. Here an observation is a bisect and two additions (0.25 us on the
-same machine). One thread writes; a scrape reads plain ints
-under the GIL, so it may see a count before its sum, but never a malformed histogram: the count
-is derived from the buckets it reads.
+prometheus_client's Histogram takes a lock per value it updates, and the inter-token latency is
+observed for every token of every running request, on the engine thread: here an observation is
+a bisect and two additions. One thread writes; a scrape reads plain ints under the GIL, so it
+may see a count before its sum, but never a malformed histogram: the count is derived from the
+buckets it reads.
 """
 
 from __future__ import annotations

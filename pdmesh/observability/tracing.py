@@ -40,14 +40,9 @@ TRACED_METHODS = (
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 
-class _State:
-    def __init__(self) -> None:
-        self.provider: Any = None  # opentelemetry.sdk.trace.TracerProvider while tracing is on
-        self.tracer: Tracer | None = None
-        self.lock = threading.Lock()
-
-
-_state = _State()
+_provider: Any = None  # opentelemetry.sdk.trace.TracerProvider while tracing is on
+_tracer: Tracer | None = None
+_lock = threading.Lock()
 
 
 def setup(service_name: str) -> bool:
@@ -56,8 +51,9 @@ def setup(service_name: str) -> bool:
     service.name is `service_name` unless OTEL_SERVICE_NAME or OTEL_RESOURCE_ATTRIBUTES names one;
     the sampler (OTEL_TRACES_SAMPLER), batching (OTEL_BSP_*) and the exporter's endpoint, headers
     and TLS (OTEL_EXPORTER_OTLP_*) are read by the SDK itself. Idempotent."""
-    with _state.lock:
-        if _state.provider is not None:
+    global _provider, _tracer
+    with _lock:
+        if _provider is not None:
             return True
         exporters = envs.otel_traces_exporters()
         if not exporters:
@@ -72,8 +68,8 @@ def setup(service_name: str) -> bool:
         provider = TracerProvider(resource=resource)
         for name in exporters:
             provider.add_span_processor(BatchSpanProcessor(_exporter(name)))
-        _state.provider = provider
-        _state.tracer = provider.get_tracer("pdmesh", __version__)
+        _provider = provider
+        _tracer = provider.get_tracer("pdmesh", __version__)
         log.info(
             "tracing on: service.name %s, exporters %s",
             resource.attributes.get(SERVICE_NAME),
@@ -96,21 +92,15 @@ def _exporter(name: str) -> Any:
 
 def shutdown() -> None:
     """Export what is buffered and stop; a no-op when tracing is off."""
-    with _state.lock:
-        provider, _state.provider, _state.tracer = _state.provider, None, None
+    global _provider, _tracer
+    with _lock:
+        provider, _provider, _tracer = _provider, None, None
     if provider is not None:
         provider.shutdown()
 
 
 def enabled() -> bool:
-    return _state.provider is not None
-
-
-def tracer() -> Tracer:
-    """The pdmesh tracer; call only when `enabled()`."""
-    if _state.tracer is None:
-        raise RuntimeError("tracing is off: check tracing.enabled() first")
-    return _state.tracer
+    return _provider is not None
 
 
 # -- gRPC ---------------------------------------------------------------------------------------
@@ -123,20 +113,20 @@ def _traced(details: Any) -> bool:
 
 def server_interceptors() -> list[Any]:
     """The server-side tracing interceptor, or nothing when tracing is off."""
-    if _state.provider is None:
+    if _provider is None:
         return []
     from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
-    return [aio_server_interceptor(tracer_provider=_state.provider, filter_=_traced)]
+    return [aio_server_interceptor(tracer_provider=_provider, filter_=_traced)]
 
 
 def client_interceptors() -> list[Any]:
     """Client-side tracing interceptors (inject the W3C context), or nothing when tracing is off."""
-    if _state.provider is None:
+    if _provider is None:
         return []
     from opentelemetry.instrumentation.grpc import aio_client_interceptors
 
-    return aio_client_interceptors(tracer_provider=_state.provider, filter_=_traced)
+    return aio_client_interceptors(tracer_provider=_provider, filter_=_traced)
 
 
 # -- context in messages ------------------------------------------------------------------------
@@ -167,8 +157,11 @@ def start_span(
     attributes: Mapping[str, Any] | None = None,
     links: Sequence[Link] = (),
 ) -> Span:
-    """A span to end later (`end_span`); its parent is `parent`, else the current span."""
-    return tracer().start_span(
+    """A span to end later (`end_span`); its parent is `parent`, else the current span. Call
+    only when `enabled()`."""
+    if _tracer is None:
+        raise RuntimeError("tracing is off: check tracing.enabled() first")
+    return _tracer.start_span(
         name, context=parent, start_time=start_ns, attributes=attributes, links=links
     )
 

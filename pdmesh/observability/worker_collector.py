@@ -119,26 +119,27 @@ _ENGINE_FAMILIES: dict[str, tuple[type[Metric], str, str]] = {
 
 
 def _transfer_families(totals: Sequence[TransferTotals]) -> Iterator[Metric]:
-    specs: list[tuple[str, str, Callable[[TransferTotals], float]]] = [
-        ("pdmesh_kv_transfer_bytes", "KV-transfer payload bytes.", lambda t: t.bytes),
-        (
-            "pdmesh_kv_transfer_seconds",
-            "Seconds KV transfers took, first frame to last (bytes / seconds: bandwidth).",
-            lambda t: t.seconds,
-        ),
-        ("pdmesh_kv_transfers", "KV transfers completed.", lambda t: t.transfers),
-        ("pdmesh_kv_transfer_failures", "KV transfers that failed.", lambda t: t.failed),
-        (
-            "pdmesh_kv_transfer_frames_dropped",
-            "KV frames refused by the receiver (unknown transfer, bad token or size).",
-            lambda t: t.frames_dropped,
-        ),
-    ]
-    for name, doc, value in specs:
+    for attr, (name, doc) in _TRANSFER_FAMILIES.items():
         family = CounterMetricFamily(name, doc, labels=["direction", "transport"])
         for t in totals:
-            family.add_metric([t.direction, t.transport], value(t))
+            family.add_metric([t.direction, t.transport], getattr(t, attr))
         yield family
+
+
+# TransferTotals field -> (metric name, help), labelled by direction and transport.
+_TRANSFER_FAMILIES = {
+    "bytes": ("pdmesh_kv_transfer_bytes", "KV-transfer payload bytes."),
+    "seconds": (
+        "pdmesh_kv_transfer_seconds",
+        "Seconds KV transfers took, first frame to last (bytes / seconds: bandwidth).",
+    ),
+    "transfers": ("pdmesh_kv_transfers", "KV transfers completed."),
+    "failed": ("pdmesh_kv_transfer_failures", "KV transfers that failed."),
+    "frames_dropped": (
+        "pdmesh_kv_transfer_frames_dropped",
+        "KV frames refused by the receiver (unknown transfer, bad token or size).",
+    ),
+}
 
 
 def transfer_histogram(direction: str) -> FastHistogram:

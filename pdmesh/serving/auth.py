@@ -7,7 +7,6 @@ every other method of a server built with `ApiKeyInterceptor` needs a key, refle
 from __future__ import annotations
 
 import hmac
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,14 +89,13 @@ async def _deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
 class ApiKeyInterceptor(HandlerInterceptor):
     """UNAUTHENTICATED for calls without a valid key, before any handler runs."""
 
-    def __init__(self, keys: ApiKeys, open_prefixes: Sequence[str] = OPEN_PREFIXES) -> None:
+    def __init__(self, keys: ApiKeys) -> None:
         self.keys = keys
-        self.open_prefixes = tuple(open_prefixes)
 
     def replace(
         self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
-        if details.method.startswith(self.open_prefixes) or self.keys.check_header(
+        if details.method.startswith(OPEN_PREFIXES) or self.keys.check_header(
             _metadata_value(details, "authorization")
         ):
             return handler

@@ -47,11 +47,7 @@ class TLSConfig:
 
     @classmethod
     def from_flags(
-        cls,
-        cert: str | None,
-        key: str | None,
-        ca: str | None,
-        server_name: str | None = None,
+        cls, cert: str | None, key: str | None, ca: str | None, server_name: str | None = None
     ) -> TLSConfig | None:
         """None when no TLS flag is set (plaintext, the default on loopback)."""
         if not (cert or key or ca):
