@@ -15,11 +15,11 @@ from pdmesh.engine.overlap import InFlight, next_decode
 from pdmesh.engine.parallel import SINGLE
 from pdmesh.engine.request import Request
 from pdmesh.engine.sampler import Sampler
-from pdmesh.engine.scheduler import Reservation, Scheduler
+from pdmesh.engine.scheduler import Scheduler
 from pdmesh.engine.sequence import Sequence
 from pdmesh.engine.tp_driver import CountExperts, ExpertCounts, TPDriver, rank_device
 from pdmesh.errors import InvalidRequest
-from pdmesh.kv_transfer.connector import KVConnector
+from pdmesh.kv_transfer.connector import ExternalBlocks, KVConnector
 from pdmesh.logger import get_logger
 from pdmesh.sampling_params import SamplingParams
 from pdmesh.text.tokenizer import Tokenizer
@@ -163,7 +163,7 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         num_output_tokens: int = 0,
-    ) -> Reservation | None:
+    ) -> ExternalBlocks | None:
         """Hold blocks for the whole prompt (after this worker's prefix-cache hit) so another
         worker can fill them. None when blocks or sequence slots are short right now; raises
         ValueError (naming the field) for bad input."""

@@ -11,12 +11,12 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from pdmesh.engine.block_manager import BlockManager
 from pdmesh.engine.outputs import EngineStats
 from pdmesh.engine.sequence import Sequence, SequenceStatus
+from pdmesh.kv_transfer.connector import ExternalBlocks
 from pdmesh.sampling_params import SamplingParams
 
 
@@ -40,19 +40,6 @@ class Lookahead(NamedTuple):
 
     batch: ScheduledBatch
     rows: list[int]  # for each of batch.seqs: the row of the previous step's sampled tokens
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """Blocks held for a prompt whose KV another worker computes (see `Scheduler.reserve`)."""
-
-    seq: Sequence
-    first_block: int  # prompt blocks already here (prefix cache): not to be sent
-    block_ids: list[int]  # this worker's blocks for the rest of the prompt, in order
-
-    @property
-    def uncached_tokens(self) -> int:
-        return self.seq.num_tokens - self.seq.num_computed_tokens
 
 
 def _last_token_is_next(seq: Sequence, max_model_len: int) -> bool:
@@ -148,7 +135,7 @@ class Scheduler:
             self._blocks.free(seq)
 
     # -- prompts prefilled by another worker ---------------------------------------------------
-    def reserve(self, seq: Sequence) -> Reservation | None:
+    def reserve(self, seq: Sequence) -> ExternalBlocks | None:
         """Hold blocks for all of `seq`'s prompt (after the prefix cache's hit) for another worker
         to fill; None, holding nothing, when blocks or sequence slots are short right now."""
         bm = self._blocks
@@ -167,7 +154,7 @@ class Scheduler:
         seq.num_cached_tokens = seq.num_computed_tokens
         seq.status = SequenceStatus.PREFILLING
         self._reserved[seq.request_id] = seq
-        return Reservation(seq, len(prefix), seq.block_table[len(prefix) :])
+        return ExternalBlocks(len(prefix), seq.block_table[len(prefix) :], new_tokens)
 
     def is_reserved(self, request_id: str) -> bool:
         return request_id in self._reserved

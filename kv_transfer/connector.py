@@ -114,7 +114,7 @@ class PrefillHost(Protocol):
     def cached_prefix_tokens(self, prompt: list[int]) -> int: ...
     def reserve_prefill(
         self, request_id: str, prompt: list[int], params: Any, num_output_tokens: int = 0
-    ) -> Any: ...
+    ) -> ExternalBlocks | None: ...
     def commit_prefill(
         self, request_id: str, first_token: int, defer_caching: bool = False
     ) -> Any: ...
@@ -195,12 +195,9 @@ class KVConnector:
         uncached = len(prompt) - engine.cached_prefix_tokens(prompt) if self.receives else 0
         if uncached < max(1, min_tokens):
             return None
-        res = engine.reserve_prefill(
+        return engine.reserve_prefill(
             request_id, prompt, params, num_output_tokens=num_output_tokens
         )
-        if res is None:
-            return None
-        return ExternalBlocks(res.first_block, list(res.block_ids), res.uncached_tokens)
 
     def commit(self, engine: PrefillHost, request_id: str, first_token: int) -> Any | None:
         """The reserved prompt's KV arrived and `first_token` was sampled: the engine's delta,

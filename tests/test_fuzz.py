@@ -3,10 +3,8 @@
 and NaN numbers, huge max_tokens, odd chat messages, bytes that are no protobuf at all) and
 1,000 HTTP bodies (the same, plus arbitrary and deeply nested JSON), eight at a time. Every
 reply must be a well-formed answer or a proper error; afterwards every service is healthy and
-every KV block is free. Plus the message-size limit of every server, and Unicode edge cases on
-every text field: JSON's lone-surrogate escapes (valid JSON, not text) are 400 naming the field,
-bytes that are not UTF-8 in a protobuf string are INVALID_ARGUMENT naming the field, and odd but
-valid text (NUL, noncharacters, U+10FFFF, combining marks) is served."""
+every KV block is free. Plus the message-size limit of every server. The Unicode cases of every
+text field are in test_fuzz_unicode.py; its strings are among the fuzz's inputs too."""
 
 from __future__ import annotations
 
@@ -19,12 +17,19 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from fuzz_support import (
+    BAD_UTF8,
+    GRPC_TEXT_FIELDS,
+    LONE_SURROGATES,
+    ODD_TEXT,
+    bad_utf8_payload,
+    fuzz_mesh,
+)
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from mesh_support import Mesh, start_mesh
+from mesh_support import Mesh
 from service_support import wait_until
-from support import make_tiny_model
 
 from pdmesh.serving.grpc_server import MAX_MESSAGE_BYTES
 from pdmesh.v1 import generation_pb2 as gen_pb
@@ -33,7 +38,6 @@ pytestmark = pytest.mark.timeout(600)
 
 BATCH = 8
 EXAMPLES = 125  # x BATCH requests per edge
-MAX_MODEL_LEN = 64  # bounds what a valid request can generate, so the fuzz stays quick
 FINISHED = (gen_pb.FINISH_REASON_STOP, gen_pb.FINISH_REASON_LENGTH)
 # A proper refusal of bad input (or of too much of it); anything else is a bug.
 PROPER_GRPC_ERRORS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
@@ -50,57 +54,12 @@ _outcomes: Counter[str] = Counter()  # "grpc OK", "grpc INVALID_ARGUMENT", "http
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    folder = make_tiny_model(tmp_path_factory.mktemp("chat-llama"), "llama")
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    config["chat_template"] = (
-        "{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
-        "{{ raise_exception('unknown role') }}{% endif %}{{ m['role'] }} {{ m['content'] }} "
-        "{% endfor %}{% if add_generation_prompt %}assistant{% endif %}"
-    )
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    m = start_mesh(
-        "--model",
-        str(folder),
-        "--kv-cache-tokens",
-        "4096",
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--disagg-min-tokens",
-        "16",
-        http=True,
-    )
-    try:
-        yield m
-    finally:
-        m.stop()
+    yield from fuzz_mesh(tmp_path_factory)
 
 
 # -- strategies -------------------------------------------------------------------------------
 INT64 = st.integers(-(2**63), 2**63 - 1)
 WORDS = st.lists(st.integers(0, 600).map(lambda i: f"t{i}"), max_size=40).map(" ".join)
-# Valid text that tokenizers and templates find odd: NUL, noncharacters, the last code point, a
-# BOM, a combining mark, a right-to-left override, a ZWJ sequence, a character outside the BMP.
-ODD_TEXT = [
-    "\x00",
-    "a\x00b",
-    "\uffff",
-    "\ufffe",
-    "\ufdd0",
-    "\U0010ffff",
-    "\ufeff",
-    "e\u0301",
-    "\u202eabc",
-    "\U0001f469\u200d\U0001f467",
-    "\U0001f600",
-    "t1\r\nt2",
-    "\u2028",
-]
-# What JSON's \uD800-\uDFFF escapes decode to when they are not a pair: a Python str that is
-# not text (it cannot be UTF-8 encoded).
-LONE_SURROGATES = ["\ud800", "\udfff", "a\udc00b", "\udc00\ud800", "t1 \ud83d"]
-# Bytes that are not UTF-8, four long (they replace a four-byte marker in a serialized message):
-# a surrogate, an overlong "/", a byte UTF-8 never uses, a cut-off sequence, past U+10FFFF.
-BAD_UTF8 = [b"\xed\xa0\x80a", b"\xc0\xafaa", b"\xffaaa", b"\xe2\x82aa", b"\xf4\x90\x80\x80"]
 TEXT = st.one_of(st.text(max_size=120), WORDS, st.sampled_from(ODD_TEXT))
 # JSON strings may hold lone surrogates too (st.text leaves category Cs out unless told).
 JSON_TEXT = st.one_of(
@@ -179,49 +138,11 @@ def _generate_request() -> st.SearchStrategy[gen_pb.GenerateRequest]:
     )
 
 
-MARK = "\x01\x02\x03\x04"  # four bytes on the wire, in no other generated string
-
-
-def _with_mark(field: str) -> gen_pb.GenerateRequest:
-    """A valid request whose `field` (a path as bad_utf8_field names it) holds MARK."""
-    chat = gen_pb.ChatMessages(messages=[gen_pb.ChatMessage(role="user", content="t1")])
-    if field == "chat.messages.content":
-        chat.messages[0].content = f"t1 {MARK}"
-    if field == "chat.messages.role":
-        chat.messages[0].role = MARK
-    req = gen_pb.GenerateRequest(sampling=gen_pb.SamplingParams(max_tokens=4))
-    if field.startswith("chat."):
-        req.chat.CopyFrom(chat)
-    else:
-        req.text = f"t1 {MARK}" if field == "text" else "t1 t2"
-    if field == "sampling.stop":
-        req.sampling.stop.append(MARK)
-    if field in ("model", "request_id"):
-        setattr(req, field, MARK)
-    return req
-
-
-GRPC_TEXT_FIELDS = [
-    "text",
-    "chat.messages.content",
-    "chat.messages.role",
-    "sampling.stop",
-    "model",
-    "request_id",
-]
-
-
-def _bad_utf8_payload(field: str, bad: bytes) -> bytes:
-    raw = _with_mark(field).SerializeToString()
-    assert raw.count(MARK.encode()) == 1
-    return raw.replace(MARK.encode(), bad)
-
-
 def _grpc_item() -> st.SearchStrategy[bytes]:
     hostile = _generate_request().map(lambda r: r.SerializeToString())
     plausible = _plausible_request().map(lambda r: r.SerializeToString())
     bad_utf8 = st.builds(
-        _bad_utf8_payload, st.sampled_from(GRPC_TEXT_FIELDS), st.sampled_from(BAD_UTF8)
+        bad_utf8_payload, st.sampled_from(GRPC_TEXT_FIELDS), st.sampled_from(BAD_UTF8)
     )
     return st.one_of(hostile, plausible, hostile, plausible, st.binary(max_size=300), bad_utf8)
 
@@ -382,97 +303,6 @@ def test_fuzzed_http_bodies_get_answers_or_proper_errors(mesh: Mesh) -> None:
     print(sorted(_outcomes.items()))
     assert sum(n for k, n in _outcomes.items() if k.startswith("http")) >= EXAMPLES * BATCH
     assert _outcomes["http 200"] >= EXAMPLES // 2
-
-
-def _post(base: str, path: str, body: dict) -> tuple[int, dict]:
-    host, port = base.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    try:
-        conn.request("POST", path, body=json.dumps(body).encode())  # lone surrogates: \uXXXX
-        r = conn.getresponse()
-        return r.status, json.loads(r.read())
-    finally:
-        conn.close()
-
-
-_CHAT = "/v1/chat/completions"
-_COMPLETIONS = "/v1/completions"
-
-
-def _http_text_fields(text: str) -> list[tuple[str, dict, str]]:
-    """(path, body, param) with `text` in each text field a request may carry."""
-    user = {"role": "user", "content": "t1"}
-    return [
-        (_COMPLETIONS, {"prompt": text}, "prompt"),
-        (_COMPLETIONS, {"prompt": ["t1" + text]}, "prompt"),
-        (_COMPLETIONS, {"prompt": "t1", "stop": text}, "stop[0]"),
-        (_COMPLETIONS, {"prompt": "t1", "stop": ["t2", text]}, "stop[1]"),
-        (_COMPLETIONS, {"prompt": "t1", "model": text}, "model"),
-        (_CHAT, {"messages": [user, {"role": "user", "content": text}]}, "messages[1].content"),
-        (_CHAT, {"messages": [{"role": text, "content": "t1"}]}, "messages[0].role"),
-        (
-            _CHAT,
-            {"messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]},
-            "messages[0].content",
-        ),
-        (_CHAT, {"messages": [user], "stop": [text]}, "stop[0]"),
-    ]
-
-
-@pytest.mark.parametrize("text", LONE_SURROGATES)
-def test_lone_surrogates_are_400_naming_the_field(mesh: Mesh, text: str) -> None:
-    assert mesh.http is not None
-    for path, body, param in _http_text_fields(text):
-        status, reply = _post(mesh.http, path, {**body, "max_tokens": 2})
-        assert status == 400, (body, reply)
-        assert reply["error"]["param"] == param, (body, reply)
-        assert "not valid Unicode text" in reply["error"]["message"]
-    # Where the text is not read (an extra field, a string in a refused field), it is harmless.
-    status, _ = _post(mesh.http, _COMPLETIONS, {"prompt": "t1", "max_tokens": 2, "user": text})
-    assert status == 200
-    status, reply = _post(
-        mesh.http,
-        _CHAT,
-        {
-            "messages": [{"role": "user", "content": "t1"}],
-            "tools": [{"type": "function", "function": {"name": text}}],
-        },
-    )
-    assert status == 400 and reply["error"]["param"] == "tools"
-
-
-@pytest.mark.parametrize("text", ODD_TEXT)
-def test_odd_but_valid_text_is_served_in_every_field(mesh: Mesh, text: str) -> None:
-    assert mesh.http is not None
-    for path, body, param in _http_text_fields(text):
-        status, reply = _post(mesh.http, path, {**body, "max_tokens": 2})
-        # Served, or refused for what the text says (an unknown role, another model), never
-        # for being odd text, and never a 500.
-        assert status in (200, 400), (body, reply)
-        if status == 400:
-            assert "Unicode" not in reply["error"]["message"], (body, reply)
-            assert param in ("model", "messages[0].role", "prompt") or "refused" in str(reply)
-
-
-@pytest.mark.parametrize("field", GRPC_TEXT_FIELDS)
-def test_grpc_strings_that_are_not_utf8_are_invalid_argument_naming_the_field(
-    mesh: Mesh, field: str
-) -> None:
-    with grpc.insecure_channel(mesh.target) as channel:
-        call = channel.unary_stream(
-            "/pdmesh.v1.Generation/Generate",
-            request_serializer=None,
-            response_deserializer=gen_pb.GenerateResponse.FromString,
-        )
-        for bad in BAD_UTF8:
-            with pytest.raises(grpc.RpcError) as err:
-                list(call(_bad_utf8_payload(field, bad), timeout=30))
-            assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-            assert f"{field} is not valid UTF-8" in (err.value.details() or "")
-        ok = list(
-            call(_with_mark("text").SerializeToString().replace(MARK.encode(), b"t2 t"), timeout=60)
-        )
-        assert ok[-1].finish_reason in FINISHED
 
 
 def test_every_server_refuses_messages_over_its_limit(mesh: Mesh) -> None:
