@@ -79,14 +79,6 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
     def num_reserved(self) -> int:
         return len(self._reserved)
 

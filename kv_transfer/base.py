@@ -23,6 +23,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import torch
+from torch import Tensor
 
 from pdmesh.kv_transfer.frame import (
     DTYPE_CODES,
@@ -216,21 +217,16 @@ class SendHandle:
 
     def header(self, geometry: PageGeometry, layer: int, first_block: int, n: int) -> FrameHeader:
         """The header of this transfer's frame of `n` blocks from `first_block` of one layer."""
+        g = geometry
+        nbytes = payload_nbytes(n, g.block_size, self.num_heads, g.head_dim, g.dtype.itemsize)
+        # Positional, in wire order (frame.py).
         return FrameHeader(
-            transfer_id=self.raw_id,
-            token=self.token,
-            layer=layer,
-            first_block=first_block,
-            num_blocks=n,
-            head_start=self.head_start,
-            num_heads=self.num_heads,
-            block_size=geometry.block_size,
-            head_dim=geometry.head_dim,
-            dtype_code=DTYPE_CODES[geometry.dtype],
-            payload_nbytes=payload_nbytes(
-                n, geometry.block_size, self.num_heads, geometry.head_dim, geometry.dtype.itemsize
-            ),
-        )
+            self.raw_id, self.token, layer, first_block, n, self.head_start, self.num_heads,
+            g.block_size, g.head_dim, DTYPE_CODES[g.dtype], nbytes
+        )  # fmt: skip
+
+
+Handles = Sequence[SendHandle]  # the transfers one gathered layer goes to
 
 
 class _Closes(ABC):
@@ -333,7 +329,7 @@ class KVSender(_Closes):
 
     @abstractmethod
     def send_layer(
-        self, handle: SendHandle, layer: int, first_block: int, k: torch.Tensor, v: torch.Tensor
+        self, handle: SendHandle, layer: int, first_block: int, k: Tensor, v: Tensor
     ) -> None:
         """Queue block indices [first_block, first_block + n) of one layer.
 
@@ -342,12 +338,7 @@ class KVSender(_Closes):
         """
 
     def send_blocks(
-        self,
-        handles: Sequence[SendHandle],
-        layer: int,
-        first_block: int,
-        pages: torch.Tensor,
-        block_ids: torch.Tensor,
+        self, handles: Handles, layer: int, first_block: int, pages: Tensor, block_ids: Tensor
     ) -> None:
         """`send_layer` to each handle of blocks gathered from one layer of a cache: pages
         [2 (k, v), num_blocks, block_size, num_kv_heads, head_dim], block_ids (int64, on pages'
@@ -359,11 +350,7 @@ class KVSender(_Closes):
             self.send_layer(handle, layer, first_block, kv[0], kv[1])
 
     def send_layers(
-        self,
-        handles: Sequence[SendHandle],
-        first_block: int,
-        cache: torch.Tensor,
-        block_ids: torch.Tensor,
+        self, handles: Handles, first_block: int, cache: Tensor, block_ids: Tensor
     ) -> None:
         """`send_blocks` of every layer at once, for blocks already complete in `cache`
         [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] (a prompt prefix this

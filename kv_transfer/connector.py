@@ -89,23 +89,17 @@ class KVBinding:
 
 # -- what the scheduler side reads of the engine -------------------------------------------------
 class StepSeq(Protocol):
-    @property
-    def request_id(self) -> str: ...
-    @property
-    def num_computed_tokens(self) -> int: ...
-    @property
-    def num_prompt_tokens(self) -> int: ...
-    @property
-    def block_table(self) -> list[int]: ...
+    request_id: str
+    num_computed_tokens: int
+    num_prompt_tokens: int
+    block_table: list[int]
 
 
 class StepBatch(Protocol):
     """A scheduled step: run `num_new_tokens[i]` tokens of `seqs[i]`."""
 
-    @property
-    def seqs(self) -> Sequence[StepSeq]: ...
-    @property
-    def num_new_tokens(self) -> Sequence[int]: ...
+    seqs: Sequence[StepSeq]
+    num_new_tokens: Sequence[int]
 
 
 class PrefillHost(Protocol):

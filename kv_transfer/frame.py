@@ -15,7 +15,7 @@ frames were written (or why they were refused). Nothing here is ever unpickled o
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from enum import IntEnum
 
 import torch
@@ -91,21 +91,7 @@ class FrameHeader:
         return CODE_DTYPES.get(self.dtype_code)
 
     def pack(self) -> bytes:
-        return _HEADER.pack(
-            MAGIC,
-            VERSION,
-            self.transfer_id,
-            self.token,
-            self.layer,
-            self.first_block,
-            self.num_blocks,
-            self.head_start,
-            self.num_heads,
-            self.block_size,
-            self.head_dim,
-            self.dtype_code,
-            self.payload_nbytes,
-        )
+        return _HEADER.pack(MAGIC, VERSION, *astuple(self))
 
     def pack_layers(self, count: int) -> list[bytes]:
         """The packed headers of this frame and of the `count - 1` alike but for the layers

@@ -13,12 +13,12 @@ from __future__ import annotations
 import datetime
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
-from pdmesh.kv_transfer.base import KVSender, PageGeometry, SendHandle, TransferError
+from pdmesh.kv_transfer.base import Handles, KVSender, PageGeometry, SendHandle, TransferError
 from pdmesh.kv_transfer.frame import payload_nbytes
 from pdmesh.kv_transfer.p2p_pairs import (
     BATCH_BYTES,
@@ -79,7 +79,7 @@ class P2PSender(KVSender):
         handle.pair = self._pair(handle.endpoint)
 
     def send_layer(
-        self, handle: SendHandle, layer: int, first_block: int, k: torch.Tensor, v: torch.Tensor
+        self, handle: SendHandle, layer: int, first_block: int, k: Tensor, v: Tensor
     ) -> None:
         geo = self.geometry
         n = k.shape[0]
@@ -91,12 +91,7 @@ class P2PSender(KVSender):
         self._queue(h, layer, first_block, n, payload)
 
     def send_blocks(
-        self,
-        handles: Sequence[SendHandle],
-        layer: int,
-        first_block: int,
-        pages: torch.Tensor,
-        block_ids: torch.Tensor,
+        self, handles: Handles, layer: int, first_block: int, pages: Tensor, block_ids: Tensor
     ) -> None:
         """Each handle's heads gathered from the cache straight into its frame (one copy)."""
         geo = self.geometry
@@ -109,11 +104,7 @@ class P2PSender(KVSender):
             self._queue(h, layer, first_block, n, payload)
 
     def send_layers(
-        self,
-        handles: Sequence[SendHandle],
-        first_block: int,
-        cache: torch.Tensor,
-        block_ids: torch.Tensor,
+        self, handles: Handles, first_block: int, cache: Tensor, block_ids: Tensor
     ) -> None:
         """Each handle's heads of as many layers as fit in one batch, gathered into one buffer
         at a time and queued together as a frame per layer: the pair thread then sends each

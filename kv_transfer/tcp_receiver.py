@@ -60,8 +60,7 @@ class TcpReceiver(KVReceiver):
         self._socket = sock
         self._endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._stop = threading.Event()
-        self._close_lock = threading.Lock()
-        self._closed = False
+        self._closing = threading.Lock()  # taken by the first close(), never released
         self._thread = threading.Thread(
             target=self._run, name=f"pdmesh-kv-recv {self._endpoint}", daemon=True
         )
@@ -72,10 +71,8 @@ class TcpReceiver(KVReceiver):
         return self._endpoint
 
     def close(self) -> None:
-        with self._close_lock:
-            if self._closed:
-                return
-            self._closed = True
+        if not self._closing.acquire(blocking=False):
+            return
         self._stop.set()
         self._thread.join(timeout=1.0 + 2 * POLL_MS / 1000)
         self.inbox.close("the KV receiver closed")

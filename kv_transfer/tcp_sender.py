@@ -73,7 +73,7 @@ class TcpSender(KVSender):
         self._wake_recv.setblocking(False)
         self._wake_send.setblocking(False)
         self._active: set[tuple[str, bytes]] = set()
-        self._closed = False
+        self._closing = threading.Lock()  # taken by the first close(), never released
         self._stop = threading.Event()
         # I/O thread state.
         self._poller = zmq.Poller()
@@ -136,10 +136,8 @@ class TcpSender(KVSender):
             self._submit(_Command("abort", h, reason="aborted by the sender"))
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+        if not self._closing.acquire(blocking=False):
+            return
         self._stop.set()
         self._wake()
         self._thread.join(timeout=1.0 + 2 * POLL_MS / 1000)

@@ -38,7 +38,7 @@ def test_max_num_seqs_caps_running() -> None:
     for i in range(3):
         sched.add(_seq(f"r{i}", 5))
     assert set(_run(sched)) == {"r0", "r1"}
-    assert sched.num_waiting == 1
+    assert len(sched.waiting) == 1
 
 
 def test_preemption_frees_newest_and_recomputes_it() -> None:

@@ -34,22 +34,10 @@ class TransferTotals:
 
 @dataclass(frozen=True)
 class WorkerSnapshot:
-    num_running: int
-    num_waiting: int
-    kv_blocks_total: int
-    kv_blocks_used: int
-    kv_blocks_free: int
-    prefix_queried_tokens: int
-    prefix_hit_tokens: int
-    num_preemptions: int
-    steps_launched_ahead: int
+    engine: Mapping[str, int]  # EngineStats under the WorkerStats message's names
     transfers: Sequence[TransferTotals]  # one per transport in use
     expert_token_counts: Sequence[int] = ()
     prefills: Mapping[str, int] = field(default_factory=dict)  # by mode: local, remote, fallback
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_hit_tokens / max(1, self.prefix_queried_tokens)
 
 
 class WorkerCollector:
@@ -64,10 +52,16 @@ class WorkerCollector:
         return self._families(self._snapshot())
 
     def _families(self, s: WorkerSnapshot | None) -> Iterator[Metric]:
-        for attr, (kind, name, doc) in _ENGINE_FAMILIES.items():
+        if s is not None:
+            e = s.engine
+            values = {
+                **e,
+                "prefix_hit_rate": e["prefix_hit_tokens"] / max(1, e["prefix_queried_tokens"]),
+            }
+        for key, (kind, name, doc) in _ENGINE_FAMILIES.items():
             family = kind(name, doc, labels=["role"])
             if s is not None:
-                family.add_metric([self.role], getattr(s, attr))
+                family.add_metric([self.role], values[key])
             yield family
         yield from _transfer_families(s.transfers if s else ())
         experts = CounterMetricFamily(
@@ -86,7 +80,7 @@ class WorkerCollector:
 
 
 G, C = GaugeMetricFamily, CounterMetricFamily
-# WorkerSnapshot field -> (family, metric name, help), labelled by role.
+# WorkerSnapshot.engine key -> (family, metric name, help), labelled by role.
 _ENGINE_FAMILIES: dict[str, tuple[type[Metric], str, str]] = {
     "num_running": (G, "pdmesh_requests_running", "Requests in the running batch."),
     "num_waiting": (G, "pdmesh_requests_waiting", "Requests queued for admission."),

@@ -91,8 +91,8 @@ class WorkerProcess(ABC):
     def metrics_snapshot(self) -> WorkerSnapshot:
         """State for a Prometheus scrape, read from the scraping thread (no engine wait)."""
         return WorkerSnapshot(
-            **worker_stat_fields(self.engine.stats()),
-            transfers=self.transfer_totals(),
+            worker_stat_fields(self.engine.stats()),
+            self.transfer_totals(),
             expert_token_counts=self.engine.runner.expert_counts() or (),
             prefills=dict(self.prefills),
         )
@@ -148,14 +148,10 @@ def _totals(transport: str, s: SenderStats | ReceiverStats) -> TransferTotals:
 class WorkerSettings(Protocol):
     """What `serve_worker` reads of a service's config."""
 
-    @property
-    def engine(self) -> Any: ...
-    @property
-    def bind(self) -> str: ...
-    @property
-    def metrics_bind(self) -> str | None: ...
-    @property
-    def tls(self) -> TLSConfig | None: ...
+    engine: Any
+    bind: str
+    metrics_bind: str | None
+    tls: TLSConfig | None
 
 
 W = TypeVar("W", bound=WorkerProcess)
