@@ -24,8 +24,6 @@ from pdmesh.observability.worker_collector import (
     worker_registry,
 )
 
-NS = 1e-9
-
 
 class DecodeMetrics:
     def __init__(self, snapshot: Callable[[], WorkerSnapshot]) -> None:
@@ -59,17 +57,17 @@ class DecodeMetrics:
     def first_token(self, ttft_ns: int, n: int) -> None:
         """A request's first `n` tokens, `ttft_ns` after it reached the router."""
         self.generated_tokens += n
-        self.ttft.observe(max(0, ttft_ns) * NS)
+        self.ttft.observe_ns(ttft_ns)
 
     def next_tokens(self, gap_ns: int, n: int) -> None:
         """`n` more tokens of a request, `gap_ns` after its previous ones (they share the gap)."""
         self.generated_tokens += n
-        self.itl.observe(gap_ns * NS / n, n)
+        self.itl.observe_ns(gap_ns / n, n)
 
     def finish(self, reason: str, queue_ns: int, total_ns: int) -> None:
         self.finished[reason] = self.finished.get(reason, 0) + 1
-        self.queue.observe(max(0, queue_ns) * NS)
-        self.e2e.observe(max(0, total_ns) * NS)
+        self.queue.observe_ns(queue_ns)
+        self.e2e.observe_ns(total_ns)
 
 
 class _Counters:

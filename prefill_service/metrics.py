@@ -12,8 +12,6 @@ from pdmesh.observability.worker_collector import (
     worker_registry,
 )
 
-NS = 1e-9
-
 
 class PrefillMetrics:
     def __init__(self, snapshot: Callable[[], WorkerSnapshot]) -> None:
@@ -33,6 +31,6 @@ class PrefillMetrics:
         )
 
     def prefilled(self, prefill_ns: int, queue_ns: int, transfer_s: float) -> None:
-        self.prefill.observe(prefill_ns * NS)
-        self.queue.observe(max(0, queue_ns) * NS)
+        self.prefill.observe_ns(prefill_ns)
+        self.queue.observe_ns(queue_ns)
         self.transfer.observe(transfer_s)

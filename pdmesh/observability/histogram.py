@@ -51,6 +51,10 @@ class FastHistogram:
         self._counts[bisect_left(self._bounds, value)] += count
         self._sum += value * count
 
+    def observe_ns(self, ns: float, count: int = 1) -> None:
+        """`observe` a duration given in ns; a wall clock that stepped back counts as 0 s."""
+        self.observe(max(0.0, ns) * 1e-9, count)
+
     def _family(self, with_samples: bool) -> HistogramMetricFamily:
         family = HistogramMetricFamily(self.name, self.documentation, labels=list(self._labels))
         if with_samples:
