@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from pdmesh.bench.gpu_models import dummy_llm, write_llama_8b
-from pdmesh.bench.latency_stats import Slo, summarize
+from pdmesh.bench.latency_stats import RequestRecord, Slo, summarize
 from pdmesh.bench.report import Report, out_parser
 from pdmesh.bench.serving import LoadConfig, exact_request, make_workload, run_load
 from pdmesh.mesh import quiet_up, read_services
@@ -96,7 +96,9 @@ def mesh(folder: Path, layout: str, log: Path, spans: Path | None = None) -> Ite
             stop(proc, 60)
 
 
-def load(target: str, n: int, in_len: int, out_len: int, rate: float, seed: int, conc=None):
+def load(
+    target: str, n: int, in_len: int, out_len: int, rate: float, seed: int, conc: int | None = None
+) -> tuple[list[RequestRecord], float]:
     cfg = LoadConfig(n, in_len, out_len, rate, concurrency=conc, seed=seed)
     return asyncio.run(run_load(target, make_workload(cfg, VOCAB), cfg, progress=False))
 

@@ -1,6 +1,6 @@
 """The engine on one GPU against the hardware ceilings and transformers, in one run.
 
-    python -m pdmesh.bench.gpu --out DIR [--only decode,prefill,offline,moe,sweep]
+    python -m pdmesh.bench.gpu --out DIR [--only decode,peer,moe]
 
 Random-initialised bf16 weights of real model shapes (load_format="dummy"). Ceilings are
 measured in the same run: device-to-device copy bandwidth (bytes read + written) and a large

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from pdmesh.bench.gpu_models import decoder_config
+from pdmesh.bench.gpu_models import decoder_config, random_checkpoint
+from pdmesh.bench.gpu_workloads import greedy_tokens
 from pdmesh.bench.report import compare_tokens, out_parser
 
 PROMPTS = [
@@ -34,38 +35,31 @@ PROMPTS = [
 NEW_TOKENS = 32
 
 
+def _greedy(llm: Any, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy tokens, stopping at EOS as the reference did."""
+    from pdmesh import SamplingParams
+
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
 def make_reference(path: Path) -> None:
-    from pdmesh import LLM, SamplingParams
+    from pdmesh import LLM
 
     llm = LLM(kv_cache_tokens=16384)
     tok = llm.get_tokenizer()
     prompts = [tok.encode(p) for p in PROMPTS]
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts],
-        SamplingParams(max_tokens=NEW_TOKENS, temperature=0),
-    )
-    path.write_text(
-        json.dumps(
-            {
-                "prompts": prompts,
-                "tokens": [o.outputs[0].token_ids for o in outs],
-                "device": "cpu",
-                "dtype": "float32",
-            }
-        )
-    )
+    ref = {"prompts": prompts, "tokens": _greedy(llm, prompts), "device": "cpu", "dtype": "float32"}
+    path.write_text(json.dumps(ref))
 
 
 def on_gpu(gguf: Path, reference: Path, out: Path) -> dict[str, Any]:
-    from pdmesh import LLM, SamplingParams
+    from pdmesh import LLM
 
     ref = json.loads(reference.read_text())
     llm = LLM(str(gguf) if gguf else None, dtype="float32", kv_cache_tokens=16384)
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p in ref["prompts"]],
-        SamplingParams(max_tokens=NEW_TOKENS, temperature=0),
-    )
-    got = [o.outputs[0].token_ids for o in outs]
+    got = _greedy(llm, ref["prompts"])
     result: dict[str, Any] = {
         "default_model_fp32_gpu_equals_cpu": got == ref["tokens"],
         "first_difference": compare_tokens(got, ref["tokens"])["first_difference"],
@@ -83,25 +77,15 @@ def tiny_bf16() -> dict[str, Any]:
 
     from transformers import LlamaForCausalLM
 
-    from pdmesh import LLM, SamplingParams
+    from pdmesh import LLM
 
-    folder = Path(tempfile.mkdtemp())
-    torch.manual_seed(0)
     config = decoder_config("LlamaConfig", (512, 256, 512, 4, 8, 4), max_position_embeddings=1024)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(folder)
+    folder = random_checkpoint(config, Path(tempfile.mkdtemp()), 0.08)
     hf = LlamaForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
     rng = random.Random(1)
     prompts = [[rng.randrange(512) for _ in range(n)] for n in (5, 17, 40, 100, 150, 3)]
     llm = LLM(str(folder), dtype="bfloat16", kv_cache_tokens=4096, skip_tokenizer_init=True)
-    ours = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts],
-        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
-    )
+    ours = greedy_tokens(llm, prompts, 24)
     refs = []
     for p in prompts:
         ids = torch.tensor([p], device="cuda")
@@ -113,7 +97,7 @@ def tiny_bf16() -> dict[str, Any]:
             do_sample=False,
         )
         refs.append(ref[0, len(p) :].tolist())
-    return compare_tokens([o.outputs[0].token_ids for o in ours], refs)
+    return compare_tokens(ours, refs)
 
 
 def main() -> None:

@@ -75,6 +75,29 @@ def write_config(folder: Path, config: Any) -> Path:
     return folder
 
 
+def random_checkpoint(
+    config: Any, folder: Path, std: float, device: str = "cpu", dtype: Any = None
+) -> Path:
+    """A checkpoint of `config` in `dtype` (default float32) with its matrices drawn from
+    N(0, std) after seeding torch with 0 (norm weights keep their ones)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pdmesh.bench.report import free_memory
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, std)
+    model.save_pretrained(folder, max_shard_size="4GB")
+    del model
+    free_memory()  # a large model leaves the GPU to the engines that load the checkpoint
+    return folder
+
+
 def save_word_tokenizer(folder: Path, vocab_size: int) -> None:
     """A word-level tokenizer whose words are 't0' .. 't{vocab-1}': a stand-in for a model whose
     real tokenizer is not on this machine (random weights make no sense of text anyway)."""

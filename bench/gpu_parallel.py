@@ -20,28 +20,11 @@ from typing import Any
 
 import torch
 
-from pdmesh.bench.gpu_models import TINY, llama_8b_config, qwen3_moe_30b_config
-from pdmesh.bench.gpu_workloads import decode_step_time, prompts
+from pdmesh.bench.gpu_models import TINY, llama_8b_config, qwen3_moe_30b_config, random_checkpoint
+from pdmesh.bench.gpu_workloads import decode_step_time, greedy_tokens, prompts
 from pdmesh.bench.report import Report, compare_tokens, free_memory, out_parser, run_info
 from pdmesh.engine.parallel import ParallelGroup
 from pdmesh.sampling_params import SamplingParams
-
-
-def save_checkpoint(config: Any, folder: Path, device: str) -> Path:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.02)
-    model.save_pretrained(folder, max_shard_size="4GB")
-    del model
-    free_memory()
-    return folder
-
 
 DTYPE = "bfloat16"
 
@@ -61,20 +44,17 @@ def engine(folder: Path, tp: int, ep: bool = False, eager: bool = False, **kw: A
 
 
 def last_logits(llm: Any, prompt: list[int]) -> torch.Tensor:
-    """Logits of the prompt's last position, computed by every rank together."""
-    e = llm.engine
+    """Logits of the prompt's last position, computed by every rank together: a step as
+    `ModelRunner.launch` runs it, without the sampling."""
+    e, runner = llm.engine, llm.engine.runner
     e.add_request("logits", prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
-    batch = e.scheduler.schedule()
-    _, logits = e.runner.step_logits(batch)
+    inputs = runner.prepare(e.scheduler.schedule())
+    if runner.followers is not None:
+        runner.followers.send_step(inputs, None)
+    logits = runner.forward_with_plan(inputs, None)
     e.abort_request("logits")
     e.release("logits")
     return logits[0].float().cpu()
-
-
-def greedy(llm: Any, ps: list[list[int]], steps: int) -> list[list[int]]:
-    params = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def time_all_to_all(llm: Any, batch: int, ctx: int) -> dict[str, float]:
@@ -114,7 +94,7 @@ def dense(folder: Path, tiny: bool, report: Report) -> None:
     kw, ps, one = one_gpu(folder, 4096, 64 if tiny else 512)
     results: dict[str, Any] = {}
     base_logits = last_logits(one, ps[0])
-    base_tokens = greedy(one, ps, 64)
+    base_tokens = greedy_tokens(one, ps, 64)
     results["tp1_step_ms_b1"] = decode_step_time(one.engine, 1, 256) * 1e3
     del one
     free_memory()
@@ -124,7 +104,7 @@ def dense(folder: Path, tiny: bool, report: Report) -> None:
     free_memory()
     with engine(folder, 2, **kw) as two:
         logits = last_logits(two, ps[0])
-        tokens = greedy(two, ps, 64)
+        tokens = greedy_tokens(two, ps, 64)
         results["tp2_step_ms_b1"] = decode_step_time(two.engine, 1, 256) * 1e3
     diff = (logits - base_logits).abs()
     results.update(
@@ -141,13 +121,13 @@ def dense(folder: Path, tiny: bool, report: Report) -> None:
 def moe(folder: Path, tiny: bool, report: Report) -> None:
     kw, ps, one = one_gpu(folder, 2048, 64 if tiny else 256)
     results: dict[str, Any] = {}
-    base = greedy(one, ps, 64)
+    base = greedy_tokens(one, ps, 64)
     results["tp1_step_ms_b64"] = decode_step_time(one.engine, 64, 256) * 1e3
     del one
     free_memory()
     for name, ep in (("tp2", False), ("ep2", True)):
         with engine(folder, 2, ep=ep, **kw) as llm:
-            tokens = greedy(llm, ps, 64)
+            tokens = greedy_tokens(llm, ps, 64)
             step = decode_step_time(llm.engine, 64, 256)
             entry = {
                 "greedy_64_steps_vs_tp1": compare_tokens(base, tokens),
@@ -173,18 +153,23 @@ def main() -> None:
     report = Report(args.out / "parallel.json")
     report.record("device", {**run_info("name"), "gpus": torch.cuda.device_count()})
     tmp = Path(tempfile.mkdtemp())
+
+    def checkpoint(config: Any, name: str) -> Path:
+        """Saved once: every configuration loads the very same weights."""
+        return random_checkpoint(config, tmp / name, 0.02, device, torch.bfloat16)
+
     if "dense" in args.only:
         config = llama_8b_config()
         if args.tiny:
             config.update(TINY)
-        dense(save_checkpoint(config, tmp / "dense", device), args.tiny, report)
+        dense(checkpoint(config, "dense"), args.tiny, report)
     if "moe" in args.only:
         config = qwen3_moe_30b_config()
         # 12 of the 48 layers: same per-layer shapes, a quarter of the 61 GB to write and load.
         config.num_hidden_layers = 12
         if args.tiny:
             config.update(TINY | dict(moe_intermediate_size=32, head_dim=16, num_experts=8))
-        moe(save_checkpoint(config, tmp / "moe", device), args.tiny, report)
+        moe(checkpoint(config, "moe"), args.tiny, report)
 
 
 if __name__ == "__main__":

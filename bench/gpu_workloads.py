@@ -54,6 +54,12 @@ def timed_generate(
     return seconds, sum(len(o.outputs[0].token_ids) for o in outputs), outputs
 
 
+def greedy_tokens(llm: Any, token_prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Exactly `max_tokens` greedy tokens (ignore_eos) after each token-id prompt."""
+    outputs = timed_generate(llm, token_prompts, [max_tokens] * len(token_prompts))[2]
+    return [o.outputs[0].token_ids for o in outputs]
+
+
 def _admit(engine: Any, batch: int, ctx: int, max_tokens: int) -> list[str]:
     ids = []
     for prompt in prompts(batch, ctx, batch * 7919 + ctx, engine.info.vocab_size):

@@ -1,11 +1,5 @@
 """The kernel benchmark's cases: inputs at real model shapes, the two implementations, and the
-bytes and FLOPs each call must at least move and compute.
-
-Attention, norms, rotary and the MLP activation use Llama-3.1-8B shapes (32 query heads, 8 KV
-heads, head_dim 128, hidden 4096, intermediate 14336); the MoE cases Qwen3-30B-A3B's (128
-experts, top-8, hidden 2048, expert intermediate 768). `smoke` shrinks everything so the script
-can be checked under the Triton interpreter.
-"""
+bytes and FLOPs each call must at least move and compute."""
 
 from __future__ import annotations
 
@@ -19,6 +13,9 @@ BLOCK_SIZE = 16
 
 @dataclass(frozen=True)
 class Shapes:
+    """Llama-3.1-8B's dimensions for attention, norms, rotary and the MLP; Qwen3-30B-A3B's for MoE.
+    SMOKE shrinks everything so that the script can be checked under the Triton interpreter."""
+
     heads: int = 32
     kv_heads: int = 8
     head_dim: int = 128

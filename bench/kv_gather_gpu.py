@@ -38,40 +38,31 @@ def main() -> None:
     cache = torch.randn(LAYERS, 2, BLOCKS, BS, HEADS, DIM, device="cuda").to(torch.bfloat16)
     ids = torch.randperm(BLOCKS, device="cuda")[:SENT]
     chunk, layer = cache[:8], cache[0]
-    moved = {
-        "8 layers": chunk.numel() * 2 * SENT // BLOCKS,
-        "1 layer": layer.numel() * 2 * SENT // BLOCKS,
-    }
+    eight, one = chunk.numel() * 2 * SENT // BLOCKS, layer.numel() * 2 * SENT // BLOCKS  # bytes
     gathered = chunk.index_select(2, ids)
-    dst = torch.empty_like(cache)
+    dst = torch.empty_like(chunk)
     plain = torch.empty_like(gathered)
     assert torch.equal(gather_blocks(chunk, 2, ids), gathered)
-    cases = {
-        "gather 8 layers, torch index_select (bf16)": (
-            "8 layers",
-            lambda: chunk.index_select(2, ids),
-        ),
-        "gather 8 layers, as words (pages.py)": ("8 layers", lambda: gather_blocks(chunk, 2, ids)),
-        "gather 1 layer, torch index_select (bf16)": (
-            "1 layer",
-            lambda: layer.index_select(1, ids),
-        ),
-        "gather 1 layer, as words (pages.py)": ("1 layer", lambda: gather_blocks(layer, 1, ids)),
+    cases = {  # name: (bytes moved, call)
+        "gather 8 layers, torch index_select (bf16)": (eight, lambda: chunk.index_select(2, ids)),
+        "gather 8 layers, as words (pages.py)": (eight, lambda: gather_blocks(chunk, 2, ids)),
+        "gather 1 layer, torch index_select (bf16)": (one, lambda: layer.index_select(1, ids)),
+        "gather 1 layer, as words (pages.py)": (one, lambda: gather_blocks(layer, 1, ids)),
         "scatter 8 layers, torch index_copy_ (bf16)": (
-            "8 layers",
-            lambda: dst[:8].index_copy_(2, ids, gathered),
+            eight,
+            lambda: dst.index_copy_(2, ids, gathered),
         ),
         "scatter 8 layers, as words (pages.py)": (
-            "8 layers",
-            lambda: scatter_blocks(dst[:8], 2, ids, gathered),
+            eight,
+            lambda: scatter_blocks(dst, 2, ids, gathered),
         ),
-        "plain copy of the same bytes (ceiling)": ("8 layers", lambda: plain.copy_(gathered)),
+        "plain copy of the same bytes (ceiling)": (eight, lambda: plain.copy_(gathered)),
     }
     result: dict[str, object] = {"device": torch.cuda.get_device_name()}
-    ceiling = moved["8 layers"] / _ms(cases["plain copy of the same bytes (ceiling)"][1]) / 1e6
-    for name, (size, fn) in cases.items():
+    ceiling = eight / _ms(cases["plain copy of the same bytes (ceiling)"][1]) / 1e6
+    for name, (moved, fn) in cases.items():
         ms = _ms(fn)
-        gb_s = moved[size] / ms / 1e6
+        gb_s = moved / ms / 1e6
         result[name] = {"ms": ms, "gb_s": gb_s, "of_plain_copy": gb_s / ceiling}
         print(f"{name:46s} {ms:7.3f} ms {gb_s:7.0f} GB/s  {gb_s / ceiling:5.2f} of a plain copy")
     if args.out:

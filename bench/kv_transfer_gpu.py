@@ -249,11 +249,8 @@ def main() -> None:
     parser.add_argument("--init")
     parser.add_argument("--timeline", action="store_true", help="stamp each transfer's steps")
     args = parser.parse_args()
-    if args.role == "receiver":
-        receiver(args.init, args.timeline)
-        return
-    if args.role == "sender":
-        sender(args.init, args.timeline)
+    if args.role:
+        (receiver if args.role == "receiver" else sender)(args.init, args.timeline)
         return
     from pdmesh.processes import free_port
 

@@ -10,14 +10,14 @@ length-sorted batches of 8 and the faster of its two runs is the one compared.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+
+from pdmesh.bench.report import write_json_out
 
 
 @dataclass
@@ -122,6 +122,5 @@ def run_offline_bench(args: argparse.Namespace) -> int:
         result["transformers_output_tok_s"] = round(work.output_tokens / best, 1)
         result["speedup"] = round(best / ours, 2)
         print(f"speedup over transformers' best: {best / ours:.2f}x")
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=2))
+    write_json_out(args.json_out, result)
     return 0

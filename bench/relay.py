@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import grpc
 
-from pdmesh.bench.machine import cpu_seconds, device_name, machine_busy_seconds
+from pdmesh.bench.report import cpu_seconds, device_name, machine_busy_seconds, write_json_out
 from pdmesh.bench.serving import exact_request
 from pdmesh.flags import from_args
 from pdmesh.mesh import pdmesh_command, wait_for_workers
@@ -210,6 +208,5 @@ def run_relay_bench(args: argparse.Namespace) -> int:
     )
     if result.errors or result.bad_finishes:
         print(f"errors: {result.errors}, wrong finishes: {result.bad_finishes}", file=sys.stderr)
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(asdict(result), indent=2))
+    write_json_out(args.json_out, asdict(result))
     return 1 if result.errors or result.bad_finishes else 0

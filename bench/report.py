@@ -1,11 +1,15 @@
-"""What the benchmarks share: a JSON report written as each figure comes in, the run's device, the
-hardware ceilings figures are compared with, and token-list checks."""
+"""What the benchmarks share: a JSON report written as each figure comes in, the run's device (and
+on CPU, the CPU time of its processes and of the whole machine, from Linux /proc, so that a figure
+says whether anything else was running), the hardware ceilings figures are compared with, and
+token-list checks."""
 
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import os
+import platform
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -48,6 +52,30 @@ class Report:
         free_memory()
 
 
+def device_name() -> str:
+    """The CPU model (e.g. 'Intel(R) Xeon(R) Processor'), or the architecture if unknown."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_seconds(pid: int) -> float:
+    """user + system CPU time of a process."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds spent by the whole machine, all cores, to spot other load."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def run_info(name_key: str = "device") -> dict[str, Any]:
     """The device's name (under `name_key`), the torch version and the date."""
     import torch
@@ -63,6 +91,12 @@ def out_parser(doc: str | None, out_required: bool = True) -> argparse.ArgumentP
     )
     parser.add_argument("--out", type=Path, required=out_required, help="folder for the figures")
     return parser
+
+
+def write_json_out(path: str | None, figures: Any) -> None:
+    """A CPU benchmark's figures to its `--json-out` file, where one was given."""
+    if path:
+        Path(path).write_text(json.dumps(figures, indent=2) + "\n")
 
 
 def free_memory() -> None:

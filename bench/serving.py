@@ -17,20 +17,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import math
 import os
 import random
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
 
 from pdmesh.bench.latency_stats import RequestRecord, Slo, summarize
-from pdmesh.bench.machine import device_name
+from pdmesh.bench.report import device_name, write_json_out
 from pdmesh.flags import from_args
 from pdmesh.serving.convert import FINISH_FROM_PB
 from pdmesh.serving.grpc_server import channel
@@ -254,8 +252,7 @@ def run_serving_bench(args: argparse.Namespace) -> int:
     if args.peer_offline:
         summary["offline_peer"] = run_offline_peer(args, work)
     print_summary(summary)
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(summary, indent=2))
+    write_json_out(args.json_out, summary)
     if args.plot:
         from pdmesh.bench.latency_plot import plot_cdfs
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import random
 import subprocess
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import grpc
 
+from pdmesh.bench.report import write_json_out
 from pdmesh.flags import engine_argv, engine_options
 from pdmesh.mesh import quiet_up, read_services
 from pdmesh.processes import free_port
@@ -72,6 +72,9 @@ class SoakConfig:
 
 @dataclass
 class SoakResult:
+    """What a soak saw; `ok` when nothing failed and no block leaked (the caller judges
+    `rss_growth` against its own bound)."""
+
     duration_s: float = 0.0
     requests: int = 0
     completed: int = 0
@@ -198,11 +201,9 @@ class _Soak:
             tasks: set[asyncio.Task[None]] = set()
             next_request: tuple[int, int] | None = None
             start = time.monotonic()
-            baseline_taken = False
             while (now := time.monotonic()) - start < cfg.duration_s:
-                if not baseline_taken and now - start >= cfg.warmup_s:
+                if not self.result.rss_start and now - start >= cfg.warmup_s:
                     self.result.rss_start = {p: rss_bytes(p) for p in cfg.pids}
-                    baseline_taken = True
                 if next_request is None:
                     next_request = (
                         self.rng.randint(*cfg.prompt_len),
@@ -310,6 +311,5 @@ def run_soak_bench(args: argparse.Namespace) -> int:
     )
     for failure in result.failures:
         print(f"  failure: {failure}")
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result.as_dict(), indent=2) + "\n")
+    write_json_out(args.json_out, result.as_dict())
     return 0 if result.ok and all(g < MAX_RSS_GROWTH for g in growth.values()) else 1

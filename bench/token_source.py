@@ -193,11 +193,7 @@ async def serve(bind: str, step_s: float) -> None:
     server, health, port = build_server(bind, [ServiceSpec(SERVICE, add_to_server, source)])
     await server.start()
     print(f"token source on port {port}", flush=True)
-    await serve_until_stopped(server, health, _nothing)
-
-
-async def _nothing() -> None:
-    return None
+    await serve_until_stopped(server, health, lambda: asyncio.sleep(0))  # nothing to clean up
 
 
 def main() -> None:
