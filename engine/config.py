@@ -46,6 +46,9 @@ class EngineConfig:
     dtype: str = option("auto", "auto (bfloat16 on GPU, float32 on CPU) | " + " | ".join(_DTYPES))
     device: str = option("auto", "auto | cpu | cuda[:N]")
     tensor_parallel_size: int = option(1, "ranks (GPUs) the model is sharded over")
+    pipeline_parallel_size: int = option(
+        1, "stages the model's layers are split over (TP x PP ranks)"
+    )
     block_size: int = option(16, "tokens per KV cache block")
     kv_cache_tokens: int | None = option(None, "KV cache tokens (default: by memory fraction)")
     kv_cache_memory_fraction: float | None = option(
@@ -78,6 +81,7 @@ class EngineConfig:
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}.")
         _check_positive("tensor_parallel_size", self.tensor_parallel_size)
+        _check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
         _check_positive("block_size", self.block_size)
         _check_positive("kv_cache_tokens", self.kv_cache_tokens, allow_none=True)
         _check_positive("max_num_seqs", self.max_num_seqs)
@@ -94,6 +98,11 @@ class EngineConfig:
             )
         if self.block_size > 1024:
             raise ValueError(f"block_size must be at most 1024 tokens, got {self.block_size}.")
+
+    @property
+    def world_size(self) -> int:
+        """The worker's ranks: tensor-parallel size x pipeline-parallel size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -28,7 +28,8 @@ IDLE_TIMEOUT = datetime.timedelta(days=7)
 def init_group(
     rank: int, size: int, init_method: str, device: torch.device, expert_parallel: bool
 ) -> ParallelGroup:
-    """Join the group whose rank 0 listens at `init_method` (tcp://HOST:PORT)."""
+    """Join the group whose rank 0 listens at `init_method` (tcp://HOST:PORT): every rank of the
+    worker (tensor and pipeline parallel)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     elif envs.num_threads() is None:
@@ -42,6 +43,24 @@ def init_group(
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=IDLE_TIMEOUT)
     host = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     return ParallelGroup(rank, size, dist.group.WORLD, host, store, expert_parallel, device)
+
+
+def tp_group(world: ParallelGroup, tp: int) -> ParallelGroup:
+    """The tensor-parallel group of `world`'s rank: its pipeline stage's `tp` ranks (`world`
+    itself without pipeline parallelism). Every rank makes every stage's group, in order."""
+    if tp == world.size:
+        return world
+    mine = None
+    for first in range(0, world.size, tp):
+        ranks = list(range(first, first + tp))
+        group = dist.new_group(ranks, timeout=IDLE_TIMEOUT)
+        host = dist.new_group(ranks, backend="gloo", timeout=IDLE_TIMEOUT)
+        if world.rank in ranks:
+            mine = (group, host)
+    assert mine is not None
+    return ParallelGroup(
+        world.rank % tp, tp, mine[0], mine[1], None, world.expert_parallel, world.device
+    )
 
 
 def check_tp_size(size: int, num_heads: int, num_kv_heads: int) -> None:

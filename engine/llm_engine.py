@@ -13,6 +13,7 @@ from pdmesh.engine.model_runner import ModelRunner
 from pdmesh.engine.outputs import EngineStats, RequestOutput, StepDelta
 from pdmesh.engine.overlap import InFlight, next_decode
 from pdmesh.engine.parallel import SINGLE
+from pdmesh.engine.pipeline import SINGLE_STAGE, check_world
 from pdmesh.engine.request import Request
 from pdmesh.engine.sampler import Sampler
 from pdmesh.engine.scheduler import Scheduler
@@ -47,19 +48,20 @@ class LLMEngine:
             torch.set_num_threads(threads)
         self.info = ModelInfo.load(resolve_model_folder(config.model))
         self.info.check_parallel(config.tensor_parallel_size, config.enable_expert_parallel)
+        check_world(config, self.info.num_layers, kv_connector is not None)
         self.tokenizer = None if config.skip_tokenizer_init else Tokenizer.load(self.info.folder)
         device = config.torch_device()
         rank0 = rank_device(device, 0)
         max_len = resolve_max_model_len(config, self.info)
         self.tp_driver: TPDriver | None = None
-        group = SINGLE
-        if config.tensor_parallel_size > 1:
+        group, stage = SINGLE, SINGLE_STAGE
+        if config.world_size > 1:
             options = kv_connector.follower_options() if kv_connector is not None else None
             self.tp_driver = TPDriver(config, device, options)
-            group = self.tp_driver.group
+            group, stage = self.tp_driver.tp, self.tp_driver.stage
         try:
             self.runner = ModelRunner(
-                self.info, config, rank0, max_len, group, kv_connector, self.tp_driver
+                self.info, config, rank0, max_len, group, kv_connector, self.tp_driver, stage
             )
         except BaseException:
             self.close()

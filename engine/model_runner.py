@@ -17,6 +17,7 @@ from pdmesh.engine.distributed import all_reduce_min
 from pdmesh.engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
 from pdmesh.engine.model_info import ModelInfo
 from pdmesh.engine.parallel import SINGLE, ParallelGroup
+from pdmesh.engine.pipeline import SINGLE_STAGE, PipelineStage
 from pdmesh.engine.sampler import Sampler, SamplingBatch
 from pdmesh.engine.scheduler import ScheduledBatch
 from pdmesh.engine.step_inputs import HostInputs, StepInputs
@@ -94,17 +95,20 @@ class ModelRunner:
         tp: ParallelGroup = SINGLE,
         kv_connector: KVConnector | None = None,
         followers: Followers | None = None,
+        stage: PipelineStage = SINGLE_STAGE,
     ) -> None:
         """kv_connector: the KV plane's hooks on this rank (bound here, once the cache exists).
-        followers: on rank 0 of a tensor-parallel worker, the ranks each step is sent to."""
+        followers: on rank 0 of a parallel worker, the ranks each step is sent to. stage: this
+        rank's pipeline stage (its layers; engine/pipeline.py)."""
         self.info = info
+        self.stage = stage
         self.device = device
         if device.type == "cuda":
             torch.cuda.set_device(device)  # for this (the building) thread
         self.dtype = dtype = config.torch_dtype(device)
         self.block_size = block_size = config.block_size
         with torch.device(device), _default_dtype(dtype):
-            model = info.model_cls(info.hf_config, max_model_len, tp)
+            model = info.model_cls(info.hf_config, max_model_len, tp, stage)
         # Placement is made explicit: a torch.device context can be overridden by a default-device
         # mode left behind by other code in the process (seen with transformers on CUDA).
         model.to(device)
@@ -124,8 +128,8 @@ class ModelRunner:
         num_blocks = plan_num_blocks(
             self.kv_spec, device, config.kv_cache_tokens, config.kv_cache_memory_fraction
         )
-        if tp.size > 1:  # every rank must hold the same blocks
-            num_blocks = all_reduce_min(num_blocks, tp)
+        if stage.world.size > 1 or tp.size > 1:  # every rank must hold the same blocks
+            num_blocks = all_reduce_min(num_blocks, stage.world if stage.size > 1 else tp)
         self.kv_cache = KVCache(self.kv_spec, num_blocks, device)
         self.kv_cache.bind(attn_layers)
         self.sampler = Sampler(config.seed)
@@ -136,7 +140,8 @@ class ModelRunner:
         # The torch reference kernels sync with the host: only the Triton ones are captured.
         capturable = envs.kernel_backend() != "torch"
         max_batch = min(config.max_num_seqs, 512)
-        if device.type == "cuda" and capturable and not config.enforce_eager:
+        # Pipeline stages step eagerly: a graph per stage is not built yet.
+        if device.type == "cuda" and capturable and not config.enforce_eager and stage.size == 1:
             if tp.size > 1 and not tp.expert_parallel:
                 hidden = info.hf_config.hidden_size
                 fast = symmetric_all_reduce(tp, max_batch * hidden, dtype)
@@ -210,7 +215,13 @@ class ModelRunner:
         n, num_sampled = inputs.input_ids.numel(), len(inputs.sample_seq_index)
         if graphs is not None and graphs.covers(n, meta.num_decode_tokens, num_sampled):
             return graphs.run(inputs.input_ids, inputs.positions, meta)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        stage, carry = self.stage, None
+        if not stage.is_first:
+            carry = stage.recv_prev((2, n, self.info.hidden_size), self.dtype)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, carry)
+        if not stage.is_last:
+            stage.send_next(hidden)
+            return None
         if not inputs.sample_seq_index:
             return None
         return self.model.compute_logits(hidden[inputs.logits_indices])
@@ -244,6 +255,13 @@ class ModelRunner:
             self.kv_connector.end_step()
 
     @_on_device
+    def follow_step(self, inputs: StepInputs, plan: torch.Tensor | None) -> None:
+        """A follower rank's part of a step; the last pipeline stage hands rank 0 the logits."""
+        logits = self.forward_with_plan(inputs, plan)
+        if logits is not None and self.stage.sends_logits:
+            self.stage.send_logits(logits)
+
+    @_on_device
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, next_ids: torch.Tensor | None = None) -> StepHandle:
         """Queue `batch`'s forward and sampling on the device; `collect` reads the tokens. The
@@ -254,6 +272,9 @@ class ModelRunner:
         if self.followers is not None:  # every rank runs the step; rank 0 samples
             self.followers.send_step(inputs, plan)
         logits = self.forward_with_plan(inputs, plan)
+        if self.stage.size > 1 and inputs.sample_seq_index:  # the last stage computed them
+            shape = (len(inputs.sample_seq_index), self.info.vocab_size)
+            logits = self.stage.recv_logits(shape, self.dtype)
         if logits is None:
             return StepHandle(len(batch.seqs), [], None)
         seqs = [batch.seqs[i] for i in inputs.sample_seq_index]

@@ -1,4 +1,4 @@
-"""Rank 0 of a tensor-parallel worker: starts the follower ranks and drives them.
+"""Rank 0 of a tensor- or pipeline-parallel worker: starts the follower ranks and drives them.
 
 Followers are separate processes (`python -m pdmesh.engine.tp_follower`), configured by JSON in
 their environment, that die with rank 0 (PR_SET_PDEATHSIG). Each step rank 0 broadcasts the
@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from pdmesh.checkpoint.source import resolve_model_folder
 from pdmesh.engine import step_codec
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.distributed import (
@@ -29,8 +30,11 @@ from pdmesh.engine.distributed import (
     destroy,
     gather_bytes,
     init_group,
+    tp_group,
 )
+from pdmesh.engine.model_info import ModelInfo
 from pdmesh.engine.parallel import ParallelGroup
+from pdmesh.engine.pipeline import PipelineStage, stage_of
 from pdmesh.engine.step_inputs import StepInputs
 from pdmesh.kv_transfer.connector import control_message, decode, encode, raise_failures
 from pdmesh.logger import get_logger
@@ -58,6 +62,19 @@ def rank_device(base: torch.device, rank: int) -> torch.device:
     return base
 
 
+def init_ranks(
+    rank: int, config: EngineConfig, init_method: str, base: torch.device
+) -> tuple[ParallelGroup, ParallelGroup, PipelineStage]:
+    """Join the worker's ranks: (every rank, this rank's TP group, its pipeline stage)."""
+    world = init_group(
+        rank, config.world_size, init_method, rank_device(base, rank), config.enable_expert_parallel
+    )
+    tp = tp_group(world, config.tensor_parallel_size)
+    num_layers = ModelInfo.load(resolve_model_folder(config.model)).num_layers
+    pp = config.pipeline_parallel_size
+    return world, tp, stage_of(rank, config.tensor_parallel_size, pp, num_layers, world)
+
+
 class TPDriver:
     """Rank 0's side of the followers: `send_step` and `call` on the engine thread (or before it
     starts); `on_rank_death(message)` is called from the monitor thread."""
@@ -66,16 +83,15 @@ class TPDriver:
         self, config: EngineConfig, device: torch.device, connector_options: object | None = None
     ) -> None:
         """connector_options: what each follower builds its KV connector from (None: none)."""
-        size = config.tensor_parallel_size
+        size = config.world_size
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self.procs: list[subprocess.Popen[bytes]] = []
         for rank in range(1, size):
             spec = {
                 "engine": dataclasses.asdict(config),
                 "rank": rank,
-                "size": size,
                 "init_method": init_method,
-                "device": str(rank_device(device, rank)),
+                "device": str(device),  # the base: rank r runs on cuda:(index + r)
                 "kv_connector": encode(connector_options).decode(),
             }
             env = {**os.environ, "PDMESH_TP_SPEC": json.dumps(spec)}
@@ -90,9 +106,9 @@ class TPDriver:
         self._stopping = False
         self._monitor = threading.Thread(target=self._watch, name="tp-monitor", daemon=True)
         self._monitor.start()
-        self.group: ParallelGroup = init_group(
-            0, size, init_method, rank_device(device, 0), config.enable_expert_parallel
-        )
+        # `group`: every rank (steps and control go to all); `tp`, `stage`: rank 0's own.
+        self.group: ParallelGroup
+        self.group, self.tp, self.stage = init_ranks(0, config, init_method, device)
 
     def send_step(self, inputs: StepInputs, plan: torch.Tensor | None) -> None:
         """The step's inputs and KV plan to every follower, before rank 0 runs it."""

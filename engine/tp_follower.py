@@ -18,11 +18,19 @@ from pdmesh import envs
 from pdmesh.checkpoint.source import resolve_model_folder
 from pdmesh.engine import step_codec
 from pdmesh.engine.config import EngineConfig
-from pdmesh.engine.distributed import broadcast_bytes, destroy, gather_bytes, init_group
+from pdmesh.engine.distributed import broadcast_bytes, destroy, gather_bytes
 from pdmesh.engine.llm_engine import resolve_max_model_len
 from pdmesh.engine.model_info import ModelInfo
 from pdmesh.engine.model_runner import ModelRunner
-from pdmesh.engine.tp_driver import OP_CONTROL, OP_STEP, OP_STOP, CountExperts, ExpertCounts
+from pdmesh.engine.tp_driver import (
+    OP_CONTROL,
+    OP_STEP,
+    OP_STOP,
+    CountExperts,
+    ExpertCounts,
+    init_ranks,
+    rank_device,
+)
 from pdmesh.kv_transfer.connector import Failed, KVConnector, create_connector, decode, encode
 from pdmesh.logger import get_logger
 from pdmesh.processes import die_with_parent
@@ -32,22 +40,21 @@ log = get_logger(__name__)
 
 def serve_rank(spec: dict[str, Any]) -> None:
     config = EngineConfig(**spec["engine"])
-    device = torch.device(spec["device"])
-    group = init_group(
-        spec["rank"], spec["size"], spec["init_method"], device, config.enable_expert_parallel
-    )
+    base, rank = torch.device(spec["device"]), spec["rank"]
+    device = rank_device(base, rank)
+    group, tp, stage = init_ranks(rank, config, spec["init_method"], base)
     info = ModelInfo.load(resolve_model_folder(config.model))
     options = decode(spec["kv_connector"].encode())
     connector = create_connector(options) if options is not None else None
     max_len = resolve_max_model_len(config, info)
-    runner = ModelRunner(info, config, device, max_len, tp=group, kv_connector=connector)
+    runner = ModelRunner(info, config, device, max_len, tp, connector, stage=stage)
     try:
         while True:
             header = step_codec.receive_header(group)
             op = header["op"]
             if op == OP_STEP:
                 inputs, plan = step_codec.receive_step(header, group, device)
-                runner.forward_with_plan(inputs, plan)
+                runner.follow_step(inputs, plan)
             elif op == OP_CONTROL:
                 message = decode(broadcast_bytes(None, group))
                 gather_bytes(encode(_control(runner, connector, message)), group)

@@ -70,6 +70,12 @@ def tp_spec() -> str:
     return value
 
 
+def pp_layer_partition() -> str | None:
+    """PDMESH_PP_LAYER_PARTITION: decoder layers per pipeline stage, e.g. "16,16" (default: an
+    even split)."""
+    return os.environ.get("PDMESH_PP_LAYER_PARTITION") or None
+
+
 # -- OpenTelemetry: the standard OTEL_* variables, read here so pdmesh decides whether to trace --
 def otel_traces_exporters() -> tuple[str, ...]:
     """The span exporters the standard variables ask for; () means tracing is off.

@@ -23,6 +23,7 @@ from pdmesh.engine.layers.rotary import RotaryEmbedding
 from pdmesh.engine.models.base import CausalLM
 from pdmesh.engine.models.registry import register_model
 from pdmesh.engine.parallel import SINGLE, ParallelGroup
+from pdmesh.engine.pipeline import SINGLE_STAGE, PipelineStage
 
 
 def head_dim_of(config: Any) -> int:
@@ -113,20 +114,42 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class MissingLayer(nn.Module):
+    """A decoder layer another pipeline stage owns: no weights here."""
+
+
 class DecoderModel(nn.Module):
-    def __init__(self, config: Any, layers: list[DecoderLayer], tp: ParallelGroup) -> None:
+    def __init__(
+        self, config: Any, layers: list[nn.Module], tp: ParallelGroup, stage: PipelineStage
+    ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.stage = stage
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+            if stage.is_first
+            else None
+        )
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else None
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        carry: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, meta)
+        """hidden [T, H] after the final norm; on a stage before the last, [2, T, H] (hidden
+        states and residual) for the next stage, which passes them in as `carry`."""
+        if carry is None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = carry[0], carry[1]
+        layers = self.stage.layers or range(len(self.layers))
+        for i in layers:
+            hidden, residual = self.layers[i](positions, hidden, residual, meta)
+        if self.norm is None:
+            return torch.stack((hidden, residual))
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -135,7 +158,13 @@ class DecoderModel(nn.Module):
 class LlamaForCausalLM(CausalLM):
     qk_norm = False
 
-    def __init__(self, config: Any, max_position: int, tp: ParallelGroup = SINGLE) -> None:
+    def __init__(
+        self,
+        config: Any,
+        max_position: int,
+        tp: ParallelGroup = SINGLE,
+        stage: PipelineStage = SINGLE_STAGE,
+    ) -> None:
         super().__init__()
         self.config = config
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -146,11 +175,22 @@ class LlamaForCausalLM(CausalLM):
                 SelfAttention(config, max_position, tp, qkv_bias, o_bias, self.qk_norm),
                 self.make_mlp(config, i, tp),
             )
+            if stage.owns(i)
+            else MissingLayer()
             for i in range(config.num_hidden_layers)
         ]
-        self.model = DecoderModel(config, layers, tp)
-        tie = self.model.embed_tokens if self.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, tie_to=tie)
+        self.model = DecoderModel(config, layers, tp, stage)
+        self.lm_head = None
+        if stage.is_last:
+            tie = self.model.embed_tokens if self.tie_word_embeddings else None
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, tie_to=tie)
+            if self.tie_word_embeddings and tie is None:
+                # The last stage of a pipeline holds the tied head without the embedding: it
+                # loads the embedding's checkpoint tensor as its own weight.
+                self.checkpoint_renames = {
+                    **self.checkpoint_renames,
+                    "model.embed_tokens.": "lm_head.",
+                }
 
     @staticmethod
     def projection_biases(config: Any) -> tuple[bool, bool]:
@@ -163,9 +203,13 @@ class LlamaForCausalLM(CausalLM):
         return GatedMLP(config.hidden_size, config.intermediate_size, bias, tp)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        carry: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+        return self.model(input_ids, positions, meta, carry)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -1,0 +1,125 @@
+"""Pipeline parallelism: which layers a stage owns, and what crosses between stages.
+
+A worker of TP t x PP p has t*p ranks; global rank r is TP rank r % t of stage r // t. Stage s
+owns a contiguous range of decoder layers (the first also the embedding, the last the final norm
+and the LM head) and a KV cache for those layers only. Each step, stage s receives the hidden
+states and the residual ([2, T, H]) from the same TP rank of stage s - 1 and sends its own to
+stage s + 1, point to point (NCCL on GPUs, gloo on CPUs: raw tensors, no pickle). TP rank 0 of
+the last stage sends the logits of the rows to sample to global rank 0, which samples for all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from pdmesh import envs
+from pdmesh.engine.config import EngineConfig
+from pdmesh.engine.parallel import SINGLE, ParallelGroup
+
+
+def layer_partition(num_layers: int, pp: int, spec: str | None = None) -> list[range]:
+    """The layers of each of `pp` stages: `spec` ("16,16", PDMESH_PP_LAYER_PARTITION) or an
+    even split whose extra layers go to the stages before the last (which runs the LM head)."""
+    if pp > num_layers:
+        raise ValueError(
+            f"pipeline_parallel_size {pp} is more than the model's {num_layers} layers: every "
+            "stage needs at least one layer."
+        )
+    if spec:
+        try:
+            counts = [int(part) for part in spec.split(",")]
+        except ValueError:
+            counts = []
+        if len(counts) != pp or sum(counts) != num_layers or min(counts) < 1:
+            raise ValueError(
+                f"PDMESH_PP_LAYER_PARTITION={spec!r} must be {pp} positive layer counts that "
+                f"add up to the model's {num_layers} layers."
+            )
+    else:
+        base, extra = divmod(num_layers, pp)
+        counts = [base] * pp
+        for i in range(extra):
+            counts[-2 - i] += 1
+    starts = [sum(counts[:i]) for i in range(pp)]
+    return [range(start, start + n) for start, n in zip(starts, counts, strict=True)]
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """One rank's place in the pipeline. `world` spans every rank of the worker (TP x PP)."""
+
+    index: int = 0
+    size: int = 1
+    layers: range | None = None  # None: every layer (no pipeline)
+    tp_rank: int = 0
+    tp_size: int = 1
+    world: ParallelGroup = field(default=SINGLE)
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.size - 1
+
+    def owns(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
+
+    def _rank(self, stage: int) -> int:
+        return stage * self.tp_size + self.tp_rank
+
+    def send_next(self, carry: torch.Tensor) -> None:
+        """This stage's hidden states and residual ([2, T, H]) to the next stage."""
+        dist.send(carry.contiguous(), self._rank(self.index + 1), group=self.world.group)
+
+    def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype, device=self.world.comm_device)
+        dist.recv(out, self._rank(self.index - 1), group=self.world.group)
+        return out
+
+    @property
+    def sends_logits(self) -> bool:
+        """TP rank 0 of the last stage of a pipeline: its logits go to global rank 0."""
+        return self.size > 1 and self.is_last and self.tp_rank == 0
+
+    def send_logits(self, logits: torch.Tensor) -> None:
+        dist.send(logits.contiguous(), 0, group=self.world.group)
+
+    def recv_logits(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype, device=self.world.comm_device)
+        dist.recv(out, (self.size - 1) * self.tp_size, group=self.world.group)
+        return out
+
+
+SINGLE_STAGE = PipelineStage()
+
+
+def check_world(config: EngineConfig, num_layers: int, has_kv_connector: bool) -> None:
+    """Refuse a layout that cannot run, before any rank starts (ValueError naming the counts)."""
+    pp = config.pipeline_parallel_size
+    if pp == 1:
+        return
+    layer_partition(num_layers, pp, envs.pp_layer_partition())
+    if has_kv_connector:
+        raise ValueError(
+            "pipeline_parallel_size > 1 runs offline (LLM) only for now: a prefill or decode "
+            "worker's KV transfer does not know pipeline stages yet."
+        )
+    device = config.torch_device()
+    if device.type == "cuda":
+        first, available = device.index or 0, torch.cuda.device_count()
+        if first + config.world_size > available:
+            raise ValueError(
+                f"tensor_parallel_size {config.tensor_parallel_size} x pipeline_parallel_size "
+                f"{pp} needs {config.world_size} GPUs from cuda:{first}; {available} visible."
+            )
+
+
+def stage_of(rank: int, tp: int, pp: int, num_layers: int, world: ParallelGroup) -> PipelineStage:
+    index = rank // tp
+    layers = layer_partition(num_layers, pp, envs.pp_layer_partition())[index] if pp > 1 else None
+    return PipelineStage(index, pp, layers, rank % tp, tp, world)

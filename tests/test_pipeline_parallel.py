@@ -1,0 +1,109 @@
+"""Pipeline parallelism on CPU (gloo): real follower processes, real point-to-point sends."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from support import hf_greedy, load_hf, random_prompts
+
+from pdmesh import LLM, SamplingParams
+from pdmesh.engine.config import EngineConfig
+from pdmesh.engine.pipeline import check_world, layer_partition
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0)
+
+
+def test_layer_partition_even_uneven_and_given() -> None:
+    assert layer_partition(30, 2) == [range(0, 15), range(15, 30)]
+    # Extra layers go to the stages before the last, which also runs the LM head.
+    assert layer_partition(10, 4) == [range(0, 2), range(2, 5), range(5, 8), range(8, 10)]
+    assert layer_partition(3, 2, "1,2") == [range(0, 1), range(1, 3)]
+
+
+@pytest.mark.parametrize(
+    ("layers", "pp", "spec", "message"),
+    [
+        (3, 4, None, "pipeline_parallel_size 4 is more than the model's 3 layers"),
+        (3, 2, "2,2", "must be 2 positive layer counts that add up to the model's 3 layers"),
+        (3, 2, "3,0", "must be 2 positive layer counts"),
+        (3, 2, "a,b", "PDMESH_PP_LAYER_PARTITION='a,b'"),
+    ],
+)
+def test_a_layout_that_cannot_fit_is_refused(layers, pp, spec, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        layer_partition(layers, pp, spec)
+
+
+def test_pipeline_refuses_before_any_rank_starts(tiny_model) -> None:
+    folder = str(tiny_model("qwen3_moe"))  # 3 layers
+    before = _children()
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="more than the model's 3 layers"):
+        LLM(folder, pipeline_parallel_size=4)
+    assert time.monotonic() - start < 5 and _children() == before  # no rank was started
+    config = EngineConfig(pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="offline"):
+        check_world(config, 30, has_kv_connector=True)
+
+
+def test_default_model_pp2_equals_pp1(default_llm: LLM) -> None:
+    """SmolLM2 ties its LM head to the embedding: the last stage loads the embedding's tensor
+    as its head."""
+    prompts = ["Hello, my name is", "def fibonacci(n):", "The capital of France is"]
+    expected = [o.outputs[0].token_ids for o in default_llm.generate(prompts, GREEDY)]
+    with LLM(kv_cache_tokens=4096, pipeline_parallel_size=2) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        runner = llm.engine.runner
+        assert runner.kv_spec.num_layers == 15  # rank 0's cache: its own 15 of 30 layers
+        assert runner.model.lm_head is None and runner.model.model.norm is None
+    assert got == expected
+
+
+@pytest.mark.parametrize(
+    ("arch", "tp", "pp", "partition"),
+    [("qwen3_moe", 1, 3, None), ("qwen3_moe", 1, 2, "1,2"), ("llama", 2, 2, None)],
+    ids=["pp3", "pp2-uneven", "tp2xpp2"],
+)
+def test_pipeline_matches_transformers(tiny_model, monkeypatch, arch, tp, pp, partition) -> None:
+    """Chunked prefill (64-token budget), prefix caching (prompts share a prefix) and a cache
+    small enough to preempt, against transformers token for token."""
+    if partition:
+        monkeypatch.setenv("PDMESH_PP_LAYER_PARTITION", partition)
+    folder = tiny_model(arch)
+    shared = random_prompts([40], seed=7)[0]
+    prompts = [shared + p for p in random_prompts([5, 30, 90], seed=3)] + random_prompts([150])
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    with LLM(
+        str(folder),
+        kv_cache_tokens=256,
+        block_size=16,
+        max_num_batched_tokens=64,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+    ) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        stats = llm.engine.stats()
+    hf = load_hf(folder)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 16, ignore_eos=True)
+    assert stats.prefix_hit_tokens > 0
+    assert stats.num_preemptions > 0
+
+
+def test_seeded_sampling_is_the_same_over_a_pipeline(tiny_model) -> None:
+    folder = str(tiny_model("qwen3_moe"))
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([8, 20, 33])]
+    params = [SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=s) for s in (1, 2, 3)]
+    with LLM(folder, kv_cache_tokens=1024) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    with LLM(folder, kv_cache_tokens=1024, pipeline_parallel_size=3) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == expected
+
+
+def _children() -> set[int]:
+    """This process's live child processes (pids)."""
+    tasks = Path("/proc/self/task").glob("*/children")
+    return {int(pid) for f in tasks for pid in f.read_text().split()}
