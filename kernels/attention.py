@@ -138,16 +138,9 @@ def paged_prefill_attention(
 
 
 def paged_prefill_attention_ref(
-    query,
-    k_cache,
-    v_cache,
-    cu_seqlens_q,
-    context_lens,
-    block_tables,
-    scale,
-    max_query_len=None,
-    max_context_len=None,
+    query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, *_length_hints
 ):
+    # _length_hints: max_query_len and max_context_len, which only the Triton kernel uses.
     block_size = k_cache.shape[1]
     out = torch.empty_like(query)
     starts = cu_seqlens_q.tolist()

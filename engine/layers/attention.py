@@ -60,26 +60,13 @@ class Attention(nn.Module):
             out = torch.cat((self._decode(q[:nd], meta), self._prefill(q[nd:], meta)))
         return out.flatten(1)
 
-    def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return paged_decode_attention(
-            q,
-            self.k_cache,
-            self.v_cache,
-            meta.decode_block_tables,
-            meta.decode_context_lens,
-            self.scale,
-            meta.max_decode_context_len,
-        )
+    def _decode(self, q: torch.Tensor, m: AttentionMetadata) -> torch.Tensor:
+        k, v, scale = self.k_cache, self.v_cache, self.scale
+        tables, lens = m.decode_block_tables, m.decode_context_lens
+        return paged_decode_attention(q, k, v, tables, lens, scale, m.max_decode_context_len)
 
-    def _prefill(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return paged_prefill_attention(
-            q,
-            self.k_cache,
-            self.v_cache,
-            meta.prefill_cu_seqlens,
-            meta.prefill_context_lens,
-            meta.prefill_block_tables,
-            self.scale,
-            meta.max_prefill_query_len,
-            meta.max_prefill_context_len,
-        )
+    def _prefill(self, q: torch.Tensor, m: AttentionMetadata) -> torch.Tensor:
+        k, v, scale = self.k_cache, self.v_cache, self.scale
+        cu, lens, tables = m.prefill_cu_seqlens, m.prefill_context_lens, m.prefill_block_tables
+        max_q, max_ctx = m.max_prefill_query_len, m.max_prefill_context_len
+        return paged_prefill_attention(q, k, v, cu, lens, tables, scale, max_q, max_ctx)

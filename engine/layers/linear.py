@@ -35,24 +35,35 @@ class ReplicatedLinear(nn.Module):
         return linear(x, self.weight, self.bias)
 
 
-class ColumnParallelLinear(nn.Module):
-    """y = x W^T with W's rows (outputs) split across ranks; the output stays split."""
+class _ShardedLinear(nn.Module):
+    """y = x W^T (+ b) with W: [out, in] split across the ranks of `tp` along `split_dim`."""
+
+    split_dim: int  # 0: the outputs (column parallel), 1: the inputs (row parallel)
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool = False, tp: ParallelGroup = SINGLE
     ) -> None:
         super().__init__()
         self.tp = tp
-        self.out_local = tp.shard(out_features, "output features")
-        self.weight = _param(self.out_local, in_features)
+        shape = [out_features, in_features]
+        what = ("output features", "input features")[self.split_dim]
+        shape[self.split_dim] = tp.shard(shape[self.split_dim], what)
+        self.weight = _param(*shape)
         self.weight.weight_loader = self.weight_loader
-        self.bias = _param(self.out_local) if bias else None
-        if self.bias is not None:
+        self.bias = _param(shape[0]) if bias else None
+        # A bias is split with the outputs; behind a row-parallel layer it is whole on every rank.
+        if self.bias is not None and self.split_dim == 0:
             self.bias.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id=None) -> None:
-        size = param.shape[0]
-        param.data.copy_(loaded.narrow(0, self.tp.rank * size, size))
+        size = param.shape[self.split_dim]
+        param.data.copy_(loaded.narrow(self.split_dim, self.tp.rank * size, size))
+
+
+class ColumnParallelLinear(_ShardedLinear):
+    """y = x W^T with W's rows (outputs) split across ranks; the output stays split."""
+
+    split_dim = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -126,22 +137,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ShardedLinear):
     """y = x W^T with W's columns (inputs) split across ranks; partial sums are all-reduced."""
 
-    def __init__(
-        self, in_features: int, out_features: int, bias: bool = False, tp: ParallelGroup = SINGLE
-    ) -> None:
-        super().__init__()
-        self.tp = tp
-        self.in_local = tp.shard(in_features, "input features")
-        self.weight = _param(out_features, self.in_local)
-        self.weight.weight_loader = self.weight_loader
-        self.bias = _param(out_features) if bias else None
-
-    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id=None) -> None:
-        size = param.shape[1]
-        param.data.copy_(loaded.narrow(1, self.tp.rank * size, size))
+    split_dim = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._reduce(linear(x, self.weight))

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from pdmesh.kernels.backend import register_triton
 from pdmesh.kernels.triton.device import dot_precision, last_dim_contiguous, num_sms
+from pdmesh.kernels.triton.kv_store import cache_strides
 
 # A split shorter than this costs more in its partial write and merge than it gains.
 MIN_SPLIT_TOKENS = 128
@@ -40,12 +41,9 @@ def _decode_split_kernel(
     num_splits,
     stride_qb,
     stride_qh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
+    stride_cb,  # of k_cache and v_cache, which share one layout
+    stride_cs,
+    stride_ch,
     stride_bt,
     stride_ob,
     stride_oh,
@@ -88,10 +86,9 @@ def _decode_split_kernel(
         page = tl.load(table + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
         within = tok % PAGE
         kv_mask = t_mask[:, None] & d_mask[None, :]
-        k_rows = page * stride_kb + within * stride_ks + kvh * stride_kh  # [BLOCK_N]
-        v_rows = page * stride_vb + within * stride_vs + kvh * stride_vh
-        k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        rows = page * stride_cb + within * stride_cs + kvh * stride_ch  # [BLOCK_N]
+        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         # k, v: [BLOCK_N, BLOCK_D]
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * scale_log2e
         s = tl.where(t_mask[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
@@ -203,10 +200,8 @@ def paged_decode_attention(
         lse,
         scale * LOG2E,
         num_splits,
-        query.stride(0),
-        query.stride(1),
-        *k_cache.stride()[:3],  # [NB, PAGE, Hkv, D]: block, slot, head
-        *v_cache.stride()[:3],
+        *query.stride()[:2],
+        *cache_strides(k_cache, v_cache),
         block_tables.stride(0),
         part.stride(0),
         part.stride(1),

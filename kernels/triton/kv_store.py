@@ -21,7 +21,7 @@ def _store_kv_kernel(
     stride_kh,
     stride_vt,
     stride_vh,
-    stride_cb,
+    stride_cb,  # of k_cache and v_cache, which share one layout
     stride_cs,
     stride_ch,
     NUM_KV_HEADS: tl.constexpr,
@@ -46,6 +46,14 @@ def _store_kv_kernel(
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+def cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
+    """(block, slot, head) strides of both caches [NB, BS, Hkv, D]; every kernel here reads or
+    writes K and V at the same offsets and assumes a dense last dimension."""
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must share one layout with a dense last dimension")
+    return k_cache.stride()[:3]
+
+
 @register_triton("store_kv_cache")
 def store_kv_cache(
     key: torch.Tensor,  # [T, Hkv, D]
@@ -57,8 +65,6 @@ def store_kv_cache(
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
-        raise ValueError("k_cache and v_cache must share one layout with a dense last dimension")
     key, value = last_dim_contiguous(key), last_dim_contiguous(value)
     _, page, num_kv_heads, head_dim = k_cache.shape
     _store_kv_kernel[(num_tokens,)](
@@ -67,13 +73,9 @@ def store_kv_cache(
         k_cache,
         v_cache,
         slot_mapping,
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
+        *key.stride()[:2],
+        *value.stride()[:2],
+        *cache_strides(k_cache, v_cache),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         PAGE=page,

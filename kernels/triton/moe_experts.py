@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from pdmesh.kernels.backend import register_triton
 from pdmesh.kernels.triton.device import last_dim_contiguous
@@ -50,13 +51,9 @@ def _combine_kernel(
 
 @register_triton("moe_experts")
 def moe_experts(
-    x: torch.Tensor,  # [T, H]
-    w13: torch.Tensor,  # [E_local, 2I, H]
-    w2: torch.Tensor,  # [E_local, H, I]
-    topk_weights: torch.Tensor,  # [T, k]
-    topk_ids: torch.Tensor,  # [T, k] global expert ids
-    first_expert: int = 0,
-) -> torch.Tensor:  # [T, H]
+    x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, first_expert: int
+) -> Tensor:
+    # The contract, shapes included, of `pdmesh.kernels.moe.moe_experts`, which calls this.
     num_tokens, hidden = x.shape
     num_local, _, _ = w13.shape
     top_k = topk_ids.shape[1]

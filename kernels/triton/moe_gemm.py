@@ -1,10 +1,10 @@
 """Grouped GEMMs over experts, one tile of BLOCK_M rows of a single expert per program.
 
 Rows come from `moe_align_block_size`: each BLOCK_M run of sorted_ids belongs to one expert, so a
-program multiplies gathered activation rows by that expert's weight tile.
+program multiplies gathered activation rows by that expert's weight tile. One kernel, two uses:
 
-- w13 GEMM: x[token] @ w13[e].T for the gate and the up half together (two accumulators over the
-  same A tile), epilogue silu(gate) * up -> h: [pairs, I].
+- w13 GEMM (GATED): x[token] @ w13[e].T for the gate and the up half together (two accumulators
+  over the same A tile), epilogue silu(gate) * up -> h: [pairs, I].
 - w2 GEMM: h[pair] @ w2[e].T, epilogue times the pair's routing weight -> y: [pairs, H].
 Programs are ordered in groups of GROUP_M row blocks so neighbouring programs reuse weight tiles.
 """
@@ -61,84 +61,33 @@ def _tile_coords(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _w13_silu_kernel(
-    x_ptr,
-    w_ptr,
-    h_ptr,
-    sorted_ids_ptr,
-    expert_ids_ptr,
-    num_padded_ptr,
-    num_pairs,
-    num_m,
-    inter,
-    hidden,
-    stride_xt,
-    stride_we,
-    stride_wn,
-    stride_ht,
-    TOP_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):
-    pid_m, pid_n = _tile_coords(tl.program_id(0), num_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-        return
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_mask = pair < num_pairs
-    token = (pair // TOP_K).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < inter
-    kk = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + token[:, None] * stride_xt + kk[None, :]  # [BLOCK_M, BLOCK_K]
-    # w13[e]: [2I, H]; tiles [BLOCK_K, BLOCK_N] of its gate rows and the matching up rows.
-    g_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + kk[:, None]
-    u_ptrs = g_ptrs + inter * stride_wn
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
-            bg = tl.load(g_ptrs, mask=col_mask[None, :], other=0.0)
-            bu = tl.load(u_ptrs, mask=col_mask[None, :], other=0.0)
-        else:
-            k_mask = (k0 + kk) < hidden
-            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            bg = tl.load(g_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-            bu = tl.load(u_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        acc_g = tl.dot(a, bg.to(a.dtype), acc_g, input_precision=DOT_PREC)
-        acc_u = tl.dot(a, bu.to(a.dtype), acc_u, input_precision=DOT_PREC)
-        a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
-    # The reference rounds each projection to the activation dtype before the SiLU.
-    dtype = h_ptr.dtype.element_ty
-    h = silu_mul(acc_g.to(dtype), acc_u.to(dtype), dtype)
-    h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_ht + cols[None, :]
-    tl.store(h_ptrs, h, mask=row_mask[:, None] & col_mask[None, :])
+def _load_k_tile(ptrs, mask, k_mask, EVEN_K: tl.constexpr):
+    # mask: the tile's rows (A) or columns (B) in range; k_mask: its K positions, needed only
+    # when K is not a multiple of BLOCK_K. Both broadcast to the tile's shape.
+    if not EVEN_K:
+        mask = mask & k_mask
+    return tl.load(ptrs, mask=mask, other=0.0)
 
 
 @triton.jit
-def _w2_kernel(
-    h_ptr,
+def _grouped_gemm_kernel(
+    a_ptr,
     w_ptr,
-    y_ptr,
+    out_ptr,
     topk_weights_ptr,
     sorted_ids_ptr,
     expert_ids_ptr,
     num_padded_ptr,
     num_pairs,
     num_m,
-    hidden,
-    inter,
-    stride_ht,
+    N,
+    K,
+    stride_at,
     stride_we,
     stride_wn,
-    stride_yt,
+    stride_ot,
+    TOP_K: tl.constexpr,
+    GATED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -146,36 +95,86 @@ def _w2_kernel(
     EVEN_K: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_coords(tl.program_id(0), num_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    pid_m, pid_n = _tile_coords(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_mask = pair < num_pairs
     pair64 = pair.to(tl.int64)
+    a_row = (pair // TOP_K).to(tl.int64)  # w13: the pair's token; w2 (TOP_K = 1): the pair
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < hidden
+    col_mask = cols < N
     kk = tl.arange(0, BLOCK_K)
-    a_ptrs = h_ptr + pair64[:, None] * stride_ht + kk[None, :]  # [BLOCK_M, BLOCK_K]
-    b_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + kk[:, None]  # w2[e]: [H, I]
+    a_ptrs = a_ptr + a_row[:, None] * stride_at + kk[None, :]  # [BLOCK_M, BLOCK_K]
+    # B tiles [BLOCK_K, BLOCK_N] of w[e]: [N, K] (w2), or [2N, K] (w13): gate rows, then up rows.
+    b_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + kk[:, None]
+    u_ptrs = b_ptrs + N * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=col_mask[None, :], other=0.0)
-        else:
-            k_mask = (k0 + kk) < inter
-            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + kk) < K
+        a = _load_k_tile(a_ptrs, row_mask[:, None], k_mask[None, :], EVEN_K)
+        b = _load_k_tile(b_ptrs, col_mask[None, :], k_mask[:, None], EVEN_K)
         acc = tl.dot(a, b.to(a.dtype), acc, input_precision=DOT_PREC)
+        if GATED:
+            bu = _load_k_tile(u_ptrs, col_mask[None, :], k_mask[:, None], EVEN_K)
+            acc_u = tl.dot(a, bu.to(a.dtype), acc_u, input_precision=DOT_PREC)
+            u_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    # As the reference: the projection in the activation dtype, times the fp32 routing weight.
-    dtype = y_ptr.dtype.element_ty
-    weight = tl.load(topk_weights_ptr + pair64, mask=row_mask, other=0.0).to(tl.float32)
-    y = acc.to(dtype).to(tl.float32) * weight[:, None]
-    y_ptrs = y_ptr + pair64[:, None] * stride_yt + cols[None, :]
-    tl.store(y_ptrs, y.to(dtype), mask=row_mask[:, None] & col_mask[None, :])
+    dtype = out_ptr.dtype.element_ty
+    if GATED:
+        # The reference rounds each projection to the activation dtype before the SiLU.
+        out = silu_mul(acc.to(dtype), acc_u.to(dtype), dtype)
+    else:
+        # As the reference: the projection in the activation dtype, times the fp32 routing weight.
+        weight = tl.load(topk_weights_ptr + pair64, mask=row_mask, other=0.0).to(tl.float32)
+        out = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(dtype)
+    out_ptrs = out_ptr + pair64[:, None] * stride_ot + cols[None, :]
+    tl.store(out_ptrs, out, mask=row_mask[:, None] & col_mask[None, :])
+
+
+def _grouped_gemm(
+    a: torch.Tensor,  # [T, K] tokens (w13) or [T * k, K] pairs (w2)
+    w: torch.Tensor,  # [E, 2N, K] (w13) or [E, N, K] (w2)
+    out: torch.Tensor,  # [T * k, N]
+    topk_weights: torch.Tensor,  # [T * k] float32, read only when not gated
+    align: MoEAlignment,
+    cfg: MoEGemmConfig,
+    top_k: int,
+    gated: bool,
+) -> torch.Tensor:
+    n, k = out.shape[1], a.shape[1]
+    block_n = cfg.block_n1 if gated else cfg.block_n2
+    _grouped_gemm_kernel[(align.max_blocks * triton.cdiv(n, block_n),)](
+        a,
+        w,
+        out,
+        topk_weights,
+        align.sorted_ids,
+        align.expert_ids,
+        align.num_padded,
+        out.shape[0],
+        align.max_blocks,
+        n,
+        k,
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        out.stride(0),
+        TOP_K=top_k,
+        GATED=gated,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        EVEN_K=k % cfg.block_k == 0,
+        DOT_PREC=dot_precision(a.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out
 
 
 def w13_silu_gemm(
@@ -185,37 +184,8 @@ def w13_silu_gemm(
     top_k: int,
     cfg: MoEGemmConfig,
 ) -> torch.Tensor:  # h: [T * k, I]; rows of pairs not held here are left unwritten
-    hidden = x.shape[1]
-    inter = w13.shape[1] // 2
-    num_pairs = x.shape[0] * top_k
-    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    grid = (align.max_blocks * triton.cdiv(inter, cfg.block_n1),)
-    _w13_silu_kernel[grid](
-        x,
-        w13,
-        h,
-        align.sorted_ids,
-        align.expert_ids,
-        align.num_padded,
-        num_pairs,
-        align.max_blocks,
-        inter,
-        hidden,
-        x.stride(0),
-        w13.stride(0),
-        w13.stride(1),
-        h.stride(0),
-        TOP_K=top_k,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n1,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        EVEN_K=hidden % cfg.block_k == 0,
-        DOT_PREC=dot_precision(x.dtype),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
-    return h
+    h = torch.empty(x.shape[0] * top_k, w13.shape[1] // 2, dtype=x.dtype, device=x.device)
+    return _grouped_gemm(x, w13, h, h, align, cfg, top_k, gated=True)  # no weights: h unread
 
 
 def w2_gemm(
@@ -225,33 +195,5 @@ def w2_gemm(
     align: MoEAlignment,
     cfg: MoEGemmConfig,
 ) -> torch.Tensor:  # y: [T * k, H], weighted; rows of pairs not held here are left unwritten
-    num_pairs, inter = h.shape
-    hidden = w2.shape[1]
-    y = torch.empty(num_pairs, hidden, dtype=h.dtype, device=h.device)
-    grid = (align.max_blocks * triton.cdiv(hidden, cfg.block_n2),)
-    _w2_kernel[grid](
-        h,
-        w2,
-        y,
-        topk_weights,
-        align.sorted_ids,
-        align.expert_ids,
-        align.num_padded,
-        num_pairs,
-        align.max_blocks,
-        hidden,
-        inter,
-        h.stride(0),
-        w2.stride(0),
-        w2.stride(1),
-        y.stride(0),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n2,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        EVEN_K=inter % cfg.block_k == 0,
-        DOT_PREC=dot_precision(h.dtype),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
-    return y
+    y = torch.empty(h.shape[0], w2.shape[1], dtype=h.dtype, device=h.device)
+    return _grouped_gemm(h, w2, y, topk_weights, align, cfg, top_k=1, gated=False)

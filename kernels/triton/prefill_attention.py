@@ -15,6 +15,7 @@ import triton.language as tl
 
 from pdmesh.kernels.backend import register_triton
 from pdmesh.kernels.triton.device import dot_precision, last_dim_contiguous
+from pdmesh.kernels.triton.kv_store import cache_strides
 
 LOG2E = 1.4426950408889634
 
@@ -31,13 +32,10 @@ def _attend_tile(
     table,
     k_cache_ptr,
     v_cache_ptr,
-    kv_off_k,
-    kv_off_v,
+    kv_off,
     d,
-    stride_kb,
-    stride_ks,
-    stride_vb,
-    stride_vs,
+    stride_cb,
+    stride_cs,
     scale_log2e,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -55,10 +53,9 @@ def _attend_tile(
     else:
         page = tl.load(table + tok // PAGE).to(tl.int64)
     # kT: [BLOCK_D, BLOCK_N], loaded transposed for the QK^T product; v: [BLOCK_N, BLOCK_D].
-    k_rows = kv_off_k + page * stride_kb + within * stride_ks  # [BLOCK_N]
-    v_rows = kv_off_v + page * stride_vb + within * stride_vs
-    k_ptrs = k_cache_ptr + k_rows[None, :] + d[:, None]
-    v_ptrs = v_cache_ptr + v_rows[:, None] + d[None, :]
+    rows = kv_off + page * stride_cb + within * stride_cs  # [BLOCK_N]
+    k_ptrs = k_cache_ptr + rows[None, :] + d[:, None]
+    v_ptrs = v_cache_ptr + rows[:, None] + d[None, :]
     d_mask = d < HEAD_DIM
     if MASKED:
         kt = tl.load(k_ptrs, mask=d_mask[:, None] & t_mask[None, :], other=0.0)
@@ -95,12 +92,9 @@ def _prefill_kernel(
     scale_log2e,
     stride_qt,
     stride_qh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
+    stride_cb,  # of k_cache and v_cache, which share one layout
+    stride_cs,
+    stride_ch,
     stride_ot,
     stride_oh,
     stride_bt,
@@ -138,21 +132,20 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq * stride_bt
-    kv_off_k = kvh * stride_kh
-    kv_off_v = kvh * stride_vh
+    kv_off = kvh * stride_ch
     # Keys <= prefix + m0 are visible to every row; the band after needs the mask.
     full_end = (prefix + m0 + 1) // BLOCK_N * BLOCK_N
     end = tl.minimum(ctx, prefix + m0 + BLOCK_M)
     for n0 in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, n0, q_pos, end, table, k_cache_ptr, v_cache_ptr, kv_off_k,
-            kv_off_v, d, stride_kb, stride_ks, stride_vb, stride_vs, scale_log2e,
+            q, acc, m_i, l_i, n0, q_pos, end, table, k_cache_ptr, v_cache_ptr, kv_off, d,
+            stride_cb, stride_cs, scale_log2e,
             HEAD_DIM, BLOCK_D, PAGE, BLOCK_N, False, EVEN_D, DOT_PREC,
         )  # fmt: skip
     for n0 in range(full_end, end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, n0, q_pos, end, table, k_cache_ptr, v_cache_ptr, kv_off_k,
-            kv_off_v, d, stride_kb, stride_ks, stride_vb, stride_vs, scale_log2e,
+            q, acc, m_i, l_i, n0, q_pos, end, table, k_cache_ptr, v_cache_ptr, kv_off, d,
+            stride_cb, stride_cs, scale_log2e,
             HEAD_DIM, BLOCK_D, PAGE, BLOCK_N, True, EVEN_D, DOT_PREC,
         )  # fmt: skip
 
@@ -183,8 +176,8 @@ def paged_prefill_attention(
     max_context_len: int | None = None,
 ) -> torch.Tensor:  # [T, H, D]
     num_tokens, num_heads, head_dim = query.shape
-    _, page, num_kv_heads, _ = k_cache.shape
     num_seqs = context_lens.shape[0]
+    _, page, num_kv_heads, _ = k_cache.shape
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -202,10 +195,8 @@ def paged_prefill_attention(
         context_lens,
         block_tables,
         scale * LOG2E,
-        query.stride(0),
-        query.stride(1),
-        *k_cache.stride()[:3],  # [NB, PAGE, Hkv, D]: block, slot, head
-        *v_cache.stride()[:3],
+        *query.stride()[:2],
+        *cache_strides(k_cache, v_cache),
         out.stride(0),
         out.stride(1),
         block_tables.stride(0),

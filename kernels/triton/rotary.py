@@ -24,8 +24,6 @@ def _rotate_heads(
     sin,
     stride_xt,
     stride_xh,
-    stride_ot,
-    stride_oh,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,
@@ -37,7 +35,7 @@ def _rotate_heads(
     i = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (h < NUM_HEADS) & (i < HALF)
     src = x_ptr + t * stride_xt + h * stride_xh
-    dst = out_ptr + t * stride_ot + h * stride_oh
+    dst = out_ptr + (t * NUM_HEADS + h) * HEAD_DIM  # out: a new [T, NUM_HEADS, HEAD_DIM]
     x1 = tl.load(src + i, mask=mask, other=0.0)  # [BLOCK_H, BLOCK_HALF]
     x2 = tl.load(src + HALF + i, mask=mask, other=0.0)
     dtype = x1.dtype
@@ -68,10 +66,6 @@ def _rotary_kernel(
     stride_qh,
     stride_kt,
     stride_kh,
-    stride_qot,
-    stride_qoh,
-    stride_kot,
-    stride_koh,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -82,17 +76,16 @@ def _rotary_kernel(
     BLOCK_PASS: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t)
+    row = cache_ptr + tl.load(pos_ptr + t) * stride_cache
     i = tl.arange(0, BLOCK_HALF)
-    row = cache_ptr + pos * stride_cache
     cos = tl.load(row + i, mask=i < HALF, other=0.0)  # [BLOCK_HALF] float32
     sin = tl.load(row + HALF + i, mask=i < HALF, other=0.0)
     _rotate_heads(
-        q_ptr, q_out_ptr, t, cos, sin, stride_qt, stride_qh, stride_qot, stride_qoh,
+        q_ptr, q_out_ptr, t, cos, sin, stride_qt, stride_qh,
         NUM_HEADS, HEAD_DIM, HALF, BLOCK_H, BLOCK_HALF, BLOCK_PASS,
     )  # fmt: skip
     _rotate_heads(
-        k_ptr, k_out_ptr, t, cos, sin, stride_kt, stride_kh, stride_kot, stride_koh,
+        k_ptr, k_out_ptr, t, cos, sin, stride_kt, stride_kh,
         NUM_KV_HEADS, HEAD_DIM, HALF, BLOCK_HKV, BLOCK_HALF, BLOCK_PASS,
     )  # fmt: skip
 
@@ -122,14 +115,8 @@ def apply_rotary(
         q_out,
         k_out,
         cos_sin_cache.stride(0),
-        query.stride(0),
-        query.stride(1),
-        key.stride(0),
-        key.stride(1),
-        q_out.stride(0),
-        q_out.stride(1),
-        k_out.stride(0),
-        k_out.stride(1),
+        *query.stride()[:2],
+        *key.stride()[:2],
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
