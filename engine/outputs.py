@@ -45,13 +45,14 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """An engine's load and counters since start (read from any thread: plain numbers)."""
+    """An engine's load and counters since start (read from any thread: plain numbers), under
+    the names of the WorkerStats message."""
 
     num_running: int
     num_waiting: int
-    num_blocks_total: int
-    num_blocks_used: int
-    num_blocks_free: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int
     prefix_queried_tokens: int
     prefix_hit_tokens: int
     num_preemptions: int

@@ -280,9 +280,9 @@ class Scheduler:
         return EngineStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
-            num_blocks_total=bm.num_blocks,
-            num_blocks_used=bm.num_used_blocks,
-            num_blocks_free=bm.num_free_blocks,
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_free=bm.num_free_blocks,
             prefix_queried_tokens=bm.prefix_queried_tokens,
             prefix_hit_tokens=bm.prefix_hit_tokens,
             num_preemptions=self.num_preemptions,

@@ -15,15 +15,19 @@ from pdmesh.observability.worker_collector import (
 
 class PrefillMetrics:
     def __init__(self, snapshot: Callable[[], WorkerSnapshot]) -> None:
-        self.prefill = FastHistogram(
-            "pdmesh_prefill_time_seconds",
-            "A Prefill call, received to first token (queueing and forward).",
-            TTFT_BUCKETS_S,
-        )
-        self.queue = FastHistogram(
-            "pdmesh_prefill_queue_time_seconds",
-            "A Prefill call, received to its first forward step.",
-            TTFT_BUCKETS_S,
+        # Both over the TTFT buckets: a Prefill call ends with the request's first token.
+        self.prefill, self.queue = (
+            FastHistogram(name, doc, TTFT_BUCKETS_S)
+            for name, doc in (
+                (
+                    "pdmesh_prefill_time_seconds",
+                    "A Prefill call, received to first token (queueing and forward).",
+                ),
+                (
+                    "pdmesh_prefill_queue_time_seconds",
+                    "A Prefill call, received to its first forward step.",
+                ),
+            )
         )
         self.transfer = transfer_histogram("send")
         self.registry = worker_registry(

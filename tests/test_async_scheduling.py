@@ -68,7 +68,7 @@ def test_tokens_equal_stepping_one_at_a_time(tiny_model) -> None:
     assert {r for r, (_, reason) in got.items() if reason == "stop"} == {"stop"}
     assert len(got["long"][0]) == 96 - 31  # ended by max_model_len
     assert engine.steps_launched_ahead > 10  # decode steps did overlap
-    assert engine.stats().num_blocks_used == 0  # every block back once the last step is read
+    assert engine.stats().kv_blocks_used == 0  # every block back once the last step is read
 
 
 def test_an_abort_frees_blocks_only_after_the_step_that_writes_them(tiny_model) -> None:
@@ -82,9 +82,9 @@ def test_an_abort_frees_blocks_only_after_the_step_that_writes_them(tiny_model) 
         if step != 8:
             return
         assert engine.steps_launched_ahead > 0 and engine.has_unfinished_requests()
-        used = engine.stats().num_blocks_used
+        used = engine.stats().kv_blocks_used
         engine.abort_request("aborted")
-        seen["after_abort"] = engine.stats().num_blocks_used
+        seen["after_abort"] = engine.stats().kv_blocks_used
         seen["before"] = used
 
     engine = _engine(folder, overlap=True)
@@ -94,7 +94,7 @@ def test_an_abort_frees_blocks_only_after_the_step_that_writes_them(tiny_model) 
     # The aborted request's blocks are held while the step launched ahead may write them...
     assert seen["after_abort"] == seen["before"]
     # ...and are back once it has been read.
-    assert engine.stats().num_blocks_used == 0
+    assert engine.stats().kv_blocks_used == 0
 
 
 def test_preemption_under_block_pressure_gives_the_same_tokens(tiny_model) -> None:

@@ -39,7 +39,7 @@ def test_batched_greedy_matches_transformers(llm: LLM, default_model_folder) -> 
         assert out.outputs[0].token_ids == ref, prompt
         assert out.prompt_token_ids == tok.encode(prompt)
     stats = llm.engine.stats()
-    assert stats.num_blocks_free == stats.num_blocks_total
+    assert stats.kv_blocks_free == stats.kv_blocks_total
 
 
 def test_chat_answers_paris(llm: LLM) -> None:

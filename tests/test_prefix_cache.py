@@ -27,7 +27,7 @@ def test_shared_64_token_prefix_reuses_blocks(tiny_model) -> None:
     assert out_second.outputs[0].token_ids == expected.outputs[0].token_ids
     assert fresh.engine.stats().prefix_hit_tokens == 0
     stats = llm.engine.stats()
-    assert stats.num_blocks_free == stats.num_blocks_total
+    assert stats.kv_blocks_free == stats.kv_blocks_total
 
 
 def test_whole_prompt_cached_still_samples(tiny_model) -> None:

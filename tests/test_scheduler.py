@@ -90,7 +90,7 @@ def test_a_reservation_holds_blocks_until_commit_or_release() -> None:
     assert again.block_table == [] and not sched.is_reserved("again")
     sched.finish(again, "abort")
     sched.finish(seq, "stop")
-    assert bm.num_free_blocks == 8 and sched.stats().num_blocks_used == 0
+    assert bm.num_free_blocks == 8 and sched.stats().kv_blocks_used == 0
 
 
 def test_blocks_of_a_sequence_ended_in_flight_are_freed_when_the_step_completes() -> None:

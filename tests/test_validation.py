@@ -60,7 +60,7 @@ def test_bad_prompts_leave_engine_usable(default_llm: LLM) -> None:
         default_llm.generate(["Hello", ""], params)
     engine = default_llm.engine
     assert not engine.has_unfinished_requests()
-    assert engine.stats().num_blocks_free == engine.stats().num_blocks_total
+    assert engine.stats().kv_blocks_free == engine.stats().kv_blocks_total
     assert default_llm.generate(["Hello"], params)[0].outputs[0].token_ids == good
 
 

@@ -6,7 +6,7 @@ import re
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from pdmesh.engine.layers.attention import AttentionMetadata
 
@@ -17,7 +17,7 @@ _STACKED_RE = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
 
 
 class CausalLM(nn.Module):
-    """forward(input_ids [T], positions [T], meta) -> hidden [T, H];
+    """forward(input_ids [T], positions [T], meta) -> hidden [T, H] (its decoder: `self.model`);
     compute_logits(hidden [S, H]) -> [S, V].
 
     Subclasses declare how checkpoint names map onto their parameters:
@@ -60,9 +60,14 @@ class CausalLM(nn.Module):
         return name, None
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        raise NotImplementedError
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        meta: AttentionMetadata,
+        carry: Tensor | None = None,
+    ) -> Tensor:
+        """The decoder's hidden states; with pipeline parallelism see `DecoderModel.forward`."""
+        return self.model(input_ids, positions, meta, carry)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

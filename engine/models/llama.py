@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from pdmesh.engine.layers.attention import Attention, AttentionMetadata
 from pdmesh.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -133,12 +133,8 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else None
 
     def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        carry: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, carry: Tensor | None
+    ) -> Tensor:
         """hidden [T, H] after the final norm; on a stage before the last, [2, T, H] (hidden
         states and residual) for the next stage, which passes them in as `carry`."""
         if carry is None:
@@ -201,15 +197,6 @@ class LlamaForCausalLM(CausalLM):
     def make_mlp(self, config: Any, layer_idx: int, tp: ParallelGroup) -> nn.Module:
         bias = bool(getattr(config, "mlp_bias", False))
         return GatedMLP(config.hidden_size, config.intermediate_size, bias, tp)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        carry: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, meta, carry)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

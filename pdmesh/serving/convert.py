@@ -50,19 +50,3 @@ def sampling_to_pb(params: SamplingParams) -> gen_pb.SamplingParams:
     if params.seed is not None:
         pb.seed = params.seed
     return pb
-
-
-def worker_stat_fields(e: Any) -> dict[str, int]:
-    """An engine's EngineStats under the names workers report them by (the WorkerStats message
-    and the metrics snapshot share them)."""
-    return {
-        "num_running": e.num_running,
-        "num_waiting": e.num_waiting,
-        "kv_blocks_total": e.num_blocks_total,
-        "kv_blocks_used": e.num_blocks_used,
-        "kv_blocks_free": e.num_blocks_free,
-        "prefix_queried_tokens": e.prefix_queried_tokens,
-        "prefix_hit_tokens": e.prefix_hit_tokens,
-        "num_preemptions": e.num_preemptions,
-        "steps_launched_ahead": e.steps_launched_ahead,
-    }

@@ -7,6 +7,7 @@ signal. A service keeps only what differs: its requests, its KV side, its extra 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol, TypeVar
@@ -20,7 +21,6 @@ from pdmesh.logger import get_logger
 from pdmesh.observability import tracing
 from pdmesh.observability.metrics_server import MetricsServer
 from pdmesh.observability.worker_collector import TransferTotals, WorkerSnapshot
-from pdmesh.serving.convert import worker_stat_fields
 from pdmesh.serving.engine_loop import EngineLoop
 from pdmesh.serving.grpc_server import ServiceSpec, build_server
 from pdmesh.serving.runner import serve_until_stopped
@@ -91,7 +91,7 @@ class WorkerProcess(ABC):
     def metrics_snapshot(self) -> WorkerSnapshot:
         """State for a Prometheus scrape, read from the scraping thread (no engine wait)."""
         return WorkerSnapshot(
-            worker_stat_fields(self.engine.stats()),
+            dataclasses.asdict(self.engine.stats()),
             self.transfer_totals(),
             expert_token_counts=self.engine.runner.expert_counts() or (),
             prefills=dict(self.prefills),
@@ -104,7 +104,7 @@ class WorkerProcess(ABC):
             moved = "kv_bytes_received" if self.connector.receives else "kv_bytes_sent"
             totals = self.transfer_totals()
             return {
-                **worker_stat_fields(e.stats()),
+                **dataclasses.asdict(e.stats()),
                 moved: self.connector.bytes_moved(),  # every rank's
                 "kv_seconds": sum(t.seconds for t in totals),
                 "kv_transfers": sum(t.transfers for t in totals),
