@@ -50,17 +50,13 @@ def tp_group(world: ParallelGroup, tp: int) -> ParallelGroup:
     itself without pipeline parallelism). Every rank makes every stage's group, in order."""
     if tp == world.size:
         return world
-    mine = None
-    for first in range(0, world.size, tp):
-        ranks = list(range(first, first + tp))
-        group = dist.new_group(ranks, timeout=IDLE_TIMEOUT)
-        host = dist.new_group(ranks, backend="gloo", timeout=IDLE_TIMEOUT)
-        if world.rank in ranks:
-            mine = (group, host)
-    assert mine is not None
-    return ParallelGroup(
-        world.rank % tp, tp, mine[0], mine[1], None, world.expert_parallel, world.device
-    )
+    # No host group of its own: rank 0 reaches every rank through `world`'s.
+    groups = [
+        dist.new_group(list(range(s, s + tp)), timeout=IDLE_TIMEOUT)
+        for s in range(0, world.size, tp)
+    ]
+    mine = groups[world.rank // tp]
+    return ParallelGroup(world.rank % tp, tp, mine, None, None, world.expert_parallel, world.device)
 
 
 def check_tp_size(size: int, num_heads: int, num_kv_heads: int) -> None:

@@ -57,7 +57,7 @@ class LLMEngine:
         group, stage = SINGLE, SINGLE_STAGE
         if config.world_size > 1:
             options = kv_connector.follower_options() if kv_connector is not None else None
-            self.tp_driver = TPDriver(config, device, options)
+            self.tp_driver = TPDriver(config, device, self.info.num_layers, options)
             group, stage = self.tp_driver.tp, self.tp_driver.stage
         try:
             self.runner = ModelRunner(

@@ -128,8 +128,9 @@ class ModelRunner:
         num_blocks = plan_num_blocks(
             self.kv_spec, device, config.kv_cache_tokens, config.kv_cache_memory_fraction
         )
-        if stage.world.size > 1 or tp.size > 1:  # every rank must hold the same blocks
-            num_blocks = all_reduce_min(num_blocks, stage.world if stage.size > 1 else tp)
+        world = stage.world if stage.size > 1 else tp
+        if world.size > 1:  # every rank must hold the same blocks
+            num_blocks = all_reduce_min(num_blocks, world)
         self.kv_cache = KVCache(self.kv_spec, num_blocks, device)
         self.kv_cache.bind(attn_layers)
         self.sampler = Sampler(config.seed)

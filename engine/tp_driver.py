@@ -21,7 +21,6 @@ from collections.abc import Callable
 
 import torch
 
-from pdmesh.checkpoint.source import resolve_model_folder
 from pdmesh.engine import step_codec
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.distributed import (
@@ -32,7 +31,6 @@ from pdmesh.engine.distributed import (
     init_group,
     tp_group,
 )
-from pdmesh.engine.model_info import ModelInfo
 from pdmesh.engine.parallel import ParallelGroup
 from pdmesh.engine.pipeline import PipelineStage, stage_of
 from pdmesh.engine.step_inputs import StepInputs
@@ -63,16 +61,14 @@ def rank_device(base: torch.device, rank: int) -> torch.device:
 
 
 def init_ranks(
-    rank: int, config: EngineConfig, init_method: str, base: torch.device
+    rank: int, config: EngineConfig, init_method: str, base: torch.device, num_layers: int
 ) -> tuple[ParallelGroup, ParallelGroup, PipelineStage]:
     """Join the worker's ranks: (every rank, this rank's TP group, its pipeline stage)."""
     world = init_group(
         rank, config.world_size, init_method, rank_device(base, rank), config.enable_expert_parallel
     )
-    tp = tp_group(world, config.tensor_parallel_size)
-    num_layers = ModelInfo.load(resolve_model_folder(config.model)).num_layers
-    pp = config.pipeline_parallel_size
-    return world, tp, stage_of(rank, config.tensor_parallel_size, pp, num_layers, world)
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    return world, tp_group(world, tp), stage_of(rank, tp, pp, num_layers, world)
 
 
 class TPDriver:
@@ -80,9 +76,14 @@ class TPDriver:
     starts); `on_rank_death(message)` is called from the monitor thread."""
 
     def __init__(
-        self, config: EngineConfig, device: torch.device, connector_options: object | None = None
+        self,
+        config: EngineConfig,
+        device: torch.device,
+        num_layers: int,
+        connector_options: object | None = None,
     ) -> None:
-        """connector_options: what each follower builds its KV connector from (None: none)."""
+        """num_layers: the model's decoder layers (split over pipeline stages).
+        connector_options: what each follower builds its KV connector from (None: none)."""
         size = config.world_size
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -108,7 +109,7 @@ class TPDriver:
         self._monitor.start()
         # `group`: every rank (steps and control go to all); `tp`, `stage`: rank 0's own.
         self.group: ParallelGroup
-        self.group, self.tp, self.stage = init_ranks(0, config, init_method, device)
+        self.group, self.tp, self.stage = init_ranks(0, config, init_method, device, num_layers)
 
     def send_step(self, inputs: StepInputs, plan: torch.Tensor | None) -> None:
         """The step's inputs and KV plan to every follower, before rank 0 runs it."""

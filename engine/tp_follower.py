@@ -42,8 +42,8 @@ def serve_rank(spec: dict[str, Any]) -> None:
     config = EngineConfig(**spec["engine"])
     base, rank = torch.device(spec["device"]), spec["rank"]
     device = rank_device(base, rank)
-    group, tp, stage = init_ranks(rank, config, spec["init_method"], base)
     info = ModelInfo.load(resolve_model_folder(config.model))
+    group, tp, stage = init_ranks(rank, config, spec["init_method"], base, info.num_layers)
     options = decode(spec["kv_connector"].encode())
     connector = create_connector(options) if options is not None else None
     max_len = resolve_max_model_len(config, info)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -39,10 +38,9 @@ def test_a_layout_that_cannot_fit_is_refused(layers, pp, spec, message) -> None:
 def test_pipeline_refuses_before_any_rank_starts(tiny_model) -> None:
     folder = str(tiny_model("qwen3_moe"))  # 3 layers
     before = _children()
-    start = time.monotonic()
     with pytest.raises(ValueError, match="more than the model's 3 layers"):
         LLM(folder, pipeline_parallel_size=4)
-    assert time.monotonic() - start < 5 and _children() == before  # no rank was started
+    assert _children() == before  # no rank was started
     config = EngineConfig(pipeline_parallel_size=2)
     with pytest.raises(ValueError, match="offline"):
         check_world(config, 30, has_kv_connector=True)
@@ -75,14 +73,8 @@ def test_pipeline_matches_transformers(tiny_model, monkeypatch, arch, tp, pp, pa
     shared = random_prompts([40], seed=7)[0]
     prompts = [shared + p for p in random_prompts([5, 30, 90], seed=3)] + random_prompts([150])
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    with LLM(
-        str(folder),
-        kv_cache_tokens=256,
-        block_size=16,
-        max_num_batched_tokens=64,
-        tensor_parallel_size=tp,
-        pipeline_parallel_size=pp,
-    ) as llm:
+    layout = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp}
+    with LLM(str(folder), kv_cache_tokens=256, max_num_batched_tokens=64, **layout) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         stats = llm.engine.stats()
     hf = load_hf(folder)

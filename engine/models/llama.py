@@ -123,7 +123,7 @@ class DecoderModel(nn.Module):
         self, config: Any, layers: list[nn.Module], tp: ParallelGroup, stage: PipelineStage
     ) -> None:
         super().__init__()
-        self.stage = stage
+        self.own_layers = stage.layers if stage.layers is not None else range(len(layers))
         self.embed_tokens = (
             VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
             if stage.is_first
@@ -141,8 +141,7 @@ class DecoderModel(nn.Module):
             hidden, residual = self.embed_tokens(input_ids), None
         else:
             hidden, residual = carry[0], carry[1]
-        layers = self.stage.layers or range(len(self.layers))
-        for i in layers:
+        for i in self.own_layers:
             hidden, residual = self.layers[i](positions, hidden, residual, meta)
         if self.norm is None:
             return torch.stack((hidden, residual))

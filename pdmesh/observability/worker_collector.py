@@ -52,12 +52,7 @@ class WorkerCollector:
         return self._families(self._snapshot())
 
     def _families(self, s: WorkerSnapshot | None) -> Iterator[Metric]:
-        if s is not None:
-            e = s.engine
-            values = {
-                **e,
-                "prefix_hit_rate": e["prefix_hit_tokens"] / max(1, e["prefix_queried_tokens"]),
-            }
+        values = _engine_values(s.engine) if s is not None else {}
         for key, (kind, name, doc) in _ENGINE_FAMILIES.items():
             family = kind(name, doc, labels=["role"])
             if s is not None:
@@ -77,6 +72,10 @@ class WorkerCollector:
                 prefills.add_metric([self.role, mode], n)
         yield experts
         yield prefills
+
+
+def _engine_values(e: Mapping[str, int]) -> dict[str, float]:
+    return {**e, "prefix_hit_rate": e["prefix_hit_tokens"] / max(1, e["prefix_queried_tokens"])}
 
 
 G, C = GaugeMetricFamily, CounterMetricFamily
