@@ -54,6 +54,7 @@ def test_kv_crosses_tp_sizes(tiny_model, prefill_tp: int, decode_tp: int, transp
         d, p = mesh.stats(mesh.decode[0]), mesh.stats(mesh.prefill[0])
         # Every prompt went through the prefill worker; each head of each block crossed once.
         assert d.remote_prefills == len(prompts) and d.prefill_fallbacks == 0
+        assert (p.tensor_parallel_size, d.tensor_parallel_size) == (prefill_tp, decode_tp)
         block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # layers x (K+V) x tokens x KV heads x dims x fp32
         blocks = sum(-(-len(x) // 16) for x in prompts)
         assert d.kv_bytes_received == p.kv_bytes_sent == blocks * block_bytes

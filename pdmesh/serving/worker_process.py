@@ -118,7 +118,7 @@ class WorkerProcess(ABC):
             "role": self.role,
             **fields,
             "block_size": self.geometry.block_size,
-            "tensor_parallel_size": 1,
+            "tensor_parallel_size": self.engine.config.tensor_parallel_size,
         }
 
 
