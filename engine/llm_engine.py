@@ -48,7 +48,7 @@ class LLMEngine:
             torch.set_num_threads(threads)
         self.info = ModelInfo.load(resolve_model_folder(config.model))
         self.info.check_parallel(config.tensor_parallel_size, config.enable_expert_parallel)
-        check_world(config, self.info.num_layers, kv_connector is not None)
+        check_world(config, self.info.num_layers)
         self.tokenizer = None if config.skip_tokenizer_init else Tokenizer.load(self.info.folder)
         device = config.torch_device()
         rank0 = rank_device(device, 0)

@@ -159,7 +159,8 @@ class ModelRunner:
         self.kv_connector = kv_connector
         self._saving = False  # a step with a KV plan runs: the connector saves after each layer
         if kv_connector is not None:
-            kv_connector.bind(KVBinding(self.kv_cache.data, self.kv_heads, followers))
+            first_layer = stage.layers.start if stage.layers is not None else 0
+            kv_connector.bind(KVBinding(self.kv_cache.data, self.kv_heads, followers, first_layer))
             for i, layer in enumerate(attn_layers):
                 layer.register_forward_hook(self._after_attention(i))
 

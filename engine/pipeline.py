@@ -98,16 +98,11 @@ class PipelineStage:
 SINGLE_STAGE = PipelineStage()
 
 
-def check_world(config: EngineConfig, num_layers: int, has_kv_connector: bool) -> None:
+def check_world(config: EngineConfig, num_layers: int) -> None:
     """Refuse a layout that cannot run, before any rank starts (ValueError naming the counts)."""
     pp = config.pipeline_parallel_size
     if pp > 1:
         layer_partition(num_layers, pp, envs.pp_layer_partition())
-        if has_kv_connector:
-            raise ValueError(
-                "pipeline_parallel_size > 1 runs offline (LLM) only for now: a prefill or decode "
-                "worker's KV transfer does not know pipeline stages yet."
-            )
     device = config.torch_device()
     if device.type == "cuda" and config.world_size > 1:
         first, available = device.index or 0, torch.cuda.device_count()

@@ -5,8 +5,9 @@ head_dim] (engine/kv_cache.py); a rank holds global KV heads [head_start, head_s
 num_kv_heads). A transfer moves some blocks of every layer from a prefill rank (sender) into
 blocks of a decode rank (receiver). The receiver announces it with `expect` (ids and token arrive
 over the gRPC control plane), the sender pushes it layer by layer as prefill computes it.
-Sender and receiver may hold different head ranges (different TP sizes): every frame names its
-heads and the receiver writes the intersection with its own.
+Sender and receiver may hold different head ranges (different TP sizes) and different layer
+ranges (different pipeline stages): every frame names its global layer and heads, a sender sends
+each receiver only the layers it holds, and the receiver writes the intersection with its heads.
 """
 
 from __future__ import annotations
@@ -77,11 +78,13 @@ class PageGeometry:
     head_start: int  # first global KV head held by this rank
     head_dim: int
     dtype: torch.dtype
+    layer_start: int = 0  # first global layer held by this rank (a pipeline stage holds a range)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
             _check_count("PageGeometry", name, getattr(self, name), 1)
         _check_count("PageGeometry", "head_start", self.head_start, 0)
+        _check_count("PageGeometry", "layer_start", self.layer_start, 0)
         if self.dtype not in DTYPE_CODES:
             names = ", ".join(str(d).removeprefix("torch.") for d in DTYPE_CODES)
             raise ValueError(f"KV dtype {self.dtype} cannot be transferred; supported: {names}")
@@ -89,6 +92,11 @@ class PageGeometry:
     @property
     def head_end(self) -> int:
         return self.head_start + self.num_kv_heads
+
+    @property
+    def layers(self) -> range:
+        """The global layers this rank's cache holds (cache index i is layer layer_start + i)."""
+        return range(self.layer_start, self.layer_start + self.num_layers)
 
     @property
     def bytes_per_block_per_head(self) -> int:
@@ -176,6 +184,19 @@ class TransferSpec:
         )
 
 
+def _handle_layers(geometry: PageGeometry, layers: tuple[int, int] | None) -> tuple[int, int]:
+    """The (start, count) of the sender's global layers that a receiver holding `layers` needs."""
+    if layers is None:
+        return geometry.layer_start, geometry.num_layers
+    start, end = head_overlap(geometry.layer_start, geometry.num_layers, *layers)
+    if end <= start:
+        raise ValueError(
+            f"the receiver's layers [{layers[0]}, {layers[0] + layers[1]}) do not overlap this "
+            f"sender's [{geometry.layer_start}, {geometry.layers.stop})"
+        )
+    return start, end - start
+
+
 def _handle_heads(geometry: PageGeometry, heads: tuple[int, int] | None) -> tuple[int, int]:
     """The (start, count) of the sender's heads that a receiver holding `heads` needs."""
     if heads is None:
@@ -199,9 +220,11 @@ class SendHandle:
     transfer_id: str
     token: bytes
     num_blocks: int
-    # The global KV heads this transfer carries (the sender's heads the receiver holds).
+    # The global KV heads and layers this transfer carries (the sender's the receiver holds).
     head_start: int
     num_heads: int
+    layer_start: int
+    num_layers: int
     ended: bool = field(default=False, init=False)  # caller side: finish() or abort() was called
     nbytes: int = field(default=0, init=False)  # payload bytes sent
     first_sent_at: float | None = field(default=None, init=False)  # time.monotonic()
@@ -215,13 +238,20 @@ class SendHandle:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.transfer_id} -> {self.endpoint})"
 
+    def local_layers(self, geometry: PageGeometry) -> range:
+        """The sender's cache indices of the layers this transfer carries."""
+        start = self.layer_start - geometry.layer_start
+        return range(start, start + self.num_layers)
+
     def header(self, geometry: PageGeometry, layer: int, first_block: int, n: int) -> FrameHeader:
-        """The header of this transfer's frame of `n` blocks from `first_block` of one layer."""
+        """The header of this transfer's frame of `n` blocks from `first_block` of one layer
+        (`layer`: the sender's cache index; the frame names the global layer)."""
         g = geometry
         nbytes = payload_nbytes(n, g.block_size, self.num_heads, g.head_dim, g.dtype.itemsize)
         # Positional, in wire order (frame.py).
         return FrameHeader(
-            self.raw_id, self.token, layer, first_block, n, self.head_start, self.num_heads,
+            self.raw_id, self.token, g.layer_start + layer, first_block, n, self.head_start,
+            self.num_heads,
             g.block_size, g.head_dim, DTYPE_CODES[g.dtype], nbytes
         )  # fmt: skip
 
@@ -311,15 +341,17 @@ class KVSender(_Closes):
         token: bytes,
         num_blocks: int,
         heads: tuple[int, int] | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> SendHandle:
         """Begin a transfer of `num_blocks` block indices to the receiver at `endpoint`.
 
-        heads: (start, count) of the global KV heads the receiver holds; only this sender's heads
-        inside that range are sent (default: all of them). ValueError if none are.
+        heads, layers: (start, count) of the global KV heads and layers the receiver holds; only
+        this sender's heads and layers inside them are sent (default: all of them; the layers
+        outside are skipped by `send_blocks` and `send_layers`). ValueError if none are.
         """
-        handle = self.Handle(
-            endpoint, spec_id, token, num_blocks, *_handle_heads(self.geometry, heads)
-        )
+        g = self.geometry
+        heads, layers = _handle_heads(g, heads), _handle_layers(g, layers)
+        handle = self.Handle(endpoint, spec_id, token, num_blocks, *heads, *layers)
         self._open(handle)
         return handle
 
@@ -340,11 +372,14 @@ class KVSender(_Closes):
     def send_blocks(
         self, handles: Handles, layer: int, first_block: int, pages: Tensor, block_ids: Tensor
     ) -> None:
-        """`send_layer` to each handle of blocks gathered from one layer of a cache: pages
-        [2 (k, v), num_blocks, block_size, num_kv_heads, head_dim], block_ids (int64, on pages'
-        device) the blocks to send as [first_block, first_block + len(block_ids)). Gathers once
-        for all handles; a transport may instead gather each handle's heads straight into its
-        frame."""
+        """`send_layer` to each handle that carries `layer` (a cache index) of blocks gathered
+        from one layer of a cache: pages [2 (k, v), num_blocks, block_size, num_kv_heads,
+        head_dim], block_ids (int64, on pages' device) the blocks to send as [first_block,
+        first_block + len(block_ids)). Gathers once for all handles; a transport may instead
+        gather each handle's heads straight into its frame."""
+        handles = [h for h in handles if layer in h.local_layers(self.geometry)]
+        if not handles:
+            return
         kv = gather_blocks(pages, 1, block_ids)
         for handle in handles:
             self.send_layer(handle, layer, first_block, kv[0], kv[1])

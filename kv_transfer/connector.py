@@ -80,11 +80,13 @@ class KVBinding:
     cache: torch.Tensor  # [num_layers, 2 (k, v), num_blocks, block_size, heads.count, head_dim]
     heads: KVHeads
     followers: ControlChannel | None = None  # rank 0 of a tensor-parallel worker only
+    layer_start: int = 0  # the global layer of cache index 0 (a pipeline stage's first)
 
     @property
     def geometry(self) -> PageGeometry:
         layers, _, _, block_size, count, head_dim = self.cache.shape
-        return PageGeometry(layers, block_size, count, self.heads.start, head_dim, self.cache.dtype)
+        heads, dtype = self.heads.start, self.cache.dtype
+        return PageGeometry(layers, block_size, count, heads, head_dim, dtype, self.layer_start)
 
 
 # -- what the scheduler side reads of the engine -------------------------------------------------

@@ -237,7 +237,8 @@ class TransferInbox:
         geo = self.geometry
         if (h.dtype, h.block_size, h.head_dim) != (geo.dtype, geo.block_size, geo.head_dim):
             return Verdict.BAD_SIZE
-        if not 1 <= layers <= geo.num_layers - h.layer:
+        # Frames name global layers: this rank holds geo.layers (a pipeline stage's range).
+        if h.layer < geo.layer_start or not 1 <= layers <= geo.layers.stop - h.layer:
             return Verdict.BAD_SIZE
         if h.num_blocks == 0 or h.first_block + h.num_blocks > pending.spec.num_blocks:
             return Verdict.BAD_SIZE
@@ -279,15 +280,16 @@ class TransferInbox:
         if self.cache.is_cuda:
             src = src.to(self.cache.device)
         # dst: [layers, 2, num_blocks, block_size, hi - lo, head_dim], a strided view
-        end = h.layer + layers
-        dst = self.cache[h.layer : end, :, :, :, lo - geo.head_start : hi - geo.head_start]
+        first = h.layer - geo.layer_start
+        end = first + layers
+        dst = self.cache[first:end, :, :, :, lo - geo.head_start : hi - geo.head_start]
         if pending.index_ready is not None:
             torch.cuda.current_stream(self.cache.device).wait_event(pending.index_ready)
         index = pending.block_index[h.first_block : h.first_block + h.num_blocks]
         scatter_blocks(dst, 2, index, src)
 
         cover = pending.coverage[
-            h.layer : end,
+            first:end,
             h.first_block : h.first_block + h.num_blocks,
             lo - pending.cover_start : hi - pending.cover_start,
         ]

@@ -98,6 +98,8 @@ class P2PSender(KVSender):
         geo.check_pages(pages, (2,), "pages")
         n = block_ids.numel()
         for handle in handles:
+            if layer not in handle.local_layers(geo):
+                continue
             h = self._checked(handle, "send_blocks", layer, first_block, n)
             lo = h.head_start - geo.head_start
             payload = gather_blocks(pages[:, :, :, lo : lo + h.num_heads], 1, block_ids)
@@ -113,15 +115,16 @@ class P2PSender(KVSender):
         geo.check_pages(cache, (geo.num_layers, 2), "cache")
         n = block_ids.numel()
         for handle in handles:
-            h = self._checked(handle, "send_layers", 0, first_block, n)
+            layers = handle.local_layers(geo)
+            h = self._checked(handle, "send_layers", layers.start, first_block, n)
             lo = h.head_start - geo.head_start
             heads = cache[..., lo : lo + h.num_heads, :]
             layer_bytes = payload_nbytes(
                 n, geo.block_size, h.num_heads, geo.head_dim, geo.dtype.itemsize
             )
             step = max(1, BATCH_BYTES // layer_bytes)
-            for start in range(0, geo.num_layers, step):
-                chunk = gather_blocks(heads[start : start + step], 2, block_ids)
+            for start in range(layers.start, layers.stop, step):
+                chunk = gather_blocks(heads[start : min(start + step, layers.stop)], 2, block_ids)
                 ready = _recorded(chunk)
                 flat = chunk.view(-1).view(torch.uint8)
                 header = h.header(geo, start, first_block, n)
@@ -137,7 +140,7 @@ class P2PSender(KVSender):
         h = self._own(handle)
         if h.ended:
             raise ValueError(f"{h!r}: {op} after finish() or abort()")
-        if not 0 <= layer < self.geometry.num_layers or not 0 <= first_block <= h.num_blocks - n:
+        if layer not in h.local_layers(self.geometry) or not 0 <= first_block <= h.num_blocks - n:
             raise ValueError(
                 f"layer {layer}, blocks [{first_block}, {first_block + n}) out of range"
             )

@@ -1,5 +1,7 @@
-"""The prefill worker's KV connector: every rank pushes its heads of a prompt's blocks, layer by
-layer while the forward runs, to the decode ranks that hold them.
+"""The prefill worker's KV connector: every rank pushes its heads of its layers of a prompt's
+blocks, layer by layer while the forward runs, to the decode ranks that hold them (pipeline
+stages: each prefill stage sends its layers to the decode ranks holding those layers, so with
+any two layouts every byte crosses once, rank to rank).
 
 Rank 0 plans each step (`plan_step`): for every prompt with a transfer, the prompt blocks whose
 K/V this step completes. The plan (flat int64: job, first transfer block, n, layers, then n
@@ -167,7 +169,8 @@ class PushConnector(KVConnector):
             self.check(target.transport)
             sender = create_sender(target.transport, self.geometry)
             self._senders[target.transport] = sender
-        heads = self.binding.heads
+        heads, layers = self.binding.heads, self.geometry.layers
+        mine = range(heads.start, heads.start + heads.count)
         handles = [
             sender.start(
                 e.address,
@@ -175,9 +178,10 @@ class PushConnector(KVConnector):
                 target.token,
                 target.num_blocks,
                 (e.head_start, e.num_heads),
+                (e.layer_start, e.num_layers) if e.num_layers else None,
             )
             for e in (target.endpoints if heads.sends else ())
-            if e.overlaps(heads.start, heads.count)
+            if e.overlaps(mine, layers)
         ]
         self._sends[job_id] = _Sends(job_id, sender, handles)
 

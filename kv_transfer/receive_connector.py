@@ -137,8 +137,9 @@ class ReceiveConnector(KVConnector):
         host = split_advertise(advertise)[0] if advertise else None
         for i, (name, r) in enumerate(self.receivers.items()):
             address = advertised(r.endpoint, advertise if i == 0 else host)
+            g = geometry
             self._endpoints[name] = [
-                KVEndpoint(address, geometry.head_start, geometry.num_kv_heads)
+                KVEndpoint(address, g.head_start, g.num_kv_heads, g.layer_start, g.num_layers)
             ]
         # While the engine is built: no engine thread yet.
         for reply in self.tell_followers(DescribeEndpoints()):

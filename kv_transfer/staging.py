@@ -65,8 +65,9 @@ def stage_layer(
             raise ValueError(f"{name} has dtype {t.dtype}, the sender's geometry {geometry.dtype}")
     if k.shape != v.shape or k.device != v.device:
         raise ValueError(f"k {list(k.shape)} on {k.device} and v {list(v.shape)} on {v.device}")
-    if not 0 <= layer < geometry.num_layers:
-        raise ValueError(f"layer {layer} outside [0, {geometry.num_layers})")
+    layers = handle.local_layers(geometry)
+    if layer not in layers:
+        raise ValueError(f"layer {layer} outside the transfer's [{layers.start}, {layers.stop})")
     n = k.shape[0]
     if first_block < 0 or first_block + n > handle.num_blocks:
         raise ValueError(

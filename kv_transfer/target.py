@@ -14,23 +14,38 @@ from pdmesh.v1 import worker_pb2
 
 @control_message
 class KVEndpoint:
-    """One decode rank's receiver: its address and the global KV heads it holds."""
+    """One decode rank's receiver: its address and the global KV heads and layers it holds
+    (num_layers 0: every layer, as a worker without pipeline stages announces it)."""
 
     address: str
     head_start: int
     num_heads: int
+    layer_start: int = 0
+    num_layers: int = 0
 
-    def overlaps(self, start: int, count: int) -> bool:
-        return self.head_start < start + count and start < self.head_start + self.num_heads
+    def overlaps(self, heads: range, layers: range) -> bool:
+        """Whether this rank holds any of `heads` in any of `layers` (global indices)."""
+        mine = self.layers or layers
+        return (
+            self.head_start < heads.stop
+            and heads.start < self.head_start + self.num_heads
+            and mine.start < layers.stop
+            and layers.start < mine.stop
+        )
+
+    @property
+    def layers(self) -> range | None:
+        """The layers held, None for every layer."""
+        if not self.num_layers:
+            return None
+        return range(self.layer_start, self.layer_start + self.num_layers)
 
     def to_pb(self) -> worker_pb2.KVEndpoint:
-        return worker_pb2.KVEndpoint(
-            address=self.address, head_start=self.head_start, num_heads=self.num_heads
-        )
+        return worker_pb2.KVEndpoint(**dataclasses.asdict(self))
 
     @staticmethod
     def from_pb(pb: worker_pb2.KVEndpoint) -> KVEndpoint:
-        return KVEndpoint(pb.address, pb.head_start, pb.num_heads)
+        return KVEndpoint(pb.address, pb.head_start, pb.num_heads, pb.layer_start, pb.num_layers)
 
 
 @dataclass(frozen=True)

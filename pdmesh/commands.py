@@ -70,6 +70,8 @@ def add_up(sub: Any) -> None:
     for role in ("prefill", "decode"):
         help = f"tensor-parallel size of each {role} worker (default: --tensor-parallel-size)"
         u.add_argument(f"--{role}-tp", type=int, default=None, help=help)
+        help = f"pipeline stages of each {role} worker (default: --pipeline-parallel-size)"
+        u.add_argument(f"--{role}-pp", type=int, default=None, help=help)
     u.add_argument(
         "--colocated",
         action="store_true",

@@ -11,6 +11,7 @@ and client); API keys go to the router through its environment, not its command 
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import signal
 import sys
@@ -141,10 +142,17 @@ def _worker(role: str, index: int, host: str, flags: list[str]) -> ProcessSpec:
     )
 
 
-def _engine(options: dict[str, Any], tp: int | None, devices: range | None) -> list[str]:
-    """One worker's engine flags: a pool's tensor-parallel size and the worker's first GPU."""
-    if tp:
-        options = {**options, "tensor_parallel_size": tp}
+def _layout(args: argparse.Namespace, role: str) -> dict[str, int]:
+    """A pool's tensor- and pipeline-parallel sizes (--prefill-tp, --decode-pp, ...; default:
+    --tensor-parallel-size and --pipeline-parallel-size)."""
+    tp = getattr(args, f"{role}_tp") or args.tensor_parallel_size
+    pp = getattr(args, f"{role}_pp") or args.pipeline_parallel_size
+    return {"tensor_parallel_size": tp, "pipeline_parallel_size": pp}
+
+
+def _engine(options: dict[str, Any], layout: dict[str, int], devices: range | None) -> list[str]:
+    """One worker's engine flags: its pool's layout and the worker's first GPU."""
+    options = {**options, **layout}
     if devices is not None:
         options = {**options, "device": f"cuda:{devices.start}"}
     return engine_argv(options)
@@ -179,14 +187,16 @@ def plan_mesh(args: argparse.Namespace) -> list[ProcessSpec]:
     specs: list[ProcessSpec] = []
     prefill: dict[str, range | None] = {}  # address -> GPUs
     for i in range(0 if args.colocated else args.prefill):
-        devices = gpus.take(args.prefill_tp or args.tensor_parallel_size)
-        flags = [*_engine(options, args.prefill_tp, devices), *tls]
+        layout = _layout(args, "prefill")
+        devices = gpus.take(math.prod(layout.values()))
+        flags = [*_engine(options, layout, devices), *tls]
         specs.append(_worker("prefill", i, args.host, flags))
         prefill[specs[-1].address] = devices
     decode: list[str] = []
     for i in range(args.decode):
-        devices = gpus.take(args.decode_tp or args.tensor_parallel_size)
-        flags = [*decode_flags, *_engine(options, args.decode_tp, devices), *tls]
+        layout = _layout(args, "decode")
+        devices = gpus.take(math.prod(layout.values()))
+        flags = [*decode_flags, *_engine(options, layout, devices), *tls]
         flags += pair_transports(args.kv_transport, prefill, devices)
         specs.append(_worker("decode", i, args.host, flags))
         decode.append(specs[-1].address)

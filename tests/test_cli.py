@@ -179,3 +179,11 @@ def test_up_passes_every_engine_option_to_its_workers() -> None:
         "tensor_parallel_size": 2,
     }
     assert engine_options(parser.parse_args(decode.command[3:]))["tensor_parallel_size"] == 3
+    # And its own pipeline-parallel size (--prefill-pp / --decode-pp).
+    up = parser.parse_args(["up", "--prefill-pp", "2", "--decode-tp", "2", *engine_argv(values)])
+    prefill, decode, _ = plan_mesh(up)
+    layouts = [engine_options(parser.parse_args(s.command[3:])) for s in (prefill, decode)]
+    assert [(o["tensor_parallel_size"], o["pipeline_parallel_size"]) for o in layouts] == [
+        (values["tensor_parallel_size"], 2),
+        (2, values["pipeline_parallel_size"]),
+    ]

@@ -1,4 +1,5 @@
-"""Tensor-parallel workers in the mesh: KV re-split across TP sizes, and a rank dying."""
+"""Tensor- and pipeline-parallel workers in the mesh: KV re-split across layouts, and a rank
+dying."""
 
 from __future__ import annotations
 
@@ -25,21 +26,34 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    ("prefill_tp", "decode_tp", "transport"), [(2, 1, "tcp"), (1, 2, "tcp"), (2, 1, "gloo")]
+    ("prefill", "decode", "transport"),
+    [
+        ((2, 1), (1, 1), "tcp"),
+        ((1, 1), (2, 1), "tcp"),
+        ((2, 1), (1, 1), "gloo"),
+        ((1, 2), (1, 1), "tcp"),  # each prefill stage sends its own layers
+        ((2, 1), (1, 2), "gloo"),  # each decode stage receives its own layers
+        ((2, 2), (2, 1), "tcp"),
+    ],
+    ids=["tp2-tp1", "tp1-tp2", "tp2-tp1-gloo", "pp2-tp1", "tp2-pp2-gloo", "tp2xpp2-tp2"],
 )
-def test_kv_crosses_tp_sizes(tiny_model, prefill_tp: int, decode_tp: int, transport: str) -> None:
-    folder = str(tiny_model("llama"))  # 2 KV heads: TP 2 holds one per rank
+def test_kv_crosses_layouts(
+    tiny_model, prefill: tuple[int, int], decode: tuple[int, int], transport: str
+) -> None:
+    """Prefill and decode workers of different (TP, PP) layouts: each rank sends its own heads
+    of its own layers straight to the decode ranks holding them, each byte once."""
+    folder = str(tiny_model("llama"))  # 2 KV heads: TP 2 holds one per rank; 2 layers
     prompts = _prompts()
     offline = LLM(folder, kv_cache_tokens=4096).generate(
         [{"prompt_token_ids": p} for p in prompts], SamplingParams(**PARAMS)
     )
+    layouts = []
+    for role, (tp, pp) in (("prefill", prefill), ("decode", decode)):
+        layouts += [f"--{role}-tp", str(tp), f"--{role}-pp", str(pp)]
     mesh = start_mesh(
         "--model",
         folder,
-        "--prefill-tp",
-        str(prefill_tp),
-        "--decode-tp",
-        str(decode_tp),
+        *layouts,
         "--kv-cache-tokens",
         "4096",
         "--disagg-min-tokens",
@@ -54,7 +68,8 @@ def test_kv_crosses_tp_sizes(tiny_model, prefill_tp: int, decode_tp: int, transp
         d, p = mesh.stats(mesh.decode[0]), mesh.stats(mesh.prefill[0])
         # Every prompt went through the prefill worker; each head of each block crossed once.
         assert d.remote_prefills == len(prompts) and d.prefill_fallbacks == 0
-        assert (p.tensor_parallel_size, d.tensor_parallel_size) == (prefill_tp, decode_tp)
+        assert (p.tensor_parallel_size, p.pipeline_parallel_size) == prefill
+        assert (d.tensor_parallel_size, d.pipeline_parallel_size) == decode
         block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # layers x (K+V) x tokens x KV heads x dims x fp32
         blocks = sum(-(-len(x) // 16) for x in prompts)
         assert d.kv_bytes_received == p.kv_bytes_sent == blocks * block_bytes

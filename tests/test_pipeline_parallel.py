@@ -8,8 +8,7 @@ import pytest
 from support import hf_greedy, load_hf, random_prompts
 
 from pdmesh import LLM, SamplingParams
-from pdmesh.engine.config import EngineConfig
-from pdmesh.engine.pipeline import check_world, layer_partition
+from pdmesh.engine.pipeline import layer_partition
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
 
@@ -41,9 +40,6 @@ def test_pipeline_refuses_before_any_rank_starts(tiny_model) -> None:
     with pytest.raises(ValueError, match="more than the model's 3 layers"):
         LLM(folder, pipeline_parallel_size=4)
     assert _children() == before  # no rank was started
-    config = EngineConfig(pipeline_parallel_size=2)
-    with pytest.raises(ValueError, match="offline"):
-        check_world(config, 30, has_kv_connector=True)
 
 
 def test_default_model_pp2_equals_pp1(default_llm: LLM) -> None:

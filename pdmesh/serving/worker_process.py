@@ -119,6 +119,7 @@ class WorkerProcess(ABC):
             **fields,
             "block_size": self.geometry.block_size,
             "tensor_parallel_size": self.engine.config.tensor_parallel_size,
+            "pipeline_parallel_size": self.engine.config.pipeline_parallel_size,
         }
 
 

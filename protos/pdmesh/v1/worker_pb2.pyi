@@ -82,7 +82,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("role", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "prefix_queried_tokens", "prefix_hit_tokens", "num_preemptions", "kv_bytes_received", "kv_bytes_sent", "kv_seconds", "kv_transfers", "kv_frames_dropped", "local_prefills", "remote_prefills", "prefill_fallbacks", "expert_token_counts", "block_size", "tensor_parallel_size", "steps_launched_ahead")
+    __slots__ = ("role", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "prefix_queried_tokens", "prefix_hit_tokens", "num_preemptions", "kv_bytes_received", "kv_bytes_sent", "kv_seconds", "kv_transfers", "kv_frames_dropped", "local_prefills", "remote_prefills", "prefill_fallbacks", "expert_token_counts", "block_size", "tensor_parallel_size", "steps_launched_ahead", "pipeline_parallel_size")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,7 @@ class WorkerStats(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     STEPS_LAUNCHED_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_running: int
     num_waiting: int
@@ -125,7 +126,8 @@ class WorkerStats(_message.Message):
     block_size: int
     tensor_parallel_size: int
     steps_launched_ahead: int
-    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., kv_transfers: _Optional[int] = ..., kv_frames_dropped: _Optional[int] = ..., local_prefills: _Optional[int] = ..., remote_prefills: _Optional[int] = ..., prefill_fallbacks: _Optional[int] = ..., expert_token_counts: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., steps_launched_ahead: _Optional[int] = ...) -> None: ...
+    pipeline_parallel_size: int
+    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., kv_transfers: _Optional[int] = ..., kv_frames_dropped: _Optional[int] = ..., local_prefills: _Optional[int] = ..., remote_prefills: _Optional[int] = ..., prefill_fallbacks: _Optional[int] = ..., expert_token_counts: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., steps_launched_ahead: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ...) -> None: ...
 
 class KVTarget(_message.Message):
     __slots__ = ("transport", "transfer_id", "token", "first_block", "block_ids", "block_size", "endpoints", "timeout_ms", "trace_context")
@@ -157,14 +159,18 @@ class KVTarget(_message.Message):
     def __init__(self, transport: _Optional[str] = ..., transfer_id: _Optional[str] = ..., token: _Optional[bytes] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., timeout_ms: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class KVEndpoint(_message.Message):
-    __slots__ = ("address", "head_start", "num_heads")
+    __slots__ = ("address", "head_start", "num_heads", "layer_start", "num_layers")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEAD_START_FIELD_NUMBER: _ClassVar[int]
     NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     address: str
     head_start: int
     num_heads: int
-    def __init__(self, address: _Optional[str] = ..., head_start: _Optional[int] = ..., num_heads: _Optional[int] = ...) -> None: ...
+    layer_start: int
+    num_layers: int
+    def __init__(self, address: _Optional[str] = ..., head_start: _Optional[int] = ..., num_heads: _Optional[int] = ..., layer_start: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_target")
