@@ -57,8 +57,14 @@ def test_default_model_pp2_equals_pp1(default_llm: LLM) -> None:
 
 @pytest.mark.parametrize(
     ("arch", "tp", "pp", "partition"),
-    [("qwen3_moe", 1, 3, None), ("qwen3_moe", 1, 2, "1,2"), ("llama", 2, 2, None)],
-    ids=["pp3", "pp2-uneven", "tp2xpp2"],
+    [
+        ("qwen3_moe", 1, 3, None),
+        ("qwen3_moe", 1, 2, "1,2"),
+        ("llama", 2, 2, None),
+        ("qwen3", 1, 2, None),
+        ("mixtral", 1, 2, None),
+    ],
+    ids=["qwen3-moe-pp3", "qwen3-moe-pp2-uneven", "llama-tp2xpp2", "qwen3-pp2", "mixtral-pp2"],
 )
 def test_pipeline_matches_transformers(tiny_model, monkeypatch, arch, tp, pp, partition) -> None:
     """Chunked prefill (64-token budget), prefix caching (prompts share a prefix) and a cache
@@ -80,14 +86,18 @@ def test_pipeline_matches_transformers(tiny_model, monkeypatch, arch, tp, pp, pa
     assert stats.num_preemptions > 0
 
 
-def test_seeded_sampling_is_the_same_over_a_pipeline(tiny_model) -> None:
+def test_seeded_sampling_and_async_scheduling_over_a_pipeline(tiny_model) -> None:
+    """Seeded sampling gives the same tokens over three stages, with decode steps launched
+    before the previous one's tokens are read (async scheduling)."""
     folder = str(tiny_model("qwen3_moe"))
     prompts = [{"prompt_token_ids": p} for p in random_prompts([8, 20, 33])]
     params = [SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=s) for s in (1, 2, 3)]
     with LLM(folder, kv_cache_tokens=1024) as llm:
         expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    with LLM(folder, kv_cache_tokens=1024, pipeline_parallel_size=3) as llm:
+    pipeline = dict(pipeline_parallel_size=3, async_scheduling=True)
+    with LLM(folder, kv_cache_tokens=1024, **pipeline) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert llm.engine.steps_launched_ahead > 0
     assert got == expected
 
 
