@@ -61,6 +61,14 @@ class EngineConfig:
     enable_expert_parallel: bool = option(
         False, "MoE experts split over the tensor-parallel ranks (all-to-all) instead of sharded"
     )
+    enable_eplb: bool = option(
+        False, "expert-parallel load balancing: replicate hot experts, re-place them from load"
+    )
+    num_redundant_experts: int = option(
+        0, "EPLB: physical expert slots beyond the model's experts (replicas of hot ones)"
+    )
+    eplb_window_size: int = option(1000, "EPLB: steps of expert load the placement is made from")
+    eplb_step_interval: int = option(3000, "EPLB: steps between placement recomputations")
     seed: int = option(0, "seed of unseeded sampling and of dummy weights")
     load_format: str = option("auto", "auto (the checkpoint's) | dummy (random weights: speed)")
     skip_tokenizer_init: bool = option(False, "no tokenizer: token ids in and out, no text")
@@ -96,8 +104,37 @@ class EngineConfig:
             raise ValueError(
                 f"async_scheduling must be true, false or unset, got {self.async_scheduling!r}."
             )
+        self._check_eplb()
         if self.block_size > 1024:
             raise ValueError(f"block_size must be at most 1024 tokens, got {self.block_size}.")
+
+    def _check_eplb(self) -> None:
+        # The model-dependent checks (an MoE model; slots divisible by the ranks) are in
+        # pdmesh.engine.eplb.check_eplb, run once the model's config is read.
+        _check_positive("eplb_window_size", self.eplb_window_size)
+        _check_positive("eplb_step_interval", self.eplb_step_interval)
+        r = self.num_redundant_experts
+        if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+            raise ValueError(f"num_redundant_experts must be an integer >= 0, got {r!r}.")
+        if not self.enable_eplb:
+            if r:
+                raise ValueError(
+                    f"num_redundant_experts={r} needs enable_eplb (replicas exist only with EPLB)."
+                )
+            return
+        if self.pipeline_parallel_size > 1:
+            raise ValueError(
+                "enable_eplb does not support pipeline parallelism yet (got "
+                f"pipeline_parallel_size={self.pipeline_parallel_size}); use "
+                "tensor_parallel_size with enable_expert_parallel alone."
+            )
+        if not self.enable_expert_parallel or self.tensor_parallel_size < 2:
+            raise ValueError(
+                "enable_eplb balances experts over expert-parallel ranks: it needs "
+                "enable_expert_parallel and tensor_parallel_size >= 2 (got "
+                f"enable_expert_parallel={self.enable_expert_parallel}, "
+                f"tensor_parallel_size={self.tensor_parallel_size})."
+            )
 
     @property
     def world_size(self) -> int:

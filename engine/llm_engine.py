@@ -8,6 +8,7 @@ from pdmesh import envs
 from pdmesh.checkpoint.source import resolve_model_folder
 from pdmesh.engine.block_manager import BlockManager
 from pdmesh.engine.config import EngineConfig
+from pdmesh.engine.expert_balancer import CountEplb, EplbCounts, EplbStats
 from pdmesh.engine.model_info import ModelInfo
 from pdmesh.engine.model_runner import ModelRunner
 from pdmesh.engine.outputs import EngineStats, RequestOutput, StepDelta
@@ -47,7 +48,11 @@ class LLMEngine:
         if (threads := envs.num_threads()) is not None:
             torch.set_num_threads(threads)
         self.info = ModelInfo.load(resolve_model_folder(config.model))
-        self.info.check_parallel(config.tensor_parallel_size, config.enable_expert_parallel)
+        self.info.check_parallel(
+            config.tensor_parallel_size,
+            config.enable_expert_parallel,
+            config.num_redundant_experts if config.enable_eplb else None,
+        )
         check_world(config, self.info.num_layers)
         self.tokenizer = None if config.skip_tokenizer_init else Tokenizer.load(self.info.folder)
         device = config.torch_device()
@@ -276,6 +281,19 @@ class LLMEngine:
             assert isinstance(reply, ExpertCounts)
             counts = [a + b for a, b in zip(counts, reply.counts, strict=True)]
         return counts
+
+    def eplb_stats(self) -> EplbStats | None:
+        """EPLB's figures over every rank, now (None: EPLB off). Between steps only: the
+        followers are asked."""
+        balancer = self.runner.balancer
+        if balancer is None:
+            return None
+        counts = [balancer.counts()]
+        if self.tp_driver is not None:
+            for reply in self.tp_driver.call(CountEplb()):
+                assert isinstance(reply, EplbCounts)
+                counts.append(reply)
+        return balancer.stats(counts)
 
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel engine (nothing to do for one rank)."""

@@ -49,16 +49,24 @@ class ModelInfo:
             eos_token_ids=meta.eos_token_ids,
         )
 
-    def check_parallel(self, size: int, expert_parallel: bool) -> None:
+    def check_parallel(
+        self, size: int, expert_parallel: bool, eplb_redundant: int | None = None
+    ) -> None:
         """ValueError (naming the counts and the valid sizes) when `size` ranks cannot split
-        this model; checked before any rank is started."""
+        this model; checked before any rank is started. eplb_redundant: EPLB's redundant
+        experts (None: EPLB off)."""
+        c = self.hf_config
+        num_experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", 0)
+        if eplb_redundant is not None:
+            from pdmesh.engine.eplb import check_eplb
+
+            check_eplb(num_experts, eplb_redundant, size)
+            num_experts += eplb_redundant  # the physical experts split over the ranks
         if size == 1:
             return
         from pdmesh.engine.distributed import check_tp_size
 
         check_tp_size(size, self.num_heads, self.num_kv_heads)
-        c = self.hf_config
-        num_experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", 0)
         sizes = {"intermediate_size": getattr(c, "intermediate_size", 0)}
         if num_experts and expert_parallel:
             if num_experts % size:

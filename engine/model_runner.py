@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -14,7 +15,9 @@ from pdmesh import envs
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.cuda_graphs import DecodeGraphs
 from pdmesh.engine.distributed import all_reduce_min
+from pdmesh.engine.expert_balancer import ExpertBalancer
 from pdmesh.engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
+from pdmesh.engine.layers.moe import FusedMoE
 from pdmesh.engine.model_info import ModelInfo
 from pdmesh.engine.parallel import SINGLE, ParallelGroup
 from pdmesh.engine.pipeline import SINGLE_STAGE, PipelineStage
@@ -107,6 +110,8 @@ class ModelRunner:
             torch.cuda.set_device(device)  # for this (the building) thread
         self.dtype = dtype = config.torch_dtype(device)
         self.block_size = block_size = config.block_size
+        if config.enable_eplb:  # the MoE layers hold E + R expert slots over the group
+            tp = dataclasses.replace(tp, redundant_experts=config.num_redundant_experts)
         with torch.device(device), _default_dtype(dtype):
             model = info.model_cls(info.hf_config, max_model_len, tp, stage)
         # Placement is made explicit: a torch.device context can be overridden by a default-device
@@ -117,6 +122,13 @@ class ModelRunner:
         else:
             load_weights(model, info.folder)
         self.model = model.eval()
+        # EPLB: re-places the experts between steps from their counted load (every rank).
+        self.balancer: ExpertBalancer | None = None
+        if config.enable_eplb:
+            moe = [m for m in model.modules() if isinstance(m, FusedMoE)]
+            self.balancer = ExpertBalancer(
+                moe, config.eplb_window_size, config.eplb_step_interval, tp
+            )
         attn_layers = model.attention_layers()
         self.kv_spec = KVCacheSpec(
             num_layers=len(attn_layers),
@@ -262,6 +274,8 @@ class ModelRunner:
         logits = self.forward_with_plan(inputs, plan)
         if logits is not None and self.stage.sends_logits:
             self.stage.send_logits(logits)
+        if self.balancer is not None:
+            self.balancer.after_step()
 
     @_on_device
     @torch.inference_mode()
@@ -274,6 +288,8 @@ class ModelRunner:
         if self.followers is not None:  # every rank runs the step; rank 0 samples
             self.followers.send_step(inputs, plan)
         logits = self.forward_with_plan(inputs, plan)
+        if self.balancer is not None:  # between this step and the next, as every rank does
+            self.balancer.after_step()
         if self.stage.size > 1 and inputs.sample_seq_index:  # the last stage computed them
             shape = (len(inputs.sample_seq_index), self.info.vocab_size)
             logits = self.stage.recv_logits(shape, self.dtype)

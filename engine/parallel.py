@@ -31,6 +31,8 @@ class ParallelGroup:
     counters: dict[str, int] = field(default_factory=lambda: {"all_to_all": 0}, compare=False)
     # The symmetric-memory all-reduce for small tensors (set by the model runner on GPUs).
     fast: dict[str, Any] = field(default_factory=dict, compare=False)
+    # EPLB: physical expert slots beyond the model's experts, spread over the group's ranks.
+    redundant_experts: int = 0
 
     @property
     def comm_device(self) -> torch.device:

@@ -19,6 +19,7 @@ from pdmesh.checkpoint.source import resolve_model_folder
 from pdmesh.engine import step_codec
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.distributed import broadcast_bytes, destroy, gather_bytes
+from pdmesh.engine.expert_balancer import CountEplb
 from pdmesh.engine.llm_engine import resolve_max_model_len
 from pdmesh.engine.model_info import ModelInfo
 from pdmesh.engine.model_runner import ModelRunner
@@ -73,6 +74,8 @@ def _control(runner: ModelRunner, connector: KVConnector | None, message: object
     try:
         if isinstance(message, CountExperts):
             return ExpertCounts(tuple(runner.expert_counts() or ()))
+        if isinstance(message, CountEplb) and runner.balancer is not None:
+            return runner.balancer.counts()
         if connector is None:
             raise RuntimeError(f"control message {message!r} needs a KV connector")
         return connector.handle(message)

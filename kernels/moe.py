@@ -40,6 +40,21 @@ def moe_experts(
     return fn(x, w13, w2, topk_weights, topk_ids, first_expert)
 
 
+# A CPU GEMM of fewer rows (or a count not a multiple of this) takes another code path whose
+# sums round differently (measured: fp32, 1..7 rows vs 8+), so a row's result would depend on how
+# many rows share its expert, which EPLB's replicas change. Each expert's rows are zero-padded to
+# a multiple of this: a row's result is then the same whatever else is batched with it.
+_ROW_MULTIPLE = 8
+
+
+def _linear_batch_invariant(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # x: [M, K], w: [N, K] -> [M, N]
+    pad = -x.shape[0] % _ROW_MULTIPLE
+    if pad:
+        x = torch.cat((x, x.new_zeros(pad, x.shape[1])))
+    return F.linear(x, w)[: x.shape[0] - pad]
+
+
 def moe_experts_ref(x, w13, w2, topk_weights, topk_ids, first_expert=0):
     out = torch.zeros_like(x)
     local_ids = topk_ids - first_expert
@@ -49,8 +64,8 @@ def moe_experts_ref(x, w13, w2, topk_weights, topk_ids, first_expert=0):
         if e < 0 or e >= w13.shape[0]:
             continue
         token_idx, slot = torch.where(local_ids == e)
-        gate, up = F.linear(x[token_idx], w13[e]).chunk(2, dim=-1)
-        h = F.linear(F.silu(gate) * up, w2[e])
+        gate, up = _linear_batch_invariant(x[token_idx], w13[e]).chunk(2, dim=-1)
+        h = _linear_batch_invariant(F.silu(gate) * up, w2[e])
         h = h * topk_weights[token_idx, slot, None]
         out.index_add_(0, token_idx, h.to(out.dtype))
     return out

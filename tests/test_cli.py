@@ -133,6 +133,7 @@ def test_engine_flags_keep_their_spelling() -> None:
     argv += ["--max-num-batched-tokens", "512", "--max-model-len", "1024", "--no-prefix-caching"]
     argv += ["--enable-expert-parallel", "--seed", "7", "--enforce-eager", "--no-async-scheduling"]
     argv += ["--load-format", "dummy", "--skip-tokenizer-init"]
+    argv += ["--eplb-window-size", "10", "--eplb-step-interval", "20"]
     options = engine_options(build_parser().parse_args(argv))
     assert options == {
         "model": "m",
@@ -148,6 +149,10 @@ def test_engine_flags_keep_their_spelling() -> None:
         "max_model_len": 1024,
         "enable_prefix_caching": False,
         "enable_expert_parallel": True,
+        "enable_eplb": False,
+        "num_redundant_experts": 0,
+        "eplb_window_size": 10,
+        "eplb_step_interval": 20,
         "seed": 7,
         "load_format": "dummy",
         "skip_tokenizer_init": True,

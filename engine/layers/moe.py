@@ -5,6 +5,10 @@ dimension split across the tensor-parallel group (partial sums all-reduced). Wit
 parallelism each rank holds E / N whole experts: the tokens (the same on every rank) are split
 across ranks, each (token, expert) pair is sent with all-to-all to the rank holding its expert,
 computed there, sent back with all-to-all, combined, and the token slices all-gathered.
+
+With EPLB (pdmesh.engine.eplb) the E experts live in E + R physical slots, (E + R) / N on each
+rank, a hot expert in several; `ExpertMap` sends each pair to one of its expert's slots, and the
+balancer moves weights between slots between steps (`engine/layers/expert_move.py`).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pdmesh.engine.layers.expert_map import ExpertMap
 from pdmesh.engine.layers.linear import ReplicatedLinear
 from pdmesh.engine.parallel import SINGLE, ParallelGroup
 from pdmesh.engine.weights import CheckpointTensor
@@ -33,16 +38,22 @@ class FusedMoE(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.tp = tp
-        if tp.expert_parallel and tp.size > 1:
-            if num_experts % tp.size:
+        self.expert_parallel = tp.expert_parallel and tp.size > 1
+        self.experts: ExpertMap | None = None
+        if self.expert_parallel:
+            num_physical = num_experts + tp.redundant_experts
+            if num_physical % tp.size:
                 valid = [n for n in range(1, num_experts + 1) if num_experts % n == 0]
                 raise ValueError(
-                    f"expert parallelism over {tp.size} ranks needs the {num_experts} experts to "
+                    f"expert parallelism over {tp.size} ranks needs the {num_physical} experts to "
                     f"divide evenly; valid sizes: {', '.join(map(str, valid))}."
                 )
             self.inter_local = intermediate_size
-            self.num_local_experts = num_experts // tp.size
-            self.first_expert = tp.rank * self.num_local_experts
+            self.num_local_experts = num_physical // tp.size
+            self.first_expert = tp.rank * self.num_local_experts  # this rank's first slot
+            self.experts = ExpertMap(num_experts, num_physical, tp.size)
+            # Pairs this rank dispatched to each physical slot since start (EPLB's figures).
+            self.register_buffer("physical_counts", torch.zeros(num_physical, dtype=torch.int64))
         else:
             self.inter_local = tp.shard(intermediate_size, "MoE intermediate size")
             self.num_local_experts = num_experts
@@ -63,36 +74,42 @@ class FusedMoE(nn.Module):
         over experts as transformers 5 stores them ("gate_up" [E, 2I, H], "down" [E, H, I])."""
         expert, part = shard_id
         # Under expert parallelism whole experts are held, so the intermediate dim is not split.
+        rank = 0 if self.expert_parallel else self.tp.rank
+        held = (
+            self.experts.local_experts(self.tp.rank)
+            if self.experts is not None
+            else list(range(self.num_experts))
+        )
+        for slot, e in enumerate(held):
+            if expert is None:
+                self._load_slot(param.data[slot], part, loaded.narrow(0, e, 1)[0], rank)
+            elif e == expert:
+                self._load_slot(param.data[slot], part, loaded, rank)
+
+    def _load_slot(self, dst: torch.Tensor, part: str, w: CheckpointTensor, rank: int) -> None:
+        """One expert's `part` into one slot: w is gate_up [2I, H], gate / up [I, H] or down
+        [H, I] (a CheckpointTensor or a tensor: both narrow); `rank`'s share of I is taken."""
         i = self.inter_local
-        rank = 0 if self.num_local_experts < self.num_experts else self.tp.rank
-        if expert is None:
-            local = loaded.narrow(0, self.first_expert, self.num_local_experts)
-            if part == "gate_up":
-                full_i = local.shape[1] // 2
-                param.data[:, :i].copy_(local[:, rank * i : (rank + 1) * i])
-                param.data[:, i:].copy_(local[:, full_i + rank * i : full_i + (rank + 1) * i])
-            else:
-                param.data.copy_(local[:, :, rank * i : (rank + 1) * i])
-            return
-        e = expert - self.first_expert
-        if not 0 <= e < self.num_local_experts:
-            return
         if part == "down":
-            param.data[e].copy_(loaded.narrow(1, rank * i, i))
+            dst.copy_(w.narrow(1, rank * i, i))
+        elif part == "gate_up":
+            full_i = w.shape[0] // 2
+            dst[:i].copy_(w.narrow(0, rank * i, i))
+            dst[i:].copy_(w.narrow(0, full_i + rank * i, i))
         else:
             offset = 0 if part == "gate" else i
-            param.data[e, offset : offset + i].copy_(loaded.narrow(0, rank * i, i))
+            dst[offset : offset + i].copy_(w.narrow(0, rank * i, i))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> [T, H]
-        if self.tp.expert_parallel and self.tp.size > 1:
-            return self._forward_expert_parallel(x)
+        if self.experts is not None:
+            return self._forward_expert_parallel(x, self.experts)
         weights, ids = moe_route(self.gate(x), self.top_k, self.renormalize)
         self.expert_counts += count_expert_tokens(ids, self.num_experts)
         out = moe_experts(x, self.w13_weight, self.w2_weight, weights, ids, self.first_expert)
         return self.tp.all_reduce(out)
 
-    def _forward_expert_parallel(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward_expert_parallel(self, x: torch.Tensor, experts: ExpertMap) -> torch.Tensor:
         g = self.tp
         num_tokens, hidden = x.shape
         per_rank = -(-num_tokens // g.size)
@@ -101,8 +118,9 @@ class FusedMoE(nn.Module):
         t, k = mine.shape[0], self.top_k
         weights, ids = moe_route(self.gate(mine), k, self.renormalize)  # [t, k]
         self.expert_counts += count_expert_tokens(ids, self.num_experts)
-        # Pairs (token, slot) sorted by the rank that holds their expert.
-        pair_ids = ids.flatten()
+        # Pairs (token, slot) sorted by the rank that holds their expert's physical slot.
+        pair_ids = experts.physical(ids, lo).flatten()  # [t * k]
+        self.physical_counts += count_expert_tokens(pair_ids, experts.num_physical)
         dest = torch.div(pair_ids, self.num_local_experts, rounding_mode="floor")
         order = torch.argsort(dest, stable=True)
         send_counts = torch.bincount(dest, minlength=g.size)
@@ -111,16 +129,16 @@ class FusedMoE(nn.Module):
         tokens = torch.arange(t, device=x.device).repeat_interleave(k)[order]
         meta = torch.stack((pair_ids[order].float(), weights.flatten()[order].float()), dim=1)
         recv_x = g.all_to_all(mine[tokens], send, recv)  # [R, H]
-        recv_meta = g.all_to_all(meta, send, recv)  # [R, 2]: expert id, routing weight
+        recv_meta = g.all_to_all(meta, send, recv)  # [R, 2]: physical slot, routing weight
         # Each received row is one pair: weight * expert(x) for an expert held here.
         e_w, e_ids = recv_meta[:, 1:2], recv_meta[:, 0:1].long()
         done = moe_experts(recv_x, self.w13_weight, self.w2_weight, e_w, e_ids, self.first_expert)
         back = g.all_to_all(done, recv, send)  # [t * k, H] in `order`
         contrib = torch.empty_like(back)
         contrib[order] = back
-        # Sum each token's experts in ascending expert order, as Hugging Face does.
-        slots = ids.argsort(dim=1)
-        contrib = contrib.view(t, k, hidden).gather(1, slots.unsqueeze(-1).expand(t, k, hidden))
+        # Sum each token's experts in ascending (logical) expert order, as Hugging Face does.
+        by_expert = ids.argsort(dim=1)
+        contrib = contrib.view(t, k, hidden).gather(1, by_expert.unsqueeze(-1).expand(t, k, hidden))
         out_mine = x.new_zeros(per_rank, hidden)
         for j in range(k):
             out_mine[:t] += contrib[:, j]

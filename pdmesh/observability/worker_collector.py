@@ -38,6 +38,16 @@ class WorkerSnapshot:
     transfers: Sequence[TransferTotals]  # one per transport in use
     expert_token_counts: Sequence[int] = ()
     prefills: Mapping[str, int] = field(default_factory=dict)  # by mode: local, remote, fallback
+    eplb: EplbFigures | None = None  # None: EPLB off
+
+
+@dataclass(frozen=True)
+class EplbFigures:
+    """EPLB's figures over every rank as of its last rebalance (see ExpertBalancer.published)."""
+
+    physical_expert_tokens: Sequence[int]  # [P] per physical slot, summed over MoE layers
+    rebalances: int
+    imbalance: float  # max / mean tokens per rank under the placement last replaced
 
 
 class WorkerCollector:
@@ -72,6 +82,31 @@ class WorkerCollector:
                 prefills.add_metric([self.role, mode], n)
         yield experts
         yield prefills
+        yield from _eplb_families(self.role, s.eplb if s is not None else None)
+
+
+def _eplb_families(role: str, e: EplbFigures | None) -> Iterator[Metric]:
+    slots = CounterMetricFamily(
+        "pdmesh_eplb_physical_expert_tokens",
+        "EPLB: tokens sent to each physical expert slot, summed over MoE layers (as of the last "
+        "rebalance).",
+        labels=["role", "physical_expert"],
+    )
+    rebalances = CounterMetricFamily(
+        "pdmesh_eplb_rebalances", "EPLB: expert placements recomputed and applied.", labels=["role"]
+    )
+    imbalance = GaugeMetricFamily(
+        "pdmesh_eplb_imbalance",
+        "EPLB: max / mean tokens per expert-parallel rank under the placement the last rebalance "
+        "replaced (1 = balanced).",
+        labels=["role"],
+    )
+    if e is not None:
+        for slot, n in enumerate(e.physical_expert_tokens):
+            slots.add_metric([role, str(slot)], n)
+        rebalances.add_metric([role], e.rebalances)
+        imbalance.add_metric([role], e.imbalance)
+    yield from (slots, rebalances, imbalance)
 
 
 def _engine_values(e: Mapping[str, int]) -> dict[str, float]:

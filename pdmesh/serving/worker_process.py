@@ -20,7 +20,7 @@ from pdmesh.kv_transfer.stats import ReceiverStats, SenderStats
 from pdmesh.logger import get_logger
 from pdmesh.observability import tracing
 from pdmesh.observability.metrics_server import MetricsServer
-from pdmesh.observability.worker_collector import TransferTotals, WorkerSnapshot
+from pdmesh.observability.worker_collector import EplbFigures, TransferTotals, WorkerSnapshot
 from pdmesh.serving.engine_loop import EngineLoop
 from pdmesh.serving.grpc_server import ServiceSpec, build_server
 from pdmesh.serving.runner import serve_until_stopped
@@ -95,6 +95,7 @@ class WorkerProcess(ABC):
             self.transfer_totals(),
             expert_token_counts=self.engine.runner.expert_counts() or (),
             prefills=dict(self.prefills),
+            eplb=_eplb_figures(self.engine),
         )
 
     async def report(self) -> dict[str, Any]:
@@ -111,6 +112,7 @@ class WorkerProcess(ABC):
                 "kv_frames_dropped": sum(t.frames_dropped for t in totals),
                 **{_PREFILL_FIELDS[where]: n for where, n in self.prefills.items()},
                 "expert_token_counts": e.expert_counts() or [],
+                **_eplb_fields(e),
             }
 
         fields = await self.loop.acall(read)
@@ -121,6 +123,27 @@ class WorkerProcess(ABC):
             "tensor_parallel_size": self.engine.config.tensor_parallel_size,
             "pipeline_parallel_size": self.engine.config.pipeline_parallel_size,
         }
+
+
+def _eplb_figures(engine: LLMEngine) -> EplbFigures | None:
+    """EPLB's figures as of its last rebalance (any thread: nothing asked of the ranks)."""
+    balancer = engine.runner.balancer
+    if balancer is None:
+        return None
+    s = balancer.published
+    return EplbFigures(s.physical_expert_tokens, s.rebalances, s.imbalance)
+
+
+def _eplb_fields(engine: LLMEngine) -> dict[str, Any]:
+    """EPLB's WorkerStats fields, read from every rank now (engine thread)."""
+    s = engine.eplb_stats()
+    if s is None:
+        return {}
+    return {
+        "physical_expert_token_counts": list(s.physical_expert_tokens),
+        "eplb_rebalances": s.rebalances,
+        "eplb_imbalance": s.imbalance,
+    }
 
 
 _PREFILL_FIELDS = {
