@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 from pdmesh import envs
@@ -92,12 +94,19 @@ class LLMEngine:
         # prefilled elsewhere hold (their KV's arrival is what unblocks it).
         self.stalled = False
         # Async scheduling (see overlap.py): on with CUDA graphs unless the config says.
-        self.async_scheduling = (
+        # Pipeline stages have their batches in flight instead (below).
+        self.async_scheduling = config.pipeline_parallel_size == 1 and (
             config.async_scheduling
             if config.async_scheduling is not None
             else self.runner.graphs is not None
         )
-        self._inflight: InFlight | None = None
+        # Steps launched whose tokens are not read yet, oldest first: one launched ahead (async
+        # scheduling), or with pipeline stages one batch per stage, each of other sequences, so
+        # that no stage waits for the others (vLLM's virtual engines). Steps with KV plans go
+        # one at a time.
+        self._inflight: deque[InFlight] = deque()
+        self.max_in_flight = 1 if self.runner.has_planner else config.pipeline_parallel_size
+        self.most_in_flight = 0  # the most batches on the device at once so far
         log.info(
             "KV cache: %s tokens (%d blocks of %d, %.2f GiB); "
             "maximum concurrency for %s tokens per request: %.2fx",
@@ -213,7 +222,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Requests to run, or a step on the device still to handle."""
-        return self.scheduler.has_unfinished() or self._inflight is not None
+        return self.scheduler.has_unfinished() or bool(self._inflight)
 
     def num_waiting_for_blocks(self) -> int:
         """Queued requests beyond what the KV cache can take now (see Scheduler)."""
@@ -221,19 +230,17 @@ class LLMEngine:
 
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> list[StepDelta]:
-        """Run a step and return its deltas. With async scheduling the step handled may be one
-        launched by the previous call, and the next may already be on the device on return."""
-        cur = self._inflight
+        """Run a step and return its deltas. The step handled may be one launched by an earlier
+        call (async scheduling, pipeline stages), and others may be on the device on return."""
+        cur = self._inflight.popleft() if self._inflight else self._launch()
         if cur is None:
-            batch = self.scheduler.schedule()
-            self.stalled = not batch and self.scheduler.num_reserved > 0
-            if not batch:
-                if self.scheduler.has_unfinished() and not self.stalled:
-                    raise RuntimeError("scheduler made no progress with requests pending")
-                return []
-            cur = InFlight(batch, self.runner.launch(batch))
+            return []
         self.stalled = False
-        self._inflight = self._launch_next(cur) if self.async_scheduling else None
+        self._fill(cur)
+        if self.async_scheduling and not self._inflight:
+            nxt = self._launch_next(cur)
+            if nxt is not None:
+                self._inflight.append(nxt)
         sampled = self.runner.collect(cur.handle)
         self.scheduler.complete(cur.batch)
         deltas: list[StepDelta] = []
@@ -241,6 +248,36 @@ class LLMEngine:
             if token is not None and not seq.is_finished:  # else aborted while the step ran
                 deltas.append(self._append(self._requests[seq.request_id], token))
         return deltas
+
+    def _launch(self, busy: list[Sequence] | None = None) -> InFlight | None:
+        """Schedule a step and launch it (None: nothing to run). `busy`: the sequences of the
+        steps in flight, which sit this one out."""
+        batch = self.scheduler.schedule(busy or (), self._batch_cap())
+        if busy is not None:
+            return InFlight(batch, self.runner.launch(batch)) if batch else None
+        self.stalled = not batch and self.scheduler.num_reserved > 0
+        if not batch:
+            if self.scheduler.has_unfinished() and not self.stalled:
+                raise RuntimeError("scheduler made no progress with requests pending")
+            return None
+        return InFlight(batch, self.runner.launch(batch))
+
+    def _batch_cap(self) -> int | None:
+        """With batches in flight for p stages, each takes about 1/p of the sequences."""
+        if self.max_in_flight == 1:
+            return None
+        s = self.scheduler
+        return -(-(len(s.running) + len(s.waiting)) // self.max_in_flight)
+
+    def _fill(self, cur: InFlight) -> None:
+        """Launch batches of other sequences while fewer than one per stage are in flight."""
+        while 1 + len(self._inflight) < self.max_in_flight:
+            busy = [seq for f in (cur, *self._inflight) for seq in f.batch.seqs]
+            launched = self._launch(busy)
+            if launched is None:
+                break
+            self._inflight.append(launched)
+        self.most_in_flight = max(self.most_in_flight, 1 + len(self._inflight))
 
     def _launch_next(self, cur: InFlight) -> InFlight | None:
         if self.runner.has_planner:
@@ -253,7 +290,7 @@ class LLMEngine:
 
     def _end(self, seq: Sequence, reason: str) -> None:
         """Finish `seq`; its blocks are freed once no step on the device writes to them."""
-        in_flight = self._inflight is not None and self._inflight.holds(seq)
+        in_flight = any(f.holds(seq) for f in self._inflight)
         self.scheduler.finish(seq, reason, in_flight)
 
     def _append(self, request: Request, token: int) -> StepDelta:

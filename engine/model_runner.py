@@ -40,8 +40,13 @@ class StepHandle:
     # on the event, not on the stream, leaves a step launched after this one running.
     host_tokens: torch.Tensor | None = None
     copied: torch.cuda.Event | None = None
+    # Pipeline stages: the logits are still on their way from the last stage; `sample` waits
+    # for them and sets `tokens` (`read` calls it).
+    sample: Callable[[], None] | None = None
 
     def read(self) -> list[int]:
+        if self.sample is not None:
+            self.sample()
         if self.tokens is None:
             return []
         if self.copied is None:
@@ -290,12 +295,21 @@ class ModelRunner:
         logits = self.forward_with_plan(inputs, plan)
         if self.balancer is not None:  # between this step and the next, as every rank does
             self.balancer.after_step()
-        if self.stage.size > 1 and inputs.sample_seq_index:  # the last stage computed them
-            shape = (len(inputs.sample_seq_index), self.info.vocab_size)
-            logits = self.stage.recv_logits(shape, self.dtype)
-        if logits is None:
-            return StepHandle(len(batch.seqs), [], None)
         seqs = [batch.seqs[i] for i in inputs.sample_seq_index]
+        handle = StepHandle(len(batch.seqs), inputs.sample_seq_index, None)
+        if self.stage.size > 1 and seqs:
+            # The last stage computes the logits: receive them without waiting, so the next
+            # batch can start on this stage meanwhile (batches in flight, see LLMEngine).
+            shape = (len(seqs), self.info.vocab_size)
+            arriving = self.stage.irecv_logits(shape, self.dtype)
+            handle.sample = lambda: self._sample(handle, arriving(), seqs)
+        elif logits is not None:
+            self._sample(handle, logits, seqs)
+        return handle
+
+    def _sample(self, handle: StepHandle, logits: torch.Tensor, seqs: list[Any]) -> None:
+        """logits [S, V] of the step's rows to sample -> handle.tokens [S]."""
+        handle.sample = None
         if all(s.params.greedy for s in seqs):  # the common case: no per-row tensors to build
             tokens = logits.argmax(dim=-1)
         else:
@@ -303,13 +317,12 @@ class ModelRunner:
                 [s.params for s in seqs], [s.generator for s in seqs], logits.shape[-1], self.device
             )
             tokens = self.sampler(logits, sampling)
-        handle = StepHandle(len(batch.seqs), inputs.sample_seq_index, tokens)
+        handle.tokens = tokens
         if tokens.is_cuda:
             handle.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             handle.host_tokens.copy_(tokens, non_blocking=True)
             handle.copied = torch.cuda.Event()
             handle.copied.record()
-        return handle
 
     @_on_device
     def collect(self, handle: StepHandle) -> list[int | None]:

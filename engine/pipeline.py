@@ -10,7 +10,10 @@ the last stage sends the logits of the rows to sample to global rank 0, which sa
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -57,6 +60,8 @@ class PipelineStage:
     tp_rank: int = 0
     tp_size: int = 1
     world: ParallelGroup = field(default=SINGLE)
+    # Sends to the next stage not known to be done: (work, tensor), oldest first.
+    pending: deque[tuple[Any, torch.Tensor]] = field(default_factory=deque, compare=False)
 
     @property
     def is_first(self) -> bool:
@@ -73,8 +78,15 @@ class PipelineStage:
         return stage * self.tp_size + self.tp_rank
 
     def send_next(self, carry: torch.Tensor) -> None:
-        """This stage's hidden states and residual ([2, T, H]) to the next stage."""
-        dist.send(carry.contiguous(), self._rank(self.index + 1), group=self.world.group)
+        """This stage's hidden states and residual ([2, T, H]) to the next stage, without
+        waiting: a send completes only when the next stage receives it, which is after it has
+        finished the batch before (batches in flight). The oldest sends are waited for once
+        more than one per stage are pending."""
+        carry = carry.contiguous()
+        work = dist.isend(carry, self._rank(self.index + 1), group=self.world.group)
+        self.pending.append((work, carry))  # the tensor lives until its send is done
+        while len(self.pending) > self.size:
+            self.pending.popleft()[0].wait()
 
     def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty(shape, dtype=dtype, device=self.world.comm_device)
@@ -89,10 +101,20 @@ class PipelineStage:
     def send_logits(self, logits: torch.Tensor) -> None:
         dist.send(logits.contiguous(), 0, group=self.world.group)
 
-    def recv_logits(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def irecv_logits(
+        self, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> Callable[[], torch.Tensor]:
+        """Post the receive of a step's logits from the last stage; call the result to wait for
+        them. Posted at launch, the last stage's send completes while this rank runs the next
+        batch: with several batches in flight neither side waits on the other."""
         out = torch.empty(shape, dtype=dtype, device=self.world.comm_device)
-        dist.recv(out, (self.size - 1) * self.tp_size, group=self.world.group)
-        return out
+        work = dist.irecv(out, (self.size - 1) * self.tp_size, group=self.world.group)
+
+        def wait() -> torch.Tensor:
+            work.wait()
+            return out
+
+        return wait
 
 
 SINGLE_STAGE = PipelineStage()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Collection
 from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
@@ -170,19 +171,31 @@ class Scheduler:
         return seq
 
     # -- one step -----------------------------------------------------------------------------
-    def schedule(self) -> ScheduledBatch:
+    def schedule(
+        self, busy: Collection[Sequence] = (), max_seqs: int | None = None
+    ) -> ScheduledBatch:
+        """The next step. With several steps in flight (pipeline stages): `busy`, the sequences
+        of steps not completed yet, are neither scheduled nor preempted, and the step takes at
+        most `max_seqs` sequences, so the batches in flight share the running ones."""
         budget = self.max_num_batched_tokens
+        limit = max_seqs if max_seqs is not None else self.max_num_seqs
+        skip = {id(s) for s in busy}
         bm = self._blocks
         seqs: list[Sequence] = []
         counts: list[int] = []
         preempted: list[Sequence] = []
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(seqs) < limit:
             seq = self.running[i]
+            if id(seq) in skip:
+                i += 1
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             while not bm.can_allocate(seq, n):
-                victim = self.running.pop()  # the newest admitted gives way
+                # The newest admitted gives way (`seq` itself at the latest): not a busy one.
+                j = max(k for k in range(i, len(self.running)) if id(self.running[k]) not in skip)
+                victim = self.running.pop(j)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -194,7 +207,7 @@ class Scheduler:
                 budget -= n
                 i += 1
 
-        while self.waiting and budget > 0 and not preempted:
+        while self.waiting and budget > 0 and not preempted and len(seqs) < limit:
             if len(self.running) >= self.max_num_seqs:
                 break
             seq = self.waiting[0]
@@ -254,12 +267,14 @@ class Scheduler:
         return Lookahead(ScheduledBatch(seqs, [1] * len(seqs), []), rows)
 
     def complete(self, batch: ScheduledBatch) -> None:
-        """The step that ran `batch` is off the device: free the blocks of the sequences finished
-        `in_flight` since the last `complete` (this step was the one writing them), and count its
+        """The step that ran `batch` is off the device: free the blocks of its sequences finished
+        `in_flight` (this step was the one writing them), and count its
         tokens as computed for the others (their blocks that became full join the prefix cache)."""
+        ran = {id(s) for s in batch.seqs}
         for seq in self._free_after_step:
-            self._blocks.free(seq)
-        self._free_after_step = []
+            if id(seq) in ran:
+                self._blocks.free(seq)
+        self._free_after_step = [s for s in self._free_after_step if id(s) not in ran]
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             if not seq.is_finished:
                 seq.num_computed_tokens += n

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import queue
 import subprocess
 import sys
 import threading
@@ -71,6 +72,44 @@ def init_ranks(
     return world, tp_group(world, tp), stage_of(rank, tp, pp, num_layers, world)
 
 
+class StepOutbox:
+    """Rank 0's step broadcasts, in order, on a thread of their own: a gloo broadcast returns
+    only once every rank has received it. Host integers only: with pipeline stages no step's
+    input ids wait on the device (the engine does not launch ahead of a step's tokens)."""
+
+    def __init__(self, group: ParallelGroup) -> None:
+        self.group = group
+        self._queue: queue.Queue[tuple[StepInputs, torch.Tensor | None]] = queue.Queue()
+        self._error: BaseException | None = None
+        threading.Thread(target=self._run, name="step-outbox", daemon=True).start()
+
+    def put(self, inputs: StepInputs, plan: torch.Tensor | None) -> None:
+        self._raise()
+        if len(inputs.host.input_ids) != inputs.host.num_tokens:
+            raise RuntimeError("a pipeline's steps carry their input ids on the host")
+        self._queue.put((inputs, plan))
+
+    def drain(self) -> None:
+        """Until every step put is sent (the error of one that failed raised here)."""
+        self._queue.join()
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"sending a step to the other ranks failed: {self._error}")
+
+    def _run(self) -> None:
+        while True:
+            inputs, plan = self._queue.get()
+            try:
+                if self._error is None:
+                    step_codec.send(OP_STEP, inputs, plan, self.group)
+            except BaseException as e:  # raised on the engine thread at the next put or drain
+                self._error = e
+            finally:
+                self._queue.task_done()
+
+
 class TPDriver:
     """Rank 0's side of the followers: `send_step` and `call` on the engine thread (or before it
     starts); `on_rank_death(message)` is called from the monitor thread."""
@@ -110,14 +149,22 @@ class TPDriver:
         # `group`: every rank (steps and control go to all); `tp`, `stage`: rank 0's own.
         self.group: ParallelGroup
         self.group, self.tp, self.stage = init_ranks(0, config, init_method, device, num_layers)
+        # With pipeline stages a step's broadcast waits for a later stage still busy with an
+        # earlier batch: it runs on a thread of its own while rank 0 computes its stage.
+        self._outbox = StepOutbox(self.group) if self.stage.size > 1 else None
 
     def send_step(self, inputs: StepInputs, plan: torch.Tensor | None) -> None:
         """The step's inputs and KV plan to every follower, before rank 0 runs it."""
-        step_codec.send(OP_STEP, inputs, plan, self.group)
+        if self._outbox is None:
+            step_codec.send(OP_STEP, inputs, plan, self.group)
+        else:
+            self._outbox.put(inputs, plan)
 
     def call(self, message: object) -> list[object | None]:
         """Run a control message on every follower (between steps); their replies, rank 1
         first. A follower's failure is raised here as its kind (see `raise_failures`)."""
+        if self._outbox is not None:
+            self._outbox.drain()
         broadcast_ints([OP_CONTROL], step_codec.HEADER_LEN, self.group)
         broadcast_bytes(encode(message), self.group)
         replies = gather_bytes(b"", self.group)
@@ -141,6 +188,8 @@ class TPDriver:
         self._stopping = True
         try:
             if all(p.poll() is None for p in self.procs):
+                if self._outbox is not None:
+                    self._outbox.drain()
                 broadcast_ints([OP_STOP], step_codec.HEADER_LEN, self.group)
         except RuntimeError as e:
             log.warning("could not stop the followers cleanly: %s", e)

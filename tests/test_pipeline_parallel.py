@@ -86,9 +86,9 @@ def test_pipeline_matches_transformers(tiny_model, monkeypatch, arch, tp, pp, pa
     assert stats.num_preemptions > 0
 
 
-def test_seeded_sampling_and_async_scheduling_over_a_pipeline(tiny_model) -> None:
-    """Seeded sampling gives the same tokens over three stages, with decode steps launched
-    before the previous one's tokens are read (async scheduling)."""
+def test_seeded_sampling_over_a_pipeline_with_a_batch_per_stage(tiny_model) -> None:
+    """Seeded sampling gives the same tokens over three stages with three batches in flight
+    (one per stage, each of other sequences). Async scheduling stands aside for them."""
     folder = str(tiny_model("qwen3_moe"))
     prompts = [{"prompt_token_ids": p} for p in random_prompts([8, 20, 33])]
     params = [SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=s) for s in (1, 2, 3)]
@@ -97,7 +97,8 @@ def test_seeded_sampling_and_async_scheduling_over_a_pipeline(tiny_model) -> Non
     pipeline = dict(pipeline_parallel_size=3, async_scheduling=True)
     with LLM(folder, kv_cache_tokens=1024, **pipeline) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        assert llm.engine.steps_launched_ahead > 0
+        assert llm.engine.most_in_flight == 3
+        assert llm.engine.steps_launched_ahead == 0
     assert got == expected
 
 
