@@ -113,3 +113,34 @@ def test_blocks_of_a_sequence_ended_in_flight_are_freed_when_the_step_completes(
     assert bm.num_used_blocks == 2 and a.num_computed_tokens == 7
     sched.add(_seq("c", 3))
     assert sched.schedule_lookahead(lookahead.batch, [0], max_model_len=64) is None  # c waits
+
+
+def test_batches_in_flight_leave_each_others_sequences_alone() -> None:
+    """Pipeline stages: a step scheduled while another is in flight takes none of its
+    sequences, at most `max_seqs`, and preempts only sequences not in flight."""
+    bm = BlockManager(6, 4, False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    seqs = [_seq(f"r{i}", 4) for i in range(4)]
+    for seq in seqs:
+        sched.add(seq)
+    first = sched.schedule(max_seqs=2)
+    assert [s.request_id for s in first.seqs] == ["r0", "r1"]
+    second = sched.schedule(busy=first.seqs, max_seqs=2)
+    assert [s.request_id for s in second.seqs] == ["r2", "r3"]
+    assert not sched.schedule(busy=[*first.seqs, *second.seqs])
+    sched.complete(first)
+    for seq in first.seqs:
+        seq.append_token(1)
+    # r0 and r1 need a second block each: the last 2 free ones.
+    third = sched.schedule(busy=second.seqs)
+    assert [s.request_id for s in third.seqs] == ["r0", "r1"] and not third.preempted
+    sched.complete(third)
+    for seq in third.seqs:  # 5 computed of 9: positions 5..8 need a third block each
+        for _ in range(4):
+            seq.append_token(1)
+    # None is free: the newest sequence gives way, but r3 and r2 are in flight, so r1 does
+    # and r0 runs on its blocks.
+    fourth = sched.schedule(busy=second.seqs)
+    assert [s.request_id for s in fourth.preempted] == ["r1"]
+    assert [s.request_id for s in fourth.seqs] == ["r0"]
+    assert all(s.status is SequenceStatus.RUNNING for s in second.seqs)
