@@ -4,7 +4,8 @@
 is a random Qwen3-MoE (`make_moe`) whose router favours two experts, both held by rank 0 at
 start: every token's hidden state has a large constant component (one embedding column), and
 the gate rows of the hot experts have a large weight on it. Two engines in turn on the same
-cores, greedy, the same prompts: EPLB off, then on (rebalancing every `--interval` steps).
+cores, greedy, the same prompts: EPLB off, then on (rebalancing every `--interval` steps), the
+pair `--repeats` times (other work on the machine moves single figures); medians reported.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -33,12 +35,13 @@ def make_moe(
     moe_intermediate: int = 32,
     vocab: int = 512,
     skew: float = 0.0,
+    anchor: float = 1.0,
     hot: tuple[int, ...] = (2, 3),
     seed: int = 0,
 ) -> Path:
     """A random Qwen3-MoE saved in `folder` (its middle layer dense, as Qwen3-MoE allows).
-    skew > 0: experts `hot` get that much extra router logit per unit of the hidden states'
-    constant component, so most tokens route to them."""
+    skew > 0: every token's embedding gets a constant component `anchor` (column 0), and experts
+    `hot` that much extra router logit per unit of it, so most tokens route to them."""
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -68,7 +71,7 @@ def make_moe(
             if p.dim() > 1:  # larger than the default init: the argmax depends on every layer
                 p.normal_(0.0, 0.08)
         if skew:
-            model.model.embed_tokens.weight[:, 0] = 1.0  # [V, H]: a constant component
+            model.model.embed_tokens.weight[:, 0] = anchor  # [V, H]: a constant component
             for layer in model.model.layers:
                 gate = getattr(layer.mlp, "gate", None)  # the router: weight [E, H]
                 if gate is not None:
@@ -91,6 +94,7 @@ def _run(folder: Path, prompts: list[list[int]], max_tokens: int, **options: Any
         stats = llm.engine.eplb_stats()
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {
+        "seconds": round(elapsed, 3),
         "tokens_per_s": round(tokens / elapsed, 1),
         "outputs": [o.outputs[0].token_ids for o in outputs],
         "stats": stats,
@@ -105,37 +109,44 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=96)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--interval", type=int, default=8)
-    parser.add_argument("--skew", type=float, default=0.5)
+    parser.add_argument("--skew", type=float, default=1.0)
+    parser.add_argument("--anchor", type=float, default=4.0)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     rng = random.Random(0)
     prompts = [[rng.randrange(512) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
     with tempfile.TemporaryDirectory() as tmp:
         folder = make_moe(
             Path(tmp), hidden=512, heads=8, kv_heads=8, layers=4, moe_intermediate=512,
-            skew=args.skew,
+            skew=args.skew, anchor=args.anchor,
         )  # fmt: skip
         ep = dict(tensor_parallel_size=2, enable_expert_parallel=True)
-        off = _run(folder, prompts, args.max_tokens, **ep)
-        on = _run(
-            folder,
-            prompts,
-            args.max_tokens,
-            **ep,
+        eplb = dict(
             enable_eplb=True,
             num_redundant_experts=2,
             eplb_window_size=args.interval,
             eplb_step_interval=args.interval,
         )
+        offs, ons = [], []
+        for _ in range(args.repeats):
+            offs.append(_run(folder, prompts, args.max_tokens, **ep))
+            ons.append(_run(folder, prompts, args.max_tokens, **ep, **eplb))
+    off, on = offs[0], ons[0]
     s = on["stats"]
     print(
         json.dumps(
             {
                 "device": f"CPU, {os.cpu_count()} cores ({platform.machine()})",
                 "workload": vars(args),
-                "eplb_off_tokens_per_s": off["tokens_per_s"],
-                "eplb_on_tokens_per_s": on["tokens_per_s"],
-                "same_tokens": off["outputs"] == on["outputs"],
+                "eplb_off_tokens_per_s": statistics.median(r["tokens_per_s"] for r in offs),
+                "eplb_on_tokens_per_s": statistics.median(r["tokens_per_s"] for r in ons),
+                "runs_off": [r["tokens_per_s"] for r in offs],
+                "runs_on": [r["tokens_per_s"] for r in ons],
+                "same_tokens": all(r["outputs"] == off["outputs"] for r in (*offs, *ons)),
                 "rebalances": s.rebalances,
+                "experts_moved": s.experts_moved,
+                "rebalance_seconds": round(s.rebalance_seconds, 3),
+                "generate_seconds": on["seconds"],
                 "imbalance_before": round(s.imbalance_history[0], 3),
                 "imbalance_after": [round(x, 3) for x in (*s.imbalance_history[1:], s.imbalance)],
             },

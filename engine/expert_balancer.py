@@ -13,6 +13,7 @@ them only at a rebalance, or when asked for figures (`counts`, between steps).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -51,6 +52,7 @@ class EplbStats:
     imbalance: float  # max / mean tokens per rank since the last rebalance (1.0: balanced)
     imbalance_history: tuple[float, ...]  # the same, for each placement replaced, oldest first
     placement: Placement  # [L][P] the logical expert in each physical slot now
+    rebalance_seconds: float  # this rank's wall time in rebalances (counts, placement, moves)
 
 
 class ExpertBalancer:
@@ -76,6 +78,7 @@ class ExpertBalancer:
         self.rebalances = 0
         self.experts_moved = 0
         self.history: list[float] = []
+        self.seconds = 0.0
         # The figures over every rank as of the last rebalance, its imbalance that of the
         # placement it replaced: what a metrics scrape reads, off the engine thread.
         self.published = self.stats([self.counts()])
@@ -99,6 +102,13 @@ class ExpertBalancer:
             self.rebalance()
 
     def rebalance(self) -> None:
+        start = time.perf_counter()
+        try:
+            self._rebalance()
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def _rebalance(self) -> None:
         layers, experts, physical = len(self.layers), self.num_experts, self.num_physical
         epoch = self._physical() - self._epoch_start  # [L, P]
         total = self._physical().sum(0)  # [P]
@@ -124,6 +134,7 @@ class ExpertBalancer:
             self.history[-1],
             tuple(self.history),
             new,
+            self.seconds,
         )
 
     def counts(self) -> EplbCounts:
@@ -144,4 +155,5 @@ class ExpertBalancer:
             imbalance(per_layer, self.group.size),
             tuple(self.history),
             self.placement(),
+            self.seconds,
         )

@@ -3,10 +3,13 @@ that re-place their experts between steps without changing a token."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 import torch
+from mesh_support import greedy_tokens, start_mesh
+from prometheus_client import generate_latest
 from support import hf_greedy, load_hf, random_prompts
 
 from pdmesh import LLM, SamplingParams
@@ -21,6 +24,7 @@ from pdmesh.engine.eplb import (
     tokens_per_rank,
 )
 from pdmesh.kernels.moe import moe_experts_ref
+from pdmesh.observability.worker_collector import EplbFigures, WorkerSnapshot, worker_registry
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 # Forced rebalances: a placement from the last 3 steps' load every 3 steps.
@@ -192,3 +196,46 @@ def test_skewed_routing_imbalance_drops_after_rebalancing(tmp_path: Path) -> Non
     for layer in stats.placement:
         for hot in (2, 3):
             assert layer[:5].count(hot) == 1 and layer[5:].count(hot) == 1
+
+
+def test_pdmesh_up_passes_eplb_to_its_workers_and_get_stats_reports_it(
+    moe_folder: Path,
+) -> None:
+    """Through a router to a decode worker of two expert-parallel ranks with EPLB: the same
+    tokens as transformers, and the worker's GetStats carries EPLB's figures."""
+    mesh = start_mesh(
+        "--model", str(moe_folder), "--prefill", "0", "--decode", "1", "--decode-tp", "2",
+        "--kv-cache-tokens", "1024", "--max-num-batched-tokens", "64",
+        "--enable-expert-parallel", "--enable-eplb", "--num-redundant-experts", "2",
+        "--eplb-window-size", "3", "--eplb-step-interval", "3",
+    )  # fmt: skip
+    try:
+        prompts = random_prompts([20, 45, 9])
+        got = asyncio.run(greedy_tokens(mesh.target, prompts, PARAMS.max_tokens))
+        stats = mesh.stats(mesh.decode[0])
+    finally:
+        mesh.stop()
+    hf = load_hf(moe_folder)
+    assert got == [hf_greedy(hf, p, PARAMS.max_tokens, ignore_eos=True) for p in prompts]
+    assert stats.eplb_rebalances > 0 and stats.eplb_imbalance >= 1.0
+    assert len(stats.physical_expert_token_counts) == MOE_EXPERTS + 2
+    assert sum(stats.physical_expert_token_counts) == sum(stats.expert_token_counts) > 0
+
+
+def test_metrics_show_eplb_figures() -> None:
+    figures = EplbFigures(physical_expert_tokens=(5, 0, 7), rebalances=4, imbalance=1.25)
+    snapshot = WorkerSnapshot(_ENGINE_ZEROS, (), eplb=figures)
+    text = generate_latest(worker_registry("decode", lambda: snapshot)).decode()
+    assert 'pdmesh_eplb_physical_expert_tokens_total{physical_expert="2",role="decode"} 7.0' in text
+    assert 'pdmesh_eplb_rebalances_total{role="decode"} 4.0' in text
+    assert 'pdmesh_eplb_imbalance{role="decode"} 1.25' in text
+    off = generate_latest(worker_registry("decode", lambda: WorkerSnapshot(_ENGINE_ZEROS, ())))
+    assert b"# TYPE pdmesh_eplb_imbalance gauge" in off  # described, without samples
+    assert b"pdmesh_eplb_imbalance{" not in off
+
+
+_ENGINE_ZEROS = dict.fromkeys(
+    ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free",
+     "prefix_queried_tokens", "prefix_hit_tokens", "num_preemptions", "steps_launched_ahead"),
+    0,
+)  # fmt: skip
