@@ -13,7 +13,7 @@ from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.expert_balancer import CountEplb, EplbCounts, EplbStats
 from pdmesh.engine.model_info import ModelInfo
 from pdmesh.engine.model_runner import ModelRunner
-from pdmesh.engine.outputs import EngineStats, RequestOutput, StepDelta
+from pdmesh.engine.outputs import EngineStats, PositionLogprobs, RequestOutput, StepDelta
 from pdmesh.engine.overlap import InFlight, next_decode
 from pdmesh.engine.parallel import SINGLE
 from pdmesh.engine.pipeline import SINGLE_STAGE, check_world
@@ -242,11 +242,13 @@ class LLMEngine:
             if nxt is not None:
                 self._inflight.append(nxt)
         sampled = self.runner.collect(cur.handle)
+        logprobs = self.runner.collect_logprobs(cur.handle, sampled)
         self.scheduler.complete(cur.batch)
         deltas: list[StepDelta] = []
-        for seq, token in zip(cur.batch.seqs, sampled, strict=True):
+        for i, (seq, token) in enumerate(zip(cur.batch.seqs, sampled, strict=True)):
             if token is not None and not seq.is_finished:  # else aborted while the step ran
-                deltas.append(self._append(self._requests[seq.request_id], token))
+                lp = logprobs[i] if logprobs is not None else None
+                deltas.append(self._append(self._requests[seq.request_id], token, lp))
         return deltas
 
     def _launch(self, busy: list[Sequence] | None = None) -> InFlight | None:
@@ -293,8 +295,10 @@ class LLMEngine:
         in_flight = any(f.holds(seq) for f in self._inflight)
         self.scheduler.finish(seq, reason, in_flight)
 
-    def _append(self, request: Request, token: int) -> StepDelta:
-        delta = request.add_token(token, self.info.eos_token_ids, self.max_model_len)
+    def _append(
+        self, request: Request, token: int, logprobs: PositionLogprobs | None = None
+    ) -> StepDelta:
+        delta = request.add_token(token, self.info.eos_token_ids, self.max_model_len, logprobs)
         if delta.finish_reason is not None:
             self._end(request.seq, delta.finish_reason)
         return delta

@@ -18,7 +18,9 @@ from pdmesh.engine.distributed import all_reduce_min
 from pdmesh.engine.expert_balancer import ExpertBalancer
 from pdmesh.engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
 from pdmesh.engine.layers.moe import FusedMoE
+from pdmesh.engine.logprobs import TopLogprobs
 from pdmesh.engine.model_info import ModelInfo
+from pdmesh.engine.outputs import PositionLogprobs
 from pdmesh.engine.parallel import SINGLE, ParallelGroup
 from pdmesh.engine.pipeline import SINGLE_STAGE, PipelineStage
 from pdmesh.engine.sampler import Sampler, SamplingBatch
@@ -43,6 +45,8 @@ class StepHandle:
     # Pipeline stages: the logits are still on their way from the last stage; `sample` waits
     # for them and sets `tokens` (`read` calls it).
     sample: Callable[[], None] | None = None
+    # Rows asking for log-probabilities: those of the sampled tokens, and what each row asked.
+    logprobs: tuple[TopLogprobs, list[int | None]] | None = None
 
     def read(self) -> list[int]:
         if self.sample is not None:
@@ -318,6 +322,9 @@ class ModelRunner:
             )
             tokens = self.sampler(logits, sampling)
         handle.tokens = tokens
+        wanted = [s.params.logprobs for s in seqs]
+        if any(k is not None for k in wanted):
+            handle.logprobs = TopLogprobs.of(logits, tokens, max(k or 0 for k in wanted)), wanted
         if tokens.is_cuda:
             handle.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             handle.host_tokens.copy_(tokens, non_blocking=True)
@@ -331,6 +338,21 @@ class ModelRunner:
         for i, token in zip(handle.sample_seq_index, handle.read(), strict=True):
             sampled[i] = token
         return sampled
+
+    def collect_logprobs(
+        self, handle: StepHandle, sampled: list[int | None]
+    ) -> list[PositionLogprobs | None] | None:
+        """After `collect`: each sequence's log-probabilities of its sampled token (None where
+        not asked for; None for all when no row asked)."""
+        if handle.logprobs is None:
+            return None
+        top, wanted = handle.logprobs
+        chosen = [sampled[i] for i in handle.sample_seq_index]
+        rows = top.rows(chosen, wanted)  # type: ignore[arg-type]
+        out: list[PositionLogprobs | None] = [None] * handle.num_seqs
+        for i, row in zip(handle.sample_seq_index, rows, strict=True):
+            out[i] = row
+        return out
 
     def expert_counts(self) -> list[int] | None:
         """Tokens routed to each expert, summed over MoE layers (None for dense models)."""

@@ -23,6 +23,19 @@ class RequestMetrics:
     num_preemptions: int = 0
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """A token's log-probability and its rank among the vocabulary (1: the most likely)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# Per position: the token there and the alternatives asked for, by token id (vLLM's shape).
+PositionLogprobs = dict[int, Logprob]
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -30,6 +43,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     cumulative_logprob: float | None = None
+    logprobs: list[PositionLogprobs] | None = None  # one per token, when asked for
 
 
 @dataclass
@@ -41,6 +55,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    # One per prompt token, None for the first (nothing predicts it), when asked for.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
 
 @dataclass(frozen=True)

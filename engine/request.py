@@ -3,11 +3,18 @@ what each sampled token does to it (stop rules), and its result."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
 
-from pdmesh.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepDelta
+from pdmesh.engine.outputs import (
+    CompletionOutput,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    StepDelta,
+)
 from pdmesh.engine.sampler import Sampler
 from pdmesh.engine.sequence import Sequence
 from pdmesh.text.detokenizer import IncrementalDetokenizer
@@ -20,6 +27,9 @@ class Request:
     seq: Sequence
     detokenizer: IncrementalDetokenizer
     text: str = ""  # output text handed out so far (held-back text excluded)
+    tokenizer: Any = None  # decodes the tokens of log-probabilities
+    # Per output token when the request asks for log-probabilities (params.logprobs).
+    logprobs: list[PositionLogprobs] | None = None
 
     @classmethod
     def start(cls, seq: Sequence, tokenizer: Any, vocab_size: int) -> Request:
@@ -34,13 +44,22 @@ class Request:
         if seq.generator is not None and not params.greedy:
             for _ in range(seq.num_output_tokens):  # each streamed token was one draw of the seed
                 Sampler.skip_draw(seq.generator, vocab_size)
-        return cls(seq, detok, text)
+        return cls(seq, detok, text, tokenizer, [] if params.logprobs is not None else None)
 
-    def add_token(self, token: int, eos_token_ids: Container[int], max_model_len: int) -> StepDelta:
-        """Append a sampled token; the delta has the text it releases and, when the token is the
-        request's last, why ("stop" or "length": the caller then finishes the sequence)."""
+    def add_token(
+        self,
+        token: int,
+        eos_token_ids: Container[int],
+        max_model_len: int,
+        logprobs: PositionLogprobs | None = None,
+    ) -> StepDelta:
+        """Append a sampled token (and its log-probabilities, when asked for); the delta has the
+        text it releases and, when the token is the request's last, why ("stop" or "length":
+        the caller then finishes the sequence)."""
         seq, params, detok = self.seq, self.seq.params, self.detokenizer
         seq.append_token(token)
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.append(logprobs)
         if (not params.ignore_eos and token in eos_token_ids) or token in params.stop_token_ids:
             # The stop token's own text is not output; text held back for stop strings is.
             text, reason = detok.flush(), "stop"
@@ -60,10 +79,31 @@ class Request:
             request_id=seq.request_id,
             prompt=seq.prompt,
             prompt_token_ids=seq.prompt_token_ids,
-            outputs=[CompletionOutput(0, self.text, seq.output_token_ids, seq.finish_reason)],
+            outputs=[self._completion()],
             finished=seq.is_finished,
             num_cached_tokens=seq.num_cached_tokens,
             metrics=RequestMetrics(
                 seq.arrival_time, seq.first_token_time, seq.finished_time, seq.num_preemptions
             ),
         )
+
+    def _completion(self) -> CompletionOutput:
+        seq = self.seq
+        out = CompletionOutput(0, self.text, seq.output_token_ids, seq.finish_reason)
+        if self.logprobs is not None:
+            out.logprobs = [self._decoded(p) for p in self.logprobs]
+            tokens = seq.output_token_ids
+            out.cumulative_logprob = sum(
+                p[t].logprob for p, t in zip(self.logprobs, tokens, strict=False)
+            )
+        return out
+
+    def _decoded(self, position: PositionLogprobs) -> PositionLogprobs:
+        """`position` with each token's text (as vLLM's `decoded_token`), when there is a
+        tokenizer."""
+        if self.tokenizer is None:
+            return position
+        return {
+            t: dataclasses.replace(lp, decoded_token=self.tokenizer.decode([t]))
+            for t, lp in position.items()
+        }

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 from pdmesh.errors import InvalidRequest
 
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's API allows
+
 
 def is_int(value: object) -> bool:
     """An int that is not a bool (JSON's true is no token id or count)."""
@@ -37,6 +39,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # Log-probabilities (of the model's raw logits, as vLLM's default): for each sampled token
+    # its own and the `logprobs` most likely alternatives; for each prompt token after the
+    # first its own and `prompt_logprobs` alternatives. None: off; at most MAX_LOGPROBS.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists (and a bare string for `stop`) the way vLLM does; store tuples.
@@ -78,6 +85,13 @@ class SamplingParams:
                     "stop_token_ids must be non-negative integers, "
                     f"got {self.stop_token_ids!r:.200}.",
                     "stop_token_ids",
+                )
+
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not is_int(k) or not 0 <= k <= MAX_LOGPROBS):
+                raise InvalidRequest(
+                    f"{name} must be an integer in [0, {MAX_LOGPROBS}] or null, got {k!r}.", name
                 )
 
     @property

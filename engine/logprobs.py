@@ -1,0 +1,47 @@
+"""Log-probabilities of chosen tokens and their most likely alternatives, from a step's logits.
+
+Computed on the logits' device right after sampling (the raw model distribution, as vLLM's
+default `raw_logprobs`: no temperature or filters applied), read on the host with the tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdmesh.engine.outputs import Logprob, PositionLogprobs
+
+
+@dataclass
+class TopLogprobs:
+    """Per row: the chosen token's log-probability and rank, and the k most likely tokens."""
+
+    token_logprob: torch.Tensor  # [R] float32
+    token_rank: torch.Tensor  # [R] int64, 1 = the most likely
+    top_ids: torch.Tensor  # [R, k] int64
+    top_logprobs: torch.Tensor  # [R, k] float32
+
+    @staticmethod
+    def of(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> TopLogprobs:
+        """logits [R, V], chosen [R] token ids, k alternatives per row."""
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        token = lp.gather(1, chosen.view(-1, 1).to(torch.int64)).squeeze(1)
+        rank = (lp > token.unsqueeze(1)).sum(dim=1) + 1
+        top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], chosen.new_empty(0, 0))
+        return TopLogprobs(token, rank, top_ids.view(lp.shape[0], k), top_lp)
+
+    def rows(self, chosen: list[int], wanted: list[int | None]) -> list[PositionLogprobs | None]:
+        """Per row, the chosen token's entry then its `wanted` alternatives (None: not asked)."""
+        token_lp, rank = self.token_logprob.tolist(), self.token_rank.tolist()
+        top_ids, top_lp = self.top_ids.tolist(), self.top_logprobs.tolist()
+        out: list[PositionLogprobs | None] = []
+        for i, k in enumerate(wanted):
+            if k is None:
+                out.append(None)
+                continue
+            entry = {chosen[i]: Logprob(token_lp[i], rank[i])}
+            for j in range(k):
+                entry.setdefault(top_ids[i][j], Logprob(top_lp[i][j], j + 1))
+            out.append(entry)
+        return out
