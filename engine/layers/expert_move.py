@@ -37,8 +37,15 @@ def _sources(
     return plan
 
 
+def _rows(w13: torch.Tensor, w2: torch.Tensor, slots: list[int]) -> torch.Tensor:
+    """Copies of whole experts: slots' w13 [2I, H] and w2 [H, I] flattened -> [n, D]."""
+    idx = torch.tensor(slots, dtype=torch.int64, device=w13.device)
+    return torch.cat((w13[idx].flatten(1), w2[idx].flatten(1)), dim=1)
+
+
 def move_experts(moe: FusedMoE, new: Sequence[int]) -> None:
-    """Switch `moe` to placement `new` ([P] the logical expert of each slot)."""
+    """Switch `moe` to placement `new` ([P] the logical expert of each slot). Only slots whose
+    expert changes are written."""
     assert moe.experts is not None
     g, per_rank = moe.tp, moe.num_local_experts
     old = moe.experts.placement()
@@ -51,25 +58,38 @@ def move_experts(moe: FusedMoE, new: Sequence[int]) -> None:
     recv = [0 if r == me else sum(s == r for s, _ in plans[me]) for r in range(g.size)]
     remote = any(src != r for r, plan in enumerate(plans) for src, _ in plan)
     w13, w2 = moe.w13_weight.data, moe.w2_weight.data  # [S, 2I, H], [S, H, I]
-    split = w13[0].numel()
-    flat = torch.cat((w13.reshape(per_rank, -1), w2.reshape(per_rank, -1)), dim=1)  # [S, D]
-    received = flat[:0]
+    base = me * per_rank
+    changed = [j for j in range(per_rank) if new[base + j] != old[base + j]]
+    # Local copies are read before any slot is overwritten.
+    local = [(j, plans[me][j][1]) for j in changed if plans[me][j][0] == me]
+    local_rows = _rows(w13, w2, [slot for _, slot in local]) if local else None
+    received = None
     if remote:  # every rank decides this alike: all or none enter the collective
         # Rows to each rank in its slot order; rows from each rank arrive in ours.
         send_slots = [slot for r in range(g.size) if r != me for s, slot in plans[r] if s == me]
-        rows = flat[torch.tensor(send_slots, dtype=torch.int64, device=flat.device)]
+        rows = _rows(w13, w2, send_slots) if send_slots else w13.new_empty(0, _width(w13, w2))
         received = g.all_to_all(rows, send, recv)  # [sum(recv), D]
-    # Each new slot's row in cat(flat, received).
-    first = [sum(recv[:r]) for r in range(g.size)]
-    taken = [0] * g.size
-    index = []
-    for src, slot in plans[me]:
-        if src == me:
-            index.append(slot)
-        else:
-            index.append(per_rank + first[src] + taken[src])
-            taken[src] += 1
-    rows = torch.cat((flat, received))[torch.tensor(index, device=flat.device)]
-    w13.copy_(rows[:, :split].view_as(w13))
-    w2.copy_(rows[:, split:].view_as(w2))
+    dst, src_rows = [j for j, _ in local], [local_rows] if local_rows is not None else []
+    if received is not None and received.shape[0]:
+        # Received rows come grouped by source rank, each group in our slot order.
+        first = [sum(recv[:r]) for r in range(g.size)]
+        taken = [0] * g.size
+        order = []
+        for j in changed:
+            src = plans[me][j][0]
+            if src != me:
+                dst.append(j)
+                order.append(first[src] + taken[src])
+                taken[src] += 1
+        src_rows.append(received[torch.tensor(order, device=received.device)])
+    if dst:
+        rows = torch.cat(src_rows)
+        idx = torch.tensor(dst, dtype=torch.int64, device=w13.device)
+        split = w13[0].numel()
+        w13[idx] = rows[:, :split].view(-1, *w13.shape[1:])
+        w2[idx] = rows[:, split:].view(-1, *w2.shape[1:])
     moe.experts.set(new)
+
+
+def _width(w13: torch.Tensor, w2: torch.Tensor) -> int:
+    return w13[0].numel() + w2[0].numel()
