@@ -243,6 +243,10 @@ class LLMEngine:
                 self._inflight.append(nxt)
         sampled = self.runner.collect(cur.handle)
         logprobs = self.runner.collect_logprobs(cur.handle, sampled)
+        for i, position, entry in cur.handle.prompt_logprobs:
+            request = self._requests.get(cur.batch.seqs[i].request_id)
+            if request is not None and request.prompt_logprobs is not None:
+                request.prompt_logprobs[position + 1] = entry  # predicts the next token
         self.scheduler.complete(cur.batch)
         deltas: list[StepDelta] = []
         for i, (seq, token) in enumerate(zip(cur.batch.seqs, sampled, strict=True)):

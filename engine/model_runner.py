@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -47,6 +47,8 @@ class StepHandle:
     sample: Callable[[], None] | None = None
     # Rows asking for log-probabilities: those of the sampled tokens, and what each row asked.
     logprobs: tuple[TopLogprobs, list[int | None]] | None = None
+    # Prompt positions' log-probabilities: (batch row, position, entry) of each.
+    prompt_logprobs: list[tuple[int, int, PositionLogprobs]] = field(default_factory=list)
 
     def read(self) -> list[int]:
         if self.sample is not None:
@@ -208,6 +210,7 @@ class ModelRunner:
         # tables, logits indices: filled below.
         host = HostInputs([], [], [], [], [], [0], [], [], [])
         sample_seq_index: list[int] = []
+        prompt_rows: list[tuple[int, int, int]] = []  # (sequence, position, flat index)
         for i in order:
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
             start = seq.num_computed_tokens if next_ids is None else seq.num_tokens
@@ -227,9 +230,17 @@ class ModelRunner:
             if end >= seq.num_tokens:
                 host.logits_indices.append(len(host.positions) - 1)
                 sample_seq_index.append(i)
+            if seq.params.prompt_logprobs is not None:
+                # Prompt positions whose next token is a prompt token (the last one's is sampled).
+                first = len(host.positions) - n
+                upto = min(end, seq.num_prompt_tokens - 1)
+                prompt_rows += [(i, p, first + p - start) for p in range(start, upto)]
         if next_ids is not None and (order != sorted(order) or host.num_tokens != len(order)):
             raise ValueError("next_ids is for decode-only batches (one token per sequence)")
-        return host.to_device(self.device, sample_seq_index, next_ids)
+        host.logits_indices += [flat for _, _, flat in prompt_rows]
+        inputs = host.to_device(self.device, sample_seq_index, next_ids)
+        inputs.prompt_rows = [(i, p) for i, p, _ in prompt_rows]
+        return inputs
 
     @torch.inference_mode()
     def forward_logits(self, inputs: StepInputs) -> torch.Tensor | None:
@@ -245,7 +256,7 @@ class ModelRunner:
         if not stage.is_last:
             stage.send_next(hidden)
             return None
-        if not inputs.sample_seq_index:
+        if not inputs.logits_indices.numel():
             return None
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
@@ -301,19 +312,32 @@ class ModelRunner:
             self.balancer.after_step()
         seqs = [batch.seqs[i] for i in inputs.sample_seq_index]
         handle = StepHandle(len(batch.seqs), inputs.sample_seq_index, None)
-        if self.stage.size > 1 and seqs:
+        rows = len(inputs.host.logits_indices)
+        if self.stage.size > 1 and rows:
             # The last stage computes the logits: receive them without waiting, so the next
             # batch can start on this stage meanwhile (batches in flight, see LLMEngine).
-            shape = (len(seqs), self.info.vocab_size)
-            arriving = self.stage.irecv_logits(shape, self.dtype)
-            handle.sample = lambda: self._sample(handle, arriving(), seqs)
+            arriving = self.stage.irecv_logits((rows, self.info.vocab_size), self.dtype)
+            handle.sample = lambda: self._sample(handle, arriving(), seqs, batch, inputs)
         elif logits is not None:
-            self._sample(handle, logits, seqs)
+            self._sample(handle, logits, seqs, batch, inputs)
         return handle
 
-    def _sample(self, handle: StepHandle, logits: torch.Tensor, seqs: list[Any]) -> None:
-        """logits [S, V] of the step's rows to sample -> handle.tokens [S]."""
+    def _sample(
+        self,
+        handle: StepHandle,
+        logits: torch.Tensor,
+        seqs: list[Any],
+        batch: ScheduledBatch,
+        inputs: StepInputs,
+    ) -> None:
+        """logits [S + P, V]: the step's rows to sample -> handle.tokens [S]; the prompt rows'
+        log-probabilities -> handle.prompt_logprobs."""
         handle.sample = None
+        if inputs.prompt_rows:
+            handle.prompt_logprobs = _prompt_logprobs(logits[len(seqs) :], batch, inputs)
+            logits = logits[: len(seqs)]
+        if not seqs:
+            return
         if all(s.params.greedy for s in seqs):  # the common case: no per-row tensors to build
             tokens = logits.argmax(dim=-1)
         else:
@@ -360,3 +384,16 @@ class ModelRunner:
         if not counts:
             return None
         return torch.stack(counts).sum(0).tolist()
+
+
+def _prompt_logprobs(
+    logits: torch.Tensor, batch: ScheduledBatch, inputs: StepInputs
+) -> list[tuple[int, int, PositionLogprobs]]:
+    """logits [P, V] of `inputs.prompt_rows`: each row predicts the prompt's next token."""
+    rows = inputs.prompt_rows
+    targets = [batch.seqs[i].token_ids[p + 1] for i, p in rows]
+    wanted = [batch.seqs[i].params.prompt_logprobs for i, _ in rows]
+    chosen = torch.tensor(targets, device=logits.device)
+    top = TopLogprobs.of(logits, chosen, max(k or 0 for k in wanted))
+    entries = top.rows(targets, wanted)
+    return [(i, p, e) for (i, p), e in zip(rows, entries, strict=True) if e is not None]

@@ -30,6 +30,8 @@ class Request:
     tokenizer: Any = None  # decodes the tokens of log-probabilities
     # Per output token when the request asks for log-probabilities (params.logprobs).
     logprobs: list[PositionLogprobs] | None = None
+    # Per prompt token (None for the first) when asked for (params.prompt_logprobs).
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @classmethod
     def start(cls, seq: Sequence, tokenizer: Any, vocab_size: int) -> Request:
@@ -44,7 +46,9 @@ class Request:
         if seq.generator is not None and not params.greedy:
             for _ in range(seq.num_output_tokens):  # each streamed token was one draw of the seed
                 Sampler.skip_draw(seq.generator, vocab_size)
-        return cls(seq, detok, text, tokenizer, [] if params.logprobs is not None else None)
+        logprobs = [] if params.logprobs is not None else None
+        prompt = [None] * seq.num_prompt_tokens if params.prompt_logprobs is not None else None
+        return cls(seq, detok, text, tokenizer, logprobs, prompt)
 
     def add_token(
         self,
@@ -82,6 +86,9 @@ class Request:
             outputs=[self._completion()],
             finished=seq.is_finished,
             num_cached_tokens=seq.num_cached_tokens,
+            prompt_logprobs=None
+            if self.prompt_logprobs is None
+            else [p if p is None else self._decoded(p) for p in self.prompt_logprobs],
             metrics=RequestMetrics(
                 seq.arrival_time, seq.first_token_time, seq.finished_time, seq.num_preemptions
             ),

@@ -132,7 +132,7 @@ class Scheduler:
         """Hold blocks for all of `seq`'s prompt (after the prefix cache's hit) for another worker
         to fill; None, holding nothing, when blocks or sequence slots are short right now."""
         bm = self._blocks
-        prefix = bm.match_prefix(seq)
+        prefix = self._cached_prefix(seq)
         new_tokens = seq.num_tokens - len(prefix) * bm.block_size
         # No overtaking: the blocks of sequences queued ahead stay theirs, and nothing is held
         # while one of them waits for blocks.
@@ -211,7 +211,7 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 break
             seq = self.waiting[0]
-            prefix = bm.match_prefix(seq)
+            prefix = self._cached_prefix(seq)
             cached = len(prefix) * bm.block_size
             n = min(seq.num_tokens - cached, budget)
             if not bm.can_allocate(seq, n, prefix):
@@ -279,6 +279,13 @@ class Scheduler:
             if not seq.is_finished:
                 seq.num_computed_tokens += n
                 self._blocks.cache_full_blocks(seq)
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The prefix cache's blocks for `seq`: none when it asks for its prompt's
+        log-probabilities, which every prompt position's logits give (a hit costs a recompute)."""
+        if seq.params.prompt_logprobs is not None:
+            return []
+        return self._blocks.match_prefix(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         # Recompute on re-admission: prompt and output so far are prefilled again (mostly from the

@@ -8,7 +8,7 @@ pinned memory without a host sync, so building a step never waits for the one be
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,9 +23,12 @@ class StepInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [S]: flat index of each sampled sequence's last token
+    logits_indices: torch.Tensor  # [S + P]: flat index of each sampled sequence's last token,
+    # then of each prompt position whose log-probabilities were asked for (rank 0 knows them)
     sample_seq_index: list[int]  # [S]: index into batch.seqs of each sampled row
     host: HostInputs  # the integers these tensors were made from
+    # [P]: (index into batch.seqs, position) of each prompt row after the sampled ones
+    prompt_rows: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

@@ -67,3 +67,32 @@ def test_bad_logprobs_are_refused_naming_the_field(value: object) -> None:
         with pytest.raises(InvalidRequest, match=name) as caught:
             SamplingParams(**{name: value})
         assert caught.value.field == name
+
+
+@pytest.mark.parametrize("layout", [{}, {"pipeline_parallel_size": 2}], ids=["pp1", "pp2"])
+def test_prompt_logprobs_match_transformers_across_chunks(tiny_model, layout) -> None:
+    """Every prompt position, across chunked prefill (a 32-token budget), also for a prompt
+    the prefix cache holds (a request asking for them skips the cache and recomputes)."""
+    folder = tiny_model("llama")
+    shared = random_prompts([70], seed=8)[0]
+    prompts = [shared, [*shared, 5, 6, 7], random_prompts([9], seed=2)[0]]
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=3)
+    with LLM(str(folder), kv_cache_tokens=1024, max_num_batched_tokens=32, **layout) as llm:
+        llm.generate({"prompt_token_ids": shared}, SamplingParams(max_tokens=1))  # cached now
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    hf = load_hf(folder)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.num_cached_tokens == 0
+        got = out.prompt_logprobs
+        assert got is not None and len(got) == len(prompt) and got[0] is None
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt])).logits[0].float()  # type: ignore[operator]
+        ref = torch.log_softmax(logits, dim=-1)
+        for pos in range(1, len(prompt)):
+            entry, row, token = got[pos], ref[pos - 1], prompt[pos]
+            assert entry is not None and math.isclose(
+                entry[token].logprob, row[token].item(), abs_tol=1e-4
+            )
+            assert entry[token].rank == int((row > row[token]).sum()) + 1
+            top = {t for t, lp in entry.items() if lp.rank <= 3}
+            assert top == set(row.topk(3).indices.tolist())
