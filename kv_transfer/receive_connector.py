@@ -44,6 +44,12 @@ class ReceiveOptions:
     advertise: str | None = None
     transport_for: Mapping[str, str] = field(default_factory=dict)
 
+    def on_node(self, host: str, advertise: str | None) -> ReceiveOptions:
+        """A follower on another node than rank 0's: rank 0's host is not one of its own, and
+        each rank binds a free port (a HOST:PORT advertise keeps only its host)."""
+        host_only = split_advertise(advertise)[0] if advertise else None
+        return replace(self, bind=f"tcp://{host}:0", advertise=host_only, transport_for={})
+
 
 @control_message
 class Expect:
@@ -151,7 +157,8 @@ class ReceiveConnector(KVConnector):
         """Every other rank binds a port of its own: only the advertised host is shared."""
         advertise = self.options.advertise
         host = split_advertise(advertise)[0] if advertise else None
-        return replace(self.options, advertise=host, transport_for={})
+        any_port = f"{self.options.bind.rsplit(':', 1)[0]}:0"  # rank 0's port is taken (--kv-port)
+        return replace(self.options, bind=any_port, advertise=host, transport_for={})
 
     def handle(self, message: object) -> object | None:
         match message:

@@ -219,11 +219,17 @@ def _serve_worker(config_cls: Any, serve: Any, args: argparse.Namespace, **field
     it listens, its /metrics port, TLS) and its own `fields`."""
     from pdmesh.engine.config import EngineConfig
 
+    engine = EngineConfig(**engine_options(args))
+    if engine.node_rank > 0:  # another node of a static launch: its ranks only, no service
+        from pdmesh.engine.executor.nodes import serve_node
+
+        kv_host = getattr(args, "kv_host", None) or args.host
+        return serve_node(engine, kv_host, getattr(args, "kv_advertise", None))
     metrics = f"{args.host}:{args.metrics_port}" if args.metrics_port else None
     config = from_args(
         config_cls,
         args,
-        engine=EngineConfig(**engine_options(args)),
+        engine=engine,
         bind=f"{args.host}:{args.port}",
         metrics_bind=metrics,
         tls=tls_config(args),

@@ -181,6 +181,11 @@ def plan_mesh(args: argparse.Namespace) -> list[ProcessSpec]:
     """The services of `pdmesh up ARGS`, in start order: prefill workers, decode workers, the
     router (the one whose exit stops the mesh)."""
     options, tls = engine_options(args), tls_argv(args)
+    if options["nnodes"] != 1:
+        raise ValueError(
+            "pdmesh up runs every worker on this machine: start a worker over several nodes "
+            "with pdmesh decode / pdmesh prefill --nnodes N --node-rank R on each node."
+        )
     decode_flags = ["--max-waiting-requests", str(args.max_waiting_requests)]
     decode_flags += ["--prefill-timeout", str(args.prefill_timeout)]
     gpus = GpuPlacement(args.device)

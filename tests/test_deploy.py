@@ -9,10 +9,13 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 from compose_local import COMPOSE_FILES, DEPLOY, compose, compose_config, pdmesh_services
+
+from pdmesh.engine.config import EngineConfig
 
 K8S = DEPLOY / "k8s"
 K8S_VERSION = "1.30.0"  # the oldest Kubernetes the manifests promise to work on
@@ -159,3 +162,99 @@ def test_router_lists_every_statefulset_pod_and_pods_are_scraped() -> None:
         "containers"][0]["env"]}  # fmt: skip
     assert decode_env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert decode_env["PDMESH_KV_ADVERTISE"]["value"] == "$(POD_IP)"
+
+
+# -- a decode worker over two nodes: a LeaderWorkerSet (deploy/k8s/multinode) ---------------------
+MULTINODE = K8S / "multinode"
+# The LeaderWorkerSet CRD's openAPI schema (tests/schemas/README.md says where it comes from):
+# kubernetes_validate knows only the built-in kinds.
+LWS_SCHEMA = Path(__file__).parent / "schemas" / "leaderworkerset.x-k8s.io_v1.json"
+
+
+def _strict(schema: object) -> object:
+    """The CRD schema rejecting unknown fields, as the API server does with strict field
+    validation (`kubectl apply` warns, `--validate=strict` fails): an object that lists its
+    properties allows no others."""
+    if isinstance(schema, list):
+        return [_strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _strict(v) for k, v in schema.items()}
+    open_ended = "additionalProperties" in out or out.get("x-kubernetes-preserve-unknown-fields")
+    if "properties" in out and not open_ended:
+        out["additionalProperties"] = False
+    return out
+
+
+def _validate_lws(doc: dict) -> None:
+    jsonschema.validate(doc, _strict(json.loads(LWS_SCHEMA.read_text())))
+    for role in ("leaderTemplate", "workerTemplate"):  # the pods, against Kubernetes' own schema
+        template = doc["spec"]["leaderWorkerTemplate"][role]
+        pod = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": role.lower()}}
+        kubernetes_validate.validate({**pod, "template": template}, K8S_VERSION, strict=True)
+
+
+def _lws() -> dict:
+    return yaml.safe_load((MULTINODE / "decode-lws.yaml").read_text())
+
+
+def _worker_container(doc: dict) -> dict:
+    return doc["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]
+
+
+def test_leaderworkerset_validates_offline_and_wires_the_static_launch() -> None:
+    doc = _lws()
+    assert (doc["apiVersion"], doc["kind"]) == ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet")
+    _validate_lws(doc)
+    group = doc["spec"]["leaderWorkerTemplate"]
+    size = group["size"]
+    assert size == 2
+    name, leader = doc["metadata"]["name"], group["leaderTemplate"]["spec"]["containers"][0]
+    for role in ("leaderTemplate", "workerTemplate"):
+        container = group[role]["spec"]["containers"][0]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        # torchrun's flags from the variables LWS puts in every pod of the group.
+        assert env["PDMESH_NNODES"] == "$(LWS_GROUP_SIZE)"
+        assert env["PDMESH_NODE_RANK"] == "$(LWS_WORKER_INDEX)"
+        assert env["PDMESH_MASTER_ADDR"] == "$(LWS_LEADER_ADDRESS)"
+        assert env["PDMESH_KV_ADVERTISE"] == "$(POD_IP)"  # each rank's KV at its own pod's IP
+        gpus = container["resources"]["limits"]["nvidia.com/gpu"]
+        for node in range(size):  # the layout LWS's values make is one each pod can run
+            config = EngineConfig(
+                tensor_parallel_size=int(env["PDMESH_TENSOR_PARALLEL_SIZE"]),
+                pipeline_parallel_size=int(env["PDMESH_PIPELINE_PARALLEL_SIZE"]),
+                nnodes=size,
+                node_rank=node,
+                master_port=int(env["PDMESH_MASTER_PORT"]),
+                device="cuda",
+            )
+            assert config.ranks_per_node == gpus
+    ports = {p["name"]: p["containerPort"] for p in leader["ports"]}
+    assert ports["rendezvous"] == int(env["PDMESH_MASTER_PORT"])
+    assert "ports" not in _worker_container(doc)  # no gRPC there
+    # Not in the base: an overlay adds it and lists its leader (<name>-<group>.<name>) for the
+    # router.
+    base_resources = yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"]
+    assert "decode-lws.yaml" not in base_resources
+    overlay = yaml.safe_load((MULTINODE / "kustomization.yaml").read_text())
+    assert overlay["resources"] == ["../", "decode-lws.yaml"]
+    listed = yaml.safe_load(overlay["patches"][0]["patch"])[0]["value"].split(",")
+    base = yaml.safe_load((K8S / "configmap.yaml").read_text())["data"]["PDMESH_DECODE"]
+    assert listed == [*base.split(","), f"{name}-0.{name}:{ports['grpc']}"]
+
+
+@pytest.mark.parametrize(
+    "break_it",
+    [
+        lambda d: d["spec"]["leaderWorkerTemplate"].update(sise=2),  # a typo
+        lambda d: d["spec"]["leaderWorkerTemplate"].update(size="two"),
+        lambda d: d["spec"].update(startupPolicy="WhenReady"),  # not one of its values
+        lambda d: _worker_container(d)["env"][0].update(valu="8"),  # a typo in the pod
+    ],
+    ids=["typo", "size-type", "enum", "pod-field"],
+)
+def test_leaderworkerset_validation_rejects_a_broken_manifest(break_it) -> None:
+    doc = _lws()
+    break_it(doc)
+    with pytest.raises((jsonschema.ValidationError, kubernetes_validate.ValidationError)):
+        _validate_lws(doc)

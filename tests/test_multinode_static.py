@@ -1,0 +1,90 @@
+"""A static multi-node launch without Ray (torchrun's flags): two `pdmesh decode` processes on
+this machine acting as nodes 0 and 1 of `--nnodes 2`, node 0 serving gRPC behind a router; a
+rank killed on node 1 takes the worker out; layouts that do not divide over the nodes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from mesh_support import greedy_tokens
+from service_support import Service, wait_workers
+from support import hf_greedy, load_hf, random_prompts
+
+from pdmesh.cli import build_parser
+from pdmesh.cli import main as pdmesh_main
+from pdmesh.engine.config import EngineConfig
+from pdmesh.mesh import plan_mesh
+from pdmesh.processes import free_port
+
+
+def _children(pid: int) -> list[int]:
+    tasks = Path(f"/proc/{pid}/task").glob("*/children")
+    return [int(c) for f in tasks for c in f.read_text().split()]
+
+
+def test_two_nodes_serve_and_a_dead_rank_takes_the_worker_out(tiny_model, tmp_path) -> None:
+    folder = str(tiny_model("llama"))
+    layout = ["--model", folder, "--kv-cache-tokens", "1024", "--pipeline-parallel-size", "2"]
+    nodes = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    node1 = Service("decode", [*layout, *nodes, "--node-rank", "1"], tmp_path / "node1.log")
+    node0 = Service("decode", ["--port", str(free_port()), *layout, *nodes], tmp_path / "node0.log")
+    argv = ["--port", str(free_port()), "--http-port", "0", "--decode", node0.address]
+    router = Service("router", [*argv, "--model", folder], tmp_path / "router.log")
+    services = [node1.start(), node0.start(), router.start()]
+    try:
+        node0.wait_serving()
+        wait_workers(router.address, 0, 1)
+        prompts = random_prompts([9, 33], seed=4)
+        got = asyncio.run(greedy_tokens(router.address, prompts, 10))
+        hf = load_hf(Path(folder))
+        assert got == [hf_greedy(hf, p, 10, ignore_eos=True) for p in prompts]
+        assert node0.stats().pipeline_parallel_size == 2
+
+        assert node1.proc is not None and node0.proc is not None
+        (rank1,) = _children(node1.proc.pid)  # node 1 runs rank 1, stage 1
+        os.kill(rank1, signal.SIGKILL)
+        killed = time.monotonic()
+        while node0.serving():
+            assert time.monotonic() - killed < 1.0, "node 0 kept serving without its stage 1"
+            time.sleep(0.05)
+        assert node1.proc.wait(30) == 1  # node 1 reported its rank's death and exited
+        node0.proc.wait(30)  # the worker exits, for `pdmesh up` or Kubernetes to restart
+        assert "rank 1 on node 1 exited with code -9" in node0.log.read_text()
+    finally:
+        for s in services:
+            s.stop()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            dict(tensor_parallel_size=3, nnodes=2),
+            r"3 x pipeline_parallel_size 1 = 3 ranks do not divide over nnodes=2",
+        ),
+        (dict(nnodes=2, node_rank=2), r"node_rank must be in \[0, nnodes - 1\] = \[0, 1\], got 2"),
+        (
+            dict(nnodes=2, tensor_parallel_size=2, distributed_executor_backend="ray"),
+            "with distributed_executor_backend='ray' Ray places the ranks",
+        ),
+        (dict(distributed_executor_backend="spark"), "must be mp or ray, got 'spark'"),
+    ],
+)
+def test_layouts_that_cannot_span_the_nodes_are_refused(options, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**options)
+
+
+def test_the_commands_refuse_them_at_start_up(capsys) -> None:
+    argv = ["--tensor-parallel-size", "3", "--nnodes", "2", "--node-rank", "1"]
+    assert pdmesh_main(["decode", *argv]) == 2
+    assert "do not divide over nnodes=2" in capsys.readouterr().err
+    # `pdmesh up` runs its workers on one machine: a multi-node worker is started per node.
+    args = build_parser().parse_args(["up", "--nnodes", "2", "--tensor-parallel-size", "2"])
+    with pytest.raises(ValueError, match="pdmesh decode / pdmesh prefill --nnodes N"):
+        plan_mesh(args)
