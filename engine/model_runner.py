@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from pdmesh import envs
+from pdmesh.engine import penalties
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.cuda_graphs import DecodeGraphs
 from pdmesh.engine.distributed import all_reduce_min
@@ -338,6 +339,9 @@ class ModelRunner:
             logits = logits[: len(seqs)]
         if not seqs:
             return
+        raw = logits  # logprobs are of the model's own distribution
+        if penalties.shapes_logits(seqs):
+            logits = penalties.apply(logits, seqs, self.info.eos_token_ids)
         if all(s.params.greedy for s in seqs):  # the common case: no per-row tensors to build
             tokens = logits.argmax(dim=-1)
         else:
@@ -348,7 +352,7 @@ class ModelRunner:
         handle.tokens = tokens
         wanted = [s.params.logprobs for s in seqs]
         if any(k is not None for k in wanted):
-            handle.logprobs = TopLogprobs.of(logits, tokens, max(k or 0 for k in wanted)), wanted
+            handle.logprobs = TopLogprobs.of(raw, tokens, max(k or 0 for k in wanted)), wanted
         if tokens.is_cuda:
             handle.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             handle.host_tokens.copy_(tokens, non_blocking=True)

@@ -44,6 +44,15 @@ class SamplingParams:
     # first its own and `prompt_logprobs` alternatives. None: off; at most MAX_LOGPROBS.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # As vLLM defines them, applied to the logits before temperature and filters: presence and
+    # frequency penalties over the output so far, the repetition penalty over prompt and output
+    # (a positive logit divided by it, a negative one multiplied), a bias per token id, and no
+    # EOS or stop token before `min_tokens` new tokens.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         # Accept lists (and a bare string for `stop`) the way vLLM does; store tuples.
@@ -94,6 +103,54 @@ class SamplingParams:
                     f"{name} must be an integer in [0, {MAX_LOGPROBS}] or null, got {k!r}.", name
                 )
 
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -2 <= v <= 2:
+                raise InvalidRequest(f"{name} must be a number in [-2, 2], got {v!r}.", name)
+        r = self.repetition_penalty
+        if not _is_number(r) or not math.isfinite(r) or not 0 < r <= 10:
+            raise InvalidRequest(
+                f"repetition_penalty must be a number in (0, 10] (1: off), got {r!r}.",
+                "repetition_penalty",
+            )
+        self._validate_bias()
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequest(
+                f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}.",
+                "min_tokens",
+            )
+
+    def _validate_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict) or len(bias) > 1024:
+            raise InvalidRequest(
+                "logit_bias must map at most 1024 token ids to biases.", "logit_bias"
+            )
+        for token, value in bias.items():
+            if not is_int(token) or token < 0:
+                raise InvalidRequest(
+                    f"logit_bias keys must be token ids (integers >= 0), got {token!r:.50}.",
+                    "logit_bias",
+                )
+            if not _is_number(value) or not -100 <= value <= 100:
+                raise InvalidRequest(
+                    f"logit_bias values must be numbers in [-100, 100], got {value!r:.50}.",
+                    "logit_bias",
+                )
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether penalties, a bias or min_tokens change the logits before sampling."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1
+            or self.logit_bias
+            or self.min_tokens
+        )
