@@ -9,6 +9,7 @@ layer L stored its K/V every rank queues its heads of the completed blocks on it
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -105,13 +106,13 @@ class PrefillWorker(WorkerProcess):
         received_ns = time.time_ns()
         assert self._aio is not None
         pending = _Pending(self._aio.create_future())
-        # The first token is sampled as the request asks; nothing stops it early.
-        params = SamplingParams(
+        # The first token is sampled as the request asks (its penalties and bias included, and
+        # not EOS or a stop token if min_tokens says so); nothing stops it early.
+        params = dataclasses.replace(
+            task.params,
             max_tokens=1,
-            temperature=task.params.temperature,
-            top_k=task.params.top_k,
-            top_p=task.params.top_p,
-            seed=task.params.seed,
+            min_tokens=min(task.params.min_tokens, 1),
+            stop=(),
             ignore_eos=True,
         )
         timeout_s = task.target.timeout_s

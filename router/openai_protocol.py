@@ -19,7 +19,16 @@ from pdmesh.validation import Prompt, RequestSpec
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 TEXT_PART = "text"
-_SAMPLING_NUMBERS = ("temperature", "top_p", "top_k", "seed")
+_SAMPLING_NUMBERS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",  # vLLM's extension, as min_tokens
+    "min_tokens",
+)
 
 # Fields that change the output in ways pdmesh does not implement: (field, its neutral values).
 _UNSUPPORTED: tuple[tuple[str, tuple[Any, ...]], ...] = (
@@ -28,10 +37,6 @@ _UNSUPPORTED: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("echo", (None, False)),
     ("suffix", (None, "")),
     ("best_of", (None, 1)),
-    ("logit_bias", (None, {})),
-    ("presence_penalty", (None, 0, 0.0)),
-    ("frequency_penalty", (None, 0, 0.0)),
-    ("repetition_penalty", (None, 1, 1.0)),
     ("tools", (None, [])),
     ("functions", (None, [])),
 )
@@ -86,6 +91,20 @@ def _check_unsupported(body: dict[str, Any]) -> None:
         )
 
 
+def _token_id(key: str) -> int:
+    """A logit_bias key: OpenAI sends token ids as JSON object keys, so as strings."""
+    if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 19):
+        raise InvalidRequest(
+            f"logit_bias keys must be token ids (decimal strings), got {key!r:.50}.",
+            "logit_bias",
+        )
+    return int(key)
+
+
+def _is_dict(v: object) -> bool:
+    return isinstance(v, dict)
+
+
 def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     """SamplingParams keyword arguments from the body, unchecked (SamplingParams checks them);
     a field left out or null is absent, so its default applies."""
@@ -103,6 +122,9 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
         _field(ids, "stop_token_ids", lambda v: isinstance(v, list), "a list of integers", ())
     )
     kwargs["ignore_eos"] = _boolean(body, "ignore_eos")
+    bias = _field(body.get("logit_bias"), "logit_bias", _is_dict, "an object", None)
+    if bias:
+        kwargs["logit_bias"] = {_token_id(k): v for k, v in bias.items()}
     if body.get("skip_special_tokens") is not None:
         kwargs["skip_special_tokens"] = _boolean(body, "skip_special_tokens")
     return kwargs

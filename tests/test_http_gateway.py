@@ -146,6 +146,14 @@ _LONG = "hello " * 9000
         ("/v1/completions", {"prompt": "hi", "model": "gpt-17"}, "model"),
         ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
         ("/v1/completions", {"prompt": "hi", "logprobs": 1}, "logprobs"),
+        ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 200}}, "logit_bias"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 0},
+            "repetition_penalty",
+        ),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
         ("/v1/completions", {"prompt": [1, 2, 10**9]}, "prompt"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
@@ -188,3 +196,35 @@ def test_client_disconnect_aborts_the_request(mesh: Mesh) -> None:
         mesh, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 4, "ignore_eos": True}
     )
     assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 4
+
+
+def test_penalties_and_logit_bias_through_the_mesh(mesh: Mesh, default_llm) -> None:
+    """vLLM's sampling extras over HTTP, the prompt prefilled on the prefill worker (so its
+    first token is sampled there under the same rules): the offline engine's tokens."""
+    from pdmesh import SamplingParams
+
+    with grpc.insecure_channel(mesh.target) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        text = "Write a list of the planets of the solar system, in order, with a short note. " * 5
+        prompt = list(stub.Tokenize(gen_pb.TokenizeRequest(text=text)).token_ids)
+    assert len(prompt) > 64  # above --disagg-min-tokens: prefilled remotely
+    extras = dict(presence_penalty=0.5, frequency_penalty=1.0, repetition_penalty=1.3)
+    bias = {str(prompt[-1]): -100.0, "13": 5.0}
+    before = mesh.stats(mesh.decode[0]).remote_prefills
+    status, _, raw = _request(
+        mesh,
+        "POST",
+        "/v1/completions",
+        {"prompt": prompt, "max_tokens": 16, "temperature": 0, "logit_bias": bias, **extras},
+    )
+    assert status == 200, raw
+    assert mesh.stats(mesh.decode[0]).remote_prefills == before + 1
+    params = SamplingParams(
+        max_tokens=16, temperature=0, logit_bias={int(k): v for k, v in bias.items()}, **extras
+    )
+    offline = default_llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0]
+    plain = default_llm.generate(
+        {"prompt_token_ids": prompt}, SamplingParams(max_tokens=16, temperature=0)
+    )
+    assert offline.token_ids != plain[0].outputs[0].token_ids  # the extras changed the output
+    assert json.loads(raw)["choices"][0]["text"] == offline.text

@@ -16,7 +16,18 @@ FINISH_TO_PB = {
 }
 FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
 
-_OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "skip_special_tokens")
+_OPTIONAL_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "skip_special_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+)
 
 
 def sampling_fields_from_pb(pb: gen_pb.SamplingParams) -> dict[str, Any]:
@@ -26,6 +37,8 @@ def sampling_fields_from_pb(pb: gen_pb.SamplingParams) -> dict[str, Any]:
     kwargs["stop"] = tuple(pb.stop)
     kwargs["stop_token_ids"] = tuple(pb.stop_token_ids)
     kwargs["ignore_eos"] = pb.ignore_eos
+    if pb.logit_bias:
+        kwargs["logit_bias"] = dict(pb.logit_bias)
     return kwargs
 
 
@@ -49,4 +62,8 @@ def sampling_to_pb(params: SamplingParams) -> gen_pb.SamplingParams:
     )
     if params.seed is not None:
         pb.seed = params.seed
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
+        setattr(pb, name, getattr(params, name))
+    if params.logit_bias:
+        pb.logit_bias.update(params.logit_bias)
     return pb
