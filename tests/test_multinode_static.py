@@ -15,6 +15,7 @@ from mesh_support import greedy_tokens
 from service_support import Service, wait_workers
 from support import hf_greedy, load_hf, random_prompts
 
+from pdmesh import LLM, SamplingParams
 from pdmesh.cli import build_parser
 from pdmesh.cli import main as pdmesh_main
 from pdmesh.engine.config import EngineConfig
@@ -60,6 +61,30 @@ def test_two_nodes_serve_and_a_dead_rank_takes_the_worker_out(tiny_model, tmp_pa
             s.stop()
 
 
+def test_tensor_parallel_over_two_nodes_offline(tiny_model, tmp_path) -> None:
+    """TP=2 with one rank per node: node 0 is an offline `LLM` here (engine flags are `LLM`
+    options too), node 1 a `pdmesh decode --node-rank 1` process, which exits cleanly once the
+    LLM is closed."""
+    folder = str(tiny_model("llama"))
+    port = free_port()
+    nodes = dict(nnodes=2, master_addr="127.0.0.1", master_port=port, tensor_parallel_size=2)
+    argv = ["--model", folder, "--tensor-parallel-size", "2", "--nnodes", "2"]
+    argv += ["--node-rank", "1", "--master-port", str(port)]
+    node1 = Service("decode", argv, tmp_path / "node1.log").start()
+    try:
+        prompts = random_prompts([6, 25], seed=9)
+        params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+        with LLM(folder, kv_cache_tokens=512, **nodes) as llm:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            assert llm.engine.runner.tp.size == 2
+        hf = load_hf(Path(folder))
+        for prompt, out in zip(prompts, outputs, strict=True):
+            assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 10, ignore_eos=True)
+        assert node1.proc is not None and node1.proc.wait(30) == 0
+    finally:
+        node1.stop()
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -88,3 +113,12 @@ def test_the_commands_refuse_them_at_start_up(capsys) -> None:
     args = build_parser().parse_args(["up", "--nnodes", "2", "--tensor-parallel-size", "2"])
     with pytest.raises(ValueError, match="pdmesh decode / pdmesh prefill --nnodes N"):
         plan_mesh(args)
+
+
+def test_pdmesh_up_hands_the_backend_to_its_workers() -> None:
+    args = build_parser().parse_args(["up", "--distributed-executor-backend", "ray"])
+    workers = [spec for spec in plan_mesh(args) if spec.name != "router"]
+    assert [w.name for w in workers] == ["prefill-0", "decode-0"]
+    for w in workers:
+        flag = w.command.index("--distributed-executor-backend")
+        assert w.command[flag + 1] == "ray"

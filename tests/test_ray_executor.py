@@ -4,9 +4,12 @@ its output against transformers; a rank's process killed; and `ray` without Ray 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 
@@ -16,6 +19,37 @@ from support import hf_greedy, load_hf, random_prompts
 from pdmesh import LLM, SamplingParams
 from pdmesh.cli import main as pdmesh_main
 from pdmesh.engine.config import EngineConfig
+
+
+def test_ray_starts_a_local_cluster_when_none_runs(tiny_model) -> None:
+    """No cluster to join (`ray.init(address="auto")` finds none: this test runs before the
+    module's cluster starts): rank 0 starts a local one, and a TP=2 worker on it matches
+    transformers."""
+    pytest.importorskip("ray", reason="make test installs pdmesh[ray]")
+    folder = tiny_model("llama")
+    prompt = random_prompts([11], seed=8)[0]
+    script = (
+        "import json, sys; from pdmesh import LLM, SamplingParams; "
+        "llm = LLM(sys.argv[1], kv_cache_tokens=256, tensor_parallel_size=2, "
+        "distributed_executor_backend='ray'); "
+        "out = llm.generate([{'prompt_token_ids': json.loads(sys.argv[2])}], "
+        "SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)); "
+        "print('TOKENS', json.dumps(out[0].outputs[0].token_ids)); llm.close()"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # A short path: Ray's sockets live under it, and a socket path has at most 107 bytes.
+    with tempfile.TemporaryDirectory(prefix="ray", dir="/tmp") as ray_dir:
+        out = subprocess.run(
+            [sys.executable, "-c", script, str(folder), json.dumps(prompt)],
+            env={**env, "RAY_TMPDIR": ray_dir},
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "no Ray cluster running: starting a local one" in out.stderr
+    tokens = json.loads(out.stdout.split("TOKENS ", 1)[1])
+    assert tokens == hf_greedy(load_hf(folder), prompt, 8, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
