@@ -134,6 +134,8 @@ def test_engine_flags_keep_their_spelling() -> None:
     argv += ["--enable-expert-parallel", "--seed", "7", "--enforce-eager", "--no-async-scheduling"]
     argv += ["--load-format", "dummy", "--skip-tokenizer-init"]
     argv += ["--eplb-window-size", "10", "--eplb-step-interval", "20"]
+    argv += ["--distributed-executor-backend", "mp", "--nnodes", "2", "--node-rank", "1"]
+    argv += ["--master-addr", "10.0.0.1", "--master-port", "29600"]
     options = engine_options(build_parser().parse_args(argv))
     assert options == {
         "model": "m",
@@ -141,6 +143,11 @@ def test_engine_flags_keep_their_spelling() -> None:
         "device": "cpu",
         "tensor_parallel_size": 2,
         "pipeline_parallel_size": 3,
+        "distributed_executor_backend": "mp",
+        "nnodes": 2,
+        "node_rank": 1,
+        "master_addr": "10.0.0.1",
+        "master_port": 29600,
         "block_size": 32,
         "kv_cache_tokens": 4096,
         "kv_cache_memory_fraction": 0.5,
@@ -165,9 +172,10 @@ def test_engine_flags_keep_their_spelling() -> None:
 
 
 def test_up_passes_every_engine_option_to_its_workers() -> None:
-    """A field added to EngineConfig reaches `pdmesh up`'s workers with no other edit."""
+    """A field added to EngineConfig reaches `pdmesh up`'s workers with no other edit. (But one
+    node: `up` refuses a multi-node launch, which is started per node.)"""
     parser = build_parser()
-    values = _non_defaults()
+    values = {**_non_defaults(), "nnodes": 1}
     up = parser.parse_args(["up", "--prefill", "1", "--decode", "2", *engine_argv(values)])
     specs = plan_mesh(up)
     assert [s.name for s in specs] == ["prefill-0", "decode-0", "decode-1", "router"]
