@@ -21,6 +21,7 @@ from pdmesh.engine.request import Request
 from pdmesh.engine.sampler import Sampler
 from pdmesh.engine.scheduler import Scheduler
 from pdmesh.engine.sequence import Sequence
+from pdmesh.engine.structured import Grammars
 from pdmesh.engine.tp_driver import CountExperts, ExpertCounts, TPDriver, rank_device
 from pdmesh.errors import InvalidRequest
 from pdmesh.kv_transfer.connector import ExternalBlocks, KVConnector
@@ -90,6 +91,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self._requests: dict[str, Request] = {}
+        self.grammars = Grammars(self.info.folder, self.info.vocab_size, self.info.eos_token_ids)
         # The last step could do nothing: queued requests wait for blocks that prompts being
         # prefilled elsewhere hold (their KV's arrival is what unblocks it).
         self.stalled = False
@@ -169,6 +171,8 @@ class LLMEngine:
                 "num_output_tokens_sent",
             )
         seq = Sequence(request_id, token_ids, params, text, arrival_time, num_output_tokens)
+        if params.structured_outputs is not None:
+            seq.grammar = self.grammars.matcher(params.structured_outputs)
         return Request.start(seq, self.tokenizer, self.info.vocab_size)
 
     # -- prompts prefilled by another worker ---------------------------------------------------

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from pdmesh import envs
-from pdmesh.engine import penalties
+from pdmesh.engine import penalties, structured
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.cuda_graphs import DecodeGraphs
 from pdmesh.engine.distributed import all_reduce_min
@@ -342,6 +342,8 @@ class ModelRunner:
         raw = logits  # logprobs are of the model's own distribution
         if penalties.shapes_logits(seqs):
             logits = penalties.apply(logits, seqs, self.info.eos_token_ids)
+        if structured.constrained(seqs):
+            logits = structured.mask(logits, seqs)
         if all(s.params.greedy for s in seqs):  # the common case: no per-row tensors to build
             tokens = logits.argmax(dim=-1)
         else:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdmesh.engine import penalties
+from pdmesh.engine import penalties, structured
 from pdmesh.engine.distributed import host_to_device
 from pdmesh.engine.model_runner import StepHandle
 from pdmesh.engine.scheduler import ScheduledBatch, Scheduler
@@ -52,8 +52,9 @@ def next_decode(
     """The step after `cur` when the scheduler is certain it is one decode token for each of
     `cur`'s continuing sequences (`Scheduler.schedule_lookahead`, which allocates their slots),
     and which of `cur`'s sampled tokens (on the device, in its order) are its inputs."""
-    if cur.handle.tokens is None or penalties.shapes_logits(cur.batch.seqs):
-        return None  # penalties read every token before the step: none may be on the device
+    seqs = cur.batch.seqs
+    if cur.handle.tokens is None or penalties.shapes_logits(seqs) or structured.constrained(seqs):
+        return None  # penalties and grammars read every token before the step
     ahead = scheduler.schedule_lookahead(cur.batch, cur.handle.sample_seq_index, max_model_len)
     if ahead is None:
         return None

@@ -43,6 +43,8 @@ class Request:
             tokenizer, seq.prompt_token_ids, params.skip_special_tokens, params.stop
         )
         text = "".join(detok.add(t).text for t in seq.output_token_ids)
+        for t in seq.output_token_ids if seq.grammar is not None else ():
+            seq.grammar.accept_token(t)  # a resumed request's matcher where the lost one was
         if seq.generator is not None and not params.greedy:
             for _ in range(seq.num_output_tokens):  # each streamed token was one draw of the seed
                 Sampler.skip_draw(seq.generator, vocab_size)
@@ -64,7 +66,13 @@ class Request:
         seq.append_token(token)
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.append(logprobs)
-        if (not params.ignore_eos and token in eos_token_ids) or token in params.stop_token_ids:
+        # A grammar ends where its matcher accepts a stop token (it allows one once complete).
+        ended = seq.grammar is not None and _accept(seq.grammar, token)
+        if (
+            ended
+            or (not params.ignore_eos and token in eos_token_ids)
+            or token in params.stop_token_ids
+        ):
             # The stop token's own text is not output; text held back for stop strings is.
             text, reason = detok.flush(), "stop"
         else:
@@ -114,3 +122,11 @@ class Request:
             t: dataclasses.replace(lp, decoded_token=self.tokenizer.decode([t]))
             for t, lp in position.items()
         }
+
+
+def _accept(matcher: Any, token: int) -> bool:
+    """Advance a structured-output matcher; whether its grammar has ended."""
+    if not matcher.accept_token(token):
+        # The mask allowed only what the grammar accepts: a refusal is a bug, not bad input.
+        raise RuntimeError(f"the structured-output matcher refused token {token}")
+    return bool(matcher.is_terminated())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 import torch
 
@@ -54,6 +55,8 @@ class Sequence:
         self.num_cached_tokens = 0
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None
+        # The structured-output matcher (xgrammar.GrammarMatcher), advanced by each token.
+        self.grammar: Any = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()

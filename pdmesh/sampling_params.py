@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdmesh.errors import InvalidRequest
 
@@ -18,6 +19,44 @@ def is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's `StructuredOutputsParams`): exactly one of a JSON
+    schema (`json`, a dict or its text), any JSON object (`json_object`), a `regex`, one of
+    `choice`'s strings, or a `grammar` in EBNF (GBNF). Enforced by xgrammar at every token."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        name = "structured_outputs"
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise InvalidRequest(
+                f"{name} must set exactly one of json, json_object, regex, choice and grammar; "
+                f"got {', '.join(given) or 'none'}.",
+                name,
+            )
+        if not isinstance(self.json, dict | str | type(None)):
+            raise InvalidRequest(f"{name}.json must be a JSON schema object.", f"{name}.json")
+        for key in ("regex", "grammar"):
+            v = getattr(self, key)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise InvalidRequest(f"{name}.{key} must be a non-empty string.", f"{name}.{key}")
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise InvalidRequest(
+                f"{name}.choice must be a list of non-empty strings.", f"{name}.choice"
+            )
 
 
 @dataclass(frozen=True)
@@ -53,6 +92,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Accept lists (and a bare string for `stop`) the way vLLM does; store tuples.
@@ -114,6 +154,11 @@ class SamplingParams:
                 "repetition_penalty",
             )
         self._validate_bias()
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise InvalidRequest(
+                "structured_outputs must be a StructuredOutputsParams.", "structured_outputs"
+            )
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequest(
                 f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}.",
