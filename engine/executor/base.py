@@ -56,7 +56,7 @@ class RankLauncher(ABC):
         """(the host every rank reaches rank 0's store at, the port it listens on; 0: any)."""
 
     @abstractmethod
-    def start(self, spec: FollowerSpec, store: dist.Store) -> None:
+    def start(self, spec: FollowerSpec, store: dist.TCPStore) -> None:
         """Start ranks 1 .. world_size - 1 from `spec` (its rank fields are filled in here).
         `store` is rank 0's, which the ranks join."""
 

@@ -40,22 +40,21 @@ def _heartbeat_key(node: int) -> str:
 
 @register_backend("mp")
 def _mp(config: EngineConfig) -> RankLauncher:
-    return NodeZero(config) if config.nnodes > 1 else LocalLauncher()
+    return NodeZero(config) if config.nnodes > 1 else LocalLauncher(config)
 
 
 class LocalLauncher(RankLauncher):
     """Every follower a process of this node, joined on 127.0.0.1."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
         self.local: LocalRanks | None = None
-        self.world_size = 0
 
     def rendezvous(self) -> tuple[str, int]:
         return "127.0.0.1", 0
 
-    def start(self, spec: FollowerSpec, store: dist.Store) -> None:
-        self.world_size = EngineConfig(**spec.engine).world_size
-        self.local = LocalRanks(spec, range(1, self.world_size), 1)
+    def start(self, spec: FollowerSpec, store: dist.TCPStore) -> None:
+        self.local = LocalRanks(spec, range(1, self.config.world_size), 1)
 
     def poll(self) -> str | None:
         exited = self.local.exited() if self.local is not None else None
@@ -81,9 +80,13 @@ class NodeZero(RankLauncher):
     def rendezvous(self) -> tuple[str, int]:
         return self.config.master_addr, self.config.master_port
 
-    def start(self, spec: FollowerSpec, store: dist.Store) -> None:
-        self.store = store
+    def start(self, spec: FollowerSpec, store: dist.TCPStore) -> None:
         store.set(SPEC_KEY, spec.to_json())
+        # A connection of the monitor's own: a blocking wait of the ranks' rendezvous on the
+        # main thread holds the one it was given.
+        self.store = dist.TCPStore(
+            self.config.master_addr, store.port, is_master=False, timeout=JOIN_TIMEOUT
+        )
         self.local = LocalRanks(spec, range(1, self.config.ranks_per_node), 1)
         log.info(
             "node 0 of %d: waiting for the other nodes at %s:%d",

@@ -85,17 +85,18 @@ class RayRanks(RankLauncher):
     def rendezvous(self) -> tuple[str, int]:
         return self.host, 0
 
-    def start(self, spec: FollowerSpec, store: dist.Store) -> None:
+    def start(self, spec: FollowerSpec, store: dist.TCPStore) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         tp, size = self.config.tensor_parallel_size, self.config.world_size
-        stages = self._place()
+        bundle_of_stage = self._place()
         actor_class = ray.remote(RankActor)
         unit = {"num_gpus": 1} if self.gpu else {"num_cpus": 1}
         env = {k: v for k, v in os.environ.items() if k.startswith("PDMESH_")}
         for rank in range(1, size):
-            strategy = PlacementGroupSchedulingStrategy(self._group, stages[rank // tp])
+            bundle = bundle_of_stage[rank // tp]  # a stage's TP ranks share its bundle's node
+            strategy = PlacementGroupSchedulingStrategy(self._group, bundle)
             options = dict(unit, scheduling_strategy=strategy, runtime_env={"env_vars": env})
             self._actors.append(actor_class.options(**options).remote())
         where = ray.get([a.describe.remote() for a in self._actors])
@@ -155,9 +156,12 @@ class RayRanks(RankLauncher):
     def stop(self, timeout_s: float) -> None:
         import ray
 
-        if self._runs:
-            ray.wait(self._runs, num_returns=len(self._runs), timeout=timeout_s)
-        for actor in self._actors:
-            ray.kill(actor)
-        if self._group is not None:
-            ray.util.remove_placement_group(self._group)
+        try:
+            if self._runs:
+                ray.wait(self._runs, num_returns=len(self._runs), timeout=timeout_s)
+            for actor in self._actors:
+                ray.kill(actor)
+            if self._group is not None:
+                ray.util.remove_placement_group(self._group)
+        except Exception as e:  # the cluster went away first: nothing of ours is left on it
+            log.warning("could not stop the Ray ranks cleanly: %s", e)
