@@ -94,21 +94,27 @@ class RayRanks(RankLauncher):
         actor_class = ray.remote(RankActor)
         unit = {"num_gpus": 1} if self.gpu else {"num_cpus": 1}
         env = {k: v for k, v in os.environ.items() if k.startswith("PDMESH_")}
+        # Stage 0 shares its node with rank 0, which is no actor and already runs on cuda:K: its
+        # actors see every GPU and take cuda:(K + rank), as local processes would, rather than
+        # the GPU Ray would pick, which may be rank 0's own. Other stages' actors take Ray's.
+        stage0_env = {**env, "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
         for rank in range(1, size):
             bundle = bundle_of_stage[rank // tp]  # a stage's TP ranks share its bundle's node
             strategy = PlacementGroupSchedulingStrategy(self._group, bundle)
-            options = dict(unit, scheduling_strategy=strategy, runtime_env={"env_vars": env})
+            runtime_env = {"env_vars": stage0_env if rank < tp else env}
+            options = dict(unit, scheduling_strategy=strategy, runtime_env=runtime_env)
             self._actors.append(actor_class.options(**options).remote())
         where = ray.get([a.describe.remote() for a in self._actors])
         for rank, (actor, at) in enumerate(zip(self._actors, where, strict=True), start=1):
             self.node_ids.append(at["node_id"])
             self.pids.append(at["pid"])
-            # Ray gives a GPU actor its own GPU as cuda:0 (CUDA_VISIBLE_DEVICES).
+            # Off stage 0, Ray gives a GPU actor its own GPU as cuda:0 (CUDA_VISIBLE_DEVICES).
+            on_stage0 = rank < tp
             rank_spec = dataclasses.replace(
                 spec,
                 rank=rank,
-                local_rank=0,
-                device="cuda" if self.gpu else spec.device,
+                local_rank=rank if on_stage0 else 0,
+                device="cuda" if self.gpu and not on_stage0 else spec.device,
                 kv_host=at["ip"] if at["node_id"] != self.here else None,
             )
             self._runs.append(actor.run.remote(rank_spec.to_json()))
