@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdmesh.errors import InvalidRequest
+from pdmesh.router.openai_structured import structured_from_body
 from pdmesh.sampling_params import is_int
 from pdmesh.validation import Prompt, RequestSpec
 
@@ -84,11 +85,6 @@ def _check_unsupported(body: dict[str, Any]) -> None:
         if any(v == x and type(v) is type(x) for x in neutral):
             continue
         raise InvalidRequest(f"{name} is not supported by this server (got {v!r}).", name)
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise InvalidRequest(
-            f"response_format is not supported by this server (got {fmt!r}).", "response_format"
-        )
 
 
 def _token_id(key: str) -> int:
@@ -122,6 +118,9 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
         _field(ids, "stop_token_ids", lambda v: isinstance(v, list), "a list of integers", ())
     )
     kwargs["ignore_eos"] = _boolean(body, "ignore_eos")
+    structured = structured_from_body(body)
+    if structured is not None:
+        kwargs["structured_outputs"] = structured
     bias = _field(body.get("logit_bias"), "logit_bias", _is_dict, "an object", None)
     if bias:
         kwargs["logit_bias"] = {_token_id(k): v for k, v in bias.items()}

@@ -147,6 +147,11 @@ _LONG = "hello " * 9000
         ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
         ("/v1/completions", {"prompt": "hi", "logprobs": 1}, "logprobs"),
         ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "response_format": {"type": "xml"}},
+            "response_format.type",
+        ),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 200}}, "logit_bias"),
         (
@@ -228,3 +233,76 @@ def test_penalties_and_logit_bias_through_the_mesh(mesh: Mesh, default_llm) -> N
     )
     assert offline.token_ids != plain[0].outputs[0].token_ids  # the extras changed the output
     assert json.loads(raw)["choices"][0]["text"] == offline.text
+
+
+def test_openai_parse_returns_valid_objects_through_the_mesh(mesh: Mesh) -> None:
+    """`client.chat.completions.parse(response_format=Model)`: the prompt is prefilled on the
+    prefill worker, whose first token already obeys the schema, and the decode worker's
+    matcher starts from it."""
+    import enum
+
+    from openai import OpenAI
+    from pydantic import BaseModel, Field
+
+    class Role(enum.StrEnum):
+        admin = "admin"
+        user = "user"
+
+    class Address(BaseModel):
+        city: str = Field(max_length=12)
+        zip_code: int = Field(ge=0, le=99999)
+
+    class Person(BaseModel):
+        name: str = Field(max_length=12)
+        role: Role
+        address: Address
+        tags: list[str] = Field(max_length=2)
+        nickname: str | None = Field(max_length=8)
+
+    class Answer(BaseModel):
+        value: int = Field(ge=0, le=100000)
+        unit: str = Field(max_length=6)
+        certain: bool
+
+    system = "You are a helpful assistant that answers in JSON. " * 8  # > 64 tokens: remote
+    client = OpenAI(base_url=f"{mesh.http}/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    before = mesh.stats(mesh.decode[0]).remote_prefills
+    for schema, question in ((Person, "Describe a user."), (Answer, "How tall is Everest?")):
+        completion = client.chat.completions.parse(
+            model=model,
+            messages=[
+                # The schema's name first: no prefix-cache hit brings it under 64 new tokens.
+                {"role": "system", "content": f"{schema.__name__}. {system}"},
+                {"role": "user", "content": question},
+            ],
+            response_format=schema,
+            temperature=0,
+            max_tokens=150,
+        )
+        choice = completion.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        assert isinstance(choice.message.parsed, schema)
+    assert mesh.stats(mesh.decode[0]).remote_prefills == before + 2
+    status, _, raw = _request(
+        mesh,
+        "POST",
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "Capital of France?"}],
+            "structured_outputs": {"choice": ["Paris", "Rome"]},
+            "temperature": 0,
+        },
+    )
+    assert status == 200, raw
+    assert json.loads(raw)["choices"][0]["message"]["content"] in ("Paris", "Rome")
+
+
+def test_a_constraint_the_workers_cannot_compile_is_400_naming_it(mesh: Mesh) -> None:
+    """Compiled where it is enforced (a worker's engine): the router relays the refusal."""
+    body = {"prompt": "hi", "structured_outputs": {"regex": "(unclosed"}}
+    status, _, raw = _request(mesh, "POST", "/v1/completions", body)
+    assert status == 400, raw
+    assert "structured_outputs.regex" in json.loads(raw)["error"]["message"]
+    status, _, raw = _request(mesh, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    assert status == 200, raw

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from pdmesh.sampling_params import SamplingParams
+from pdmesh.errors import InvalidRequest
+from pdmesh.sampling_params import SamplingParams, StructuredOutputsParams
 from pdmesh.v1 import generation_pb2 as gen_pb
 from pdmesh.validation import check_stop_rules
 
@@ -39,7 +41,43 @@ def sampling_fields_from_pb(pb: gen_pb.SamplingParams) -> dict[str, Any]:
     kwargs["ignore_eos"] = pb.ignore_eos
     if pb.logit_bias:
         kwargs["logit_bias"] = dict(pb.logit_bias)
+    if pb.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = structured_from_pb(pb.structured_outputs)
     return kwargs
+
+
+def structured_from_pb(pb: gen_pb.StructuredOutputs) -> StructuredOutputsParams:
+    kind = pb.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequest(
+            "structured_outputs must set one of json, json_object, regex, choice and grammar.",
+            "structured_outputs",
+        )
+    if kind == "json":
+        try:
+            schema = json.loads(pb.json)
+        except ValueError:
+            raise InvalidRequest(
+                "structured_outputs.json must be a JSON schema as JSON text.",
+                "structured_outputs.json",
+            ) from None
+        return StructuredOutputsParams(json=schema)
+    if kind == "choice":
+        return StructuredOutputsParams(choice=tuple(pb.choice.choices))
+    return StructuredOutputsParams(**{kind: getattr(pb, kind)})
+
+
+def structured_to_pb(so: StructuredOutputsParams) -> gen_pb.StructuredOutputs:
+    if so.json is not None:
+        text = so.json if isinstance(so.json, str) else json.dumps(so.json)
+        return gen_pb.StructuredOutputs(json=text)
+    if so.choice is not None:
+        return gen_pb.StructuredOutputs(choice=gen_pb.Choices(choices=list(so.choice)))
+    if so.json_object:
+        return gen_pb.StructuredOutputs(json_object=True)
+    if so.regex is not None:
+        return gen_pb.StructuredOutputs(regex=so.regex)
+    return gen_pb.StructuredOutputs(grammar=so.grammar)
 
 
 def sampling_from_pb(pb: gen_pb.SamplingParams) -> SamplingParams:
@@ -66,4 +104,6 @@ def sampling_to_pb(params: SamplingParams) -> gen_pb.SamplingParams:
         setattr(pb, name, getattr(params, name))
     if params.logit_bias:
         pb.logit_bias.update(params.logit_bias)
+    if params.structured_outputs is not None:
+        pb.structured_outputs.CopyFrom(structured_to_pb(params.structured_outputs))
     return pb
