@@ -14,6 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from compose_local import COMPOSE_FILES, DEPLOY, compose, compose_config, pdmesh_services
+from lws_schema import LWS_V1
 
 from pdmesh.engine.config import EngineConfig
 
@@ -166,28 +167,10 @@ def test_router_lists_every_statefulset_pod_and_pods_are_scraped() -> None:
 
 # -- a decode worker over two nodes: a LeaderWorkerSet (deploy/k8s/multinode) ---------------------
 MULTINODE = K8S / "multinode"
-# The LeaderWorkerSet CRD's openAPI schema (tests/schemas/README.md says where it comes from):
-# kubernetes_validate knows only the built-in kinds.
-LWS_SCHEMA = Path(__file__).parent / "schemas" / "leaderworkerset.x-k8s.io_v1.json"
-
-
-def _strict(schema: object) -> object:
-    """The CRD schema rejecting unknown fields, as the API server does with strict field
-    validation (`kubectl apply` warns, `--validate=strict` fails): an object that lists its
-    properties allows no others."""
-    if isinstance(schema, list):
-        return [_strict(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: _strict(v) for k, v in schema.items()}
-    open_ended = "additionalProperties" in out or out.get("x-kubernetes-preserve-unknown-fields")
-    if "properties" in out and not open_ended:
-        out["additionalProperties"] = False
-    return out
 
 
 def _validate_lws(doc: dict) -> None:
-    jsonschema.validate(doc, _strict(json.loads(LWS_SCHEMA.read_text())))
+    jsonschema.validate(doc, LWS_V1)
     for role in ("leaderTemplate", "workerTemplate"):  # the pods, against Kubernetes' own schema
         template = doc["spec"]["leaderWorkerTemplate"][role]
         pod = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": role.lower()}}
