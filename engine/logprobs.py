@@ -7,6 +7,7 @@ default `raw_logprobs`: no temperature or filters applied), read on the host wit
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -45,3 +46,17 @@ class TopLogprobs:
                 entry.setdefault(top_ids[i][j], Logprob(top_lp[i][j], j + 1))
             out.append(entry)
         return out
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, batch: Any, inputs: Any
+) -> list[tuple[int, int, PositionLogprobs]]:
+    """logits [P, V] of a step's prompt rows (`StepInputs.prompt_rows`: batch row, position):
+    each predicts the prompt's next token. Returns (batch row, position, entry) of each."""
+    rows = inputs.prompt_rows
+    targets = [batch.seqs[i].token_ids[p + 1] for i, p in rows]
+    wanted = [batch.seqs[i].params.prompt_logprobs for i, _ in rows]
+    chosen = torch.tensor(targets, device=logits.device)
+    top = TopLogprobs.of(logits, chosen, max(k or 0 for k in wanted))
+    entries = top.rows(targets, wanted)
+    return [(i, p, e) for (i, p), e in zip(rows, entries, strict=True) if e is not None]

@@ -19,7 +19,7 @@ from pdmesh.engine.distributed import all_reduce_min
 from pdmesh.engine.expert_balancer import ExpertBalancer
 from pdmesh.engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
 from pdmesh.engine.layers.moe import FusedMoE
-from pdmesh.engine.logprobs import TopLogprobs
+from pdmesh.engine.logprobs import TopLogprobs, prompt_logprobs
 from pdmesh.engine.model_info import ModelInfo
 from pdmesh.engine.outputs import PositionLogprobs
 from pdmesh.engine.parallel import SINGLE, ParallelGroup
@@ -335,7 +335,7 @@ class ModelRunner:
         log-probabilities -> handle.prompt_logprobs."""
         handle.sample = None
         if inputs.prompt_rows:
-            handle.prompt_logprobs = _prompt_logprobs(logits[len(seqs) :], batch, inputs)
+            handle.prompt_logprobs = prompt_logprobs(logits[len(seqs) :], batch, inputs)
             logits = logits[: len(seqs)]
         if not seqs:
             return
@@ -390,16 +390,3 @@ class ModelRunner:
         if not counts:
             return None
         return torch.stack(counts).sum(0).tolist()
-
-
-def _prompt_logprobs(
-    logits: torch.Tensor, batch: ScheduledBatch, inputs: StepInputs
-) -> list[tuple[int, int, PositionLogprobs]]:
-    """logits [P, V] of `inputs.prompt_rows`: each row predicts the prompt's next token."""
-    rows = inputs.prompt_rows
-    targets = [batch.seqs[i].token_ids[p + 1] for i, p in rows]
-    wanted = [batch.seqs[i].params.prompt_logprobs for i, _ in rows]
-    chosen = torch.tensor(targets, device=logits.device)
-    top = TopLogprobs.of(logits, chosen, max(k or 0 for k in wanted))
-    entries = top.rows(targets, wanted)
-    return [(i, p, e) for (i, p), e in zip(rows, entries, strict=True) if e is not None]

@@ -8,13 +8,13 @@ from pdmesh.kv_transfer import receive_connector as receive_connector  # and Rec
 from pdmesh.kv_transfer import tcp as tcp  # registers the "tcp" transport
 from pdmesh.kv_transfer.base import KVReceiver as KVReceiver
 from pdmesh.kv_transfer.base import KVSender as KVSender
-from pdmesh.kv_transfer.base import PageGeometry as PageGeometry
 from pdmesh.kv_transfer.base import SendHandle as SendHandle
 from pdmesh.kv_transfer.base import TransferError as TransferError
 from pdmesh.kv_transfer.base import TransferSpec as TransferSpec
 from pdmesh.kv_transfer.frame import MAX_FRAME_PAYLOAD as MAX_FRAME_PAYLOAD
 from pdmesh.kv_transfer.frame import FrameHeader as FrameHeader
 from pdmesh.kv_transfer.frame import Verdict as Verdict
+from pdmesh.kv_transfer.geometry import PageGeometry as PageGeometry
 from pdmesh.kv_transfer.registry import AUTO as AUTO
 from pdmesh.kv_transfer.registry import available_transports as available_transports
 from pdmesh.kv_transfer.registry import check_transport as check_transport

@@ -1,4 +1,5 @@
-"""The KV-transfer contract: page geometry, transfer specs, and the receiver and sender interfaces.
+"""The KV-transfer contract: transfer specs, and the receiver and sender interfaces (what a rank's
+pages look like: geometry.py).
 
 A worker's KV cache is one tensor [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads,
 head_dim] (engine/kv_cache.py); a rank holds global KV heads [head_start, head_start +
@@ -23,7 +24,6 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
-import torch
 from torch import Tensor
 
 from pdmesh.kv_transfer.frame import (
@@ -33,6 +33,7 @@ from pdmesh.kv_transfer.frame import (
     FrameHeader,
     payload_nbytes,
 )
+from pdmesh.kv_transfer.geometry import PageGeometry, check_count, head_overlap
 from pdmesh.kv_transfer.pages import gather_blocks
 from pdmesh.kv_transfer.stats import ReceiverStats, SenderStats, TransferStats
 
@@ -40,17 +41,11 @@ if TYPE_CHECKING:  # inbox.py builds on this module
     from pdmesh.kv_transfer.inbox import TransferInbox
 
 _TRANSFER_ID = re.compile(r"[0-9a-f]{32}")
-_U32 = 1 << 32  # frame header fields are u32
 
 
 class TransferError(Exception):
     """A transfer did not complete: the peer is gone, a deadline passed, or it was cancelled or
     refused. The receiver's blocks of a failed transfer hold undefined (partial) data."""
-
-
-def head_overlap(start_a: int, count_a: int, start_b: int, count_b: int) -> tuple[int, int]:
-    """The global heads [lo, hi) in both ranges; empty when lo >= hi."""
-    return max(start_a, start_b), min(start_a + count_a, start_b + count_b)
 
 
 def check_transfer_id(transfer_id: str) -> None:
@@ -61,84 +56,6 @@ def check_transfer_id(transfer_id: str) -> None:
 def check_token(token: bytes) -> None:
     if not isinstance(token, bytes) or len(token) != TOKEN_NBYTES:
         raise ValueError(f"a transfer token is {TOKEN_NBYTES} bytes (secrets.token_bytes)")
-
-
-def _check_count(owner: str, name: str, value: object, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value < _U32:
-        raise ValueError(f"{owner}.{name} must be an int in [{minimum}, 2**32), got {value!r}")
-
-
-@dataclass(frozen=True)
-class PageGeometry:
-    """What one rank's pages look like."""
-
-    num_layers: int
-    block_size: int
-    num_kv_heads: int  # heads held by this rank
-    head_start: int  # first global KV head held by this rank
-    head_dim: int
-    dtype: torch.dtype
-    layer_start: int = 0  # first global layer held by this rank (a pipeline stage holds a range)
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
-            _check_count("PageGeometry", name, getattr(self, name), 1)
-        _check_count("PageGeometry", "head_start", self.head_start, 0)
-        _check_count("PageGeometry", "layer_start", self.layer_start, 0)
-        if self.dtype not in DTYPE_CODES:
-            names = ", ".join(str(d).removeprefix("torch.") for d in DTYPE_CODES)
-            raise ValueError(f"KV dtype {self.dtype} cannot be transferred; supported: {names}")
-
-    @property
-    def head_end(self) -> int:
-        return self.head_start + self.num_kv_heads
-
-    @property
-    def layers(self) -> range:
-        """The global layers this rank's cache holds (cache index i is layer layer_start + i)."""
-        return range(self.layer_start, self.layer_start + self.num_layers)
-
-    @property
-    def bytes_per_block_per_head(self) -> int:
-        """One block of one head of K (or of V) in one layer."""
-        return self.block_size * self.head_dim * self.dtype.itemsize
-
-    @property
-    def bytes_per_block(self) -> int:
-        """One block of all this rank's heads, K and V, in one layer: a frame's cost per block."""
-        return 2 * self.num_kv_heads * self.bytes_per_block_per_head
-
-    @property
-    def page_shape(self) -> tuple[int, int, int]:
-        """One block of one layer's K (or V): [block_size, num_kv_heads, head_dim]."""
-        return self.block_size, self.num_kv_heads, self.head_dim
-
-    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (self.num_layers, 2, num_blocks, *self.page_shape)
-
-    def check_pages(self, pages: torch.Tensor, lead: tuple[int, ...], what: str) -> None:
-        """ValueError unless `pages` is [*lead, any number of blocks, block_size, num_kv_heads,
-        head_dim] (one layer's pages: lead (2,); a whole cache: (num_layers, 2))."""
-        n = len(lead)
-        shape = (*pages.shape[:n], *pages.shape[n + 1 :])
-        if pages.dim() != n + 4 or shape != (*lead, *self.page_shape):
-            raise ValueError(f"{what} {list(pages.shape)} do not fit {self}")
-
-    def check_cache(self, cache: torch.Tensor) -> int:
-        """The cache's number of blocks; ValueError when it does not have this geometry."""
-        if cache.dim() != 6 or tuple(cache.shape) != self.cache_shape(cache.shape[2]):
-            expected = (
-                f"[{self.num_layers}, 2, num_blocks, {self.block_size}, {self.num_kv_heads}, "
-                f"{self.head_dim}]"
-            )
-            raise ValueError(f"KV cache of shape {list(cache.shape)} is not {expected}")
-        if cache.dtype != self.dtype:
-            raise ValueError(
-                f"KV cache dtype {cache.dtype} differs from the geometry's {self.dtype}"
-            )
-        if not cache.is_contiguous():
-            raise ValueError("the KV cache tensor must be contiguous")
-        return int(cache.shape[2])
 
 
 @dataclass(frozen=True)
@@ -158,11 +75,11 @@ class TransferSpec:
         if not self.block_ids:
             raise ValueError("a transfer needs at least one block id")
         for block_id in self.block_ids:
-            _check_count("TransferSpec", "block_ids[]", block_id, 0)
+            check_count("TransferSpec", "block_ids[]", block_id, 0)
         if len(set(self.block_ids)) != len(self.block_ids):
             raise ValueError(f"TransferSpec.block_ids repeats a block: {self.block_ids}")
-        _check_count("TransferSpec", "head_start", self.head_start, 0)
-        _check_count("TransferSpec", "num_heads", self.num_heads, 1)
+        check_count("TransferSpec", "head_start", self.head_start, 0)
+        check_count("TransferSpec", "num_heads", self.num_heads, 1)
 
     @property
     def num_blocks(self) -> int:
@@ -232,7 +149,7 @@ class SendHandle:
     def __post_init__(self) -> None:
         check_transfer_id(self.transfer_id)
         check_token(self.token)
-        _check_count("SendHandle", "num_blocks", self.num_blocks, 1)
+        check_count("SendHandle", "num_blocks", self.num_blocks, 1)
         self.raw_id = bytes.fromhex(self.transfer_id)
 
     def __repr__(self) -> str:

@@ -30,7 +30,8 @@ from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 
-from pdmesh.kv_transfer.base import PageGeometry, TransferError
+from pdmesh.kv_transfer.base import TransferError
+from pdmesh.kv_transfer.geometry import PageGeometry
 from pdmesh.kv_transfer.stats import ReceiverStats, SenderStats
 
 T = TypeVar("T")

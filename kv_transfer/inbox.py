@@ -18,13 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
-from pdmesh.kv_transfer.base import PageGeometry, TransferError, TransferSpec, head_overlap
+from pdmesh.kv_transfer.base import TransferError, TransferSpec
 from pdmesh.kv_transfer.frame import (
     FrameHeader,
     MalformedFrame,
     Verdict,
     payload_nbytes,
 )
+from pdmesh.kv_transfer.geometry import PageGeometry, head_overlap
 from pdmesh.kv_transfer.pages import scatter_blocks
 from pdmesh.kv_transfer.stats import ReceiverStats, TransferStats
 from pdmesh.logger import get_logger

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pdmesh.kv_transfer.base import KVReceiver, PageGeometry
+from pdmesh.kv_transfer.base import KVReceiver
 from pdmesh.kv_transfer.frame import (
     HEADER_NBYTES,
     MAX_FRAME_PAYLOAD,
@@ -32,6 +32,7 @@ from pdmesh.kv_transfer.frame import (
     MalformedFrame,
     alike_but_layer,
 )
+from pdmesh.kv_transfer.geometry import PageGeometry
 from pdmesh.kv_transfer.inbox import TransferInbox
 from pdmesh.kv_transfer.p2p_pairs import (
     BATCH_BYTES,

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from pdmesh.kv_transfer.base import Handles, KVSender, PageGeometry, SendHandle, TransferError
+from pdmesh.kv_transfer.base import Handles, KVSender, SendHandle, TransferError
 from pdmesh.kv_transfer.frame import payload_nbytes
+from pdmesh.kv_transfer.geometry import PageGeometry
 from pdmesh.kv_transfer.p2p_pairs import (
     BATCH_BYTES,
     GIL_SWITCH_S,

@@ -18,7 +18,8 @@ from typing import TypeVar
 
 import torch
 
-from pdmesh.kv_transfer.base import KVReceiver, KVSender, PageGeometry
+from pdmesh.kv_transfer.base import KVReceiver, KVSender
+from pdmesh.kv_transfer.geometry import PageGeometry
 
 T = TypeVar("T", bound=type)
 

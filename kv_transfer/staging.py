@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdmesh.kv_transfer.base import PageGeometry, SendHandle
+from pdmesh.kv_transfer.base import SendHandle
+from pdmesh.kv_transfer.geometry import PageGeometry
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,9 @@ import threading
 import torch
 import zmq
 
-from pdmesh.kv_transfer.base import KVReceiver, PageGeometry
+from pdmesh.kv_transfer.base import KVReceiver
 from pdmesh.kv_transfer.frame import HEADER_NBYTES, MAX_FRAME_PAYLOAD, Ack
+from pdmesh.kv_transfer.geometry import PageGeometry
 from pdmesh.kv_transfer.inbox import TransferInbox
 from pdmesh.kv_transfer.zmq_options import (
     ACK_HWM,

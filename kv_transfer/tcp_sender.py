@@ -22,8 +22,9 @@ from typing import Literal, NamedTuple
 import torch
 import zmq
 
-from pdmesh.kv_transfer.base import KVSender, PageGeometry, SendHandle, TransferError
+from pdmesh.kv_transfer.base import KVSender, SendHandle, TransferError
 from pdmesh.kv_transfer.frame import MAX_FRAME_PAYLOAD, Ack, MalformedFrame, Verdict
+from pdmesh.kv_transfer.geometry import PageGeometry
 from pdmesh.kv_transfer.staging import StagedFrame, blocks_per_frame, stage_layer
 from pdmesh.kv_transfer.stats import TransferStats
 from pdmesh.kv_transfer.zmq_options import ACK_HWM, FRAME_HWM, POLL_MS, check_endpoint, tune
