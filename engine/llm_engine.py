@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 
 import torch
 
@@ -237,9 +238,12 @@ class LLMEngine:
         """Run a step and return its deltas. The step handled may be one launched by an earlier
         call (async scheduling, pipeline stages), and others may be on the device on return."""
         cur = self._inflight.popleft() if self._inflight else self._launch()
+        # Nothing to run: requests may wait for blocks that prompts prefilled elsewhere hold.
+        self.stalled = cur is None and self.scheduler.num_reserved > 0
         if cur is None:
+            if self.scheduler.has_unfinished() and not self.stalled:
+                raise RuntimeError("scheduler made no progress with requests pending")
             return []
-        self.stalled = False
         self._fill(cur)
         if self.async_scheduling and not self._inflight:
             nxt = self._launch_next(cur)
@@ -259,18 +263,11 @@ class LLMEngine:
                 deltas.append(self._append(self._requests[seq.request_id], token, lp))
         return deltas
 
-    def _launch(self, busy: list[Sequence] | None = None) -> InFlight | None:
+    def _launch(self, busy: Collection[Sequence] = ()) -> InFlight | None:
         """Schedule a step and launch it (None: nothing to run). `busy`: the sequences of the
         steps in flight, which sit this one out."""
-        batch = self.scheduler.schedule(busy or (), self._batch_cap())
-        if busy is not None:
-            return InFlight(batch, self.runner.launch(batch)) if batch else None
-        self.stalled = not batch and self.scheduler.num_reserved > 0
-        if not batch:
-            if self.scheduler.has_unfinished() and not self.stalled:
-                raise RuntimeError("scheduler made no progress with requests pending")
-            return None
-        return InFlight(batch, self.runner.launch(batch))
+        batch = self.scheduler.schedule(busy, self._batch_cap())
+        return InFlight(batch, self.runner.launch(batch)) if batch else None
 
     def _batch_cap(self) -> int | None:
         """With batches in flight for p stages, each takes about 1/p of the sequences."""

@@ -27,10 +27,6 @@ COMPILE_TIMEOUT_S = 10.0
 _FIELD = "structured_outputs"
 
 
-def _kind(so: StructuredOutputsParams) -> str:
-    return next(k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(so, k))
-
-
 class Grammars:
     """One engine's compiler (built on first use: xgrammar reads the whole vocabulary)."""
 
@@ -45,7 +41,7 @@ class Grammars:
         """A fresh matcher (xgrammar.GrammarMatcher) for `so`, from the cache when compiled."""
         import xgrammar as xgr
 
-        kind = _kind(so)
+        kind = so.kind
         spec = getattr(so, kind)
         key = (kind, json.dumps(spec, sort_keys=True) if not isinstance(spec, str) else spec)
         with self._lock:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from pdmesh.errors import InvalidRequest
 
@@ -27,6 +27,7 @@ class StructuredOutputsParams:
     schema (`json`, a dict or its text), any JSON object (`json_object`), a `regex`, one of
     `choice`'s strings, or a `grammar` in EBNF (GBNF). Enforced by xgrammar at every token."""
 
+    KINDS: ClassVar[tuple[str, ...]] = ("json", "json_object", "regex", "choice", "grammar")
     json: dict[str, Any] | str | None = None
     json_object: bool = False
     regex: str | None = None
@@ -37,8 +38,7 @@ class StructuredOutputsParams:
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
         name = "structured_outputs"
-        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
-        given += ["json_object"] if self.json_object else []
+        given = self._given()
         if len(given) != 1:
             raise InvalidRequest(
                 f"{name} must set exactly one of json, json_object, regex, choice and grammar; "
@@ -57,6 +57,16 @@ class StructuredOutputsParams:
             raise InvalidRequest(
                 f"{name}.choice must be a list of non-empty strings.", f"{name}.choice"
             )
+
+    def _given(self) -> list[str]:
+        # json_object is a flag; the others are set when not None (json={} is any JSON value).
+        flag = ["json_object"] if self.json_object else []
+        return [k for k in self.KINDS if k != "json_object" and getattr(self, k) is not None] + flag
+
+    @property
+    def kind(self) -> str:
+        """The one constraint set: json, json_object, regex, choice or grammar."""
+        return self._given()[0]
 
 
 @dataclass(frozen=True)

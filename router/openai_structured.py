@@ -10,8 +10,6 @@ from typing import Any
 from pdmesh.errors import InvalidRequest
 from pdmesh.sampling_params import StructuredOutputsParams
 
-_VLLM_KEYS = ("json", "json_object", "regex", "choice", "grammar")
-
 
 def structured_from_body(body: dict[str, Any]) -> StructuredOutputsParams | None:
     fmt = body.get("response_format")
@@ -48,9 +46,10 @@ def _response_format(fmt: Any) -> StructuredOutputsParams | None:
 
 
 def _vllm(extra: Any) -> StructuredOutputsParams:
-    if not isinstance(extra, dict) or set(extra) - set(_VLLM_KEYS):
+    kinds = StructuredOutputsParams.KINDS
+    if not isinstance(extra, dict) or set(extra) - set(kinds):
         raise InvalidRequest(
-            f"structured_outputs must be an object with one of {', '.join(_VLLM_KEYS)}.",
+            f"structured_outputs must be an object with one of {', '.join(kinds)}.",
             "structured_outputs",
         )
     choice = extra.get("choice")

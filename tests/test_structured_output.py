@@ -82,3 +82,9 @@ def test_a_compilation_past_the_bound_is_refused(default_llm: LLM, monkeypatch) 
         default_llm.generate("Hi", SamplingParams(max_tokens=4, structured_outputs=SO(json=schema)))
     assert caught.value.field == "structured_outputs.json"
     assert default_llm.generate("Hello", SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+
+
+def test_an_empty_schema_is_any_json(default_llm: LLM) -> None:
+    """`json={}` sets the json constraint (it is not None), as the validation counts it."""
+    assert SO(json={}).kind == "json"
+    assert default_llm.engine.grammars.matcher(SO(json={})) is not None

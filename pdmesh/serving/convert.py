@@ -68,16 +68,13 @@ def structured_from_pb(pb: gen_pb.StructuredOutputs) -> StructuredOutputsParams:
 
 
 def structured_to_pb(so: StructuredOutputsParams) -> gen_pb.StructuredOutputs:
-    if so.json is not None:
+    kind = so.kind
+    if kind == "json":
         text = so.json if isinstance(so.json, str) else json.dumps(so.json)
         return gen_pb.StructuredOutputs(json=text)
-    if so.choice is not None:
-        return gen_pb.StructuredOutputs(choice=gen_pb.Choices(choices=list(so.choice)))
-    if so.json_object:
-        return gen_pb.StructuredOutputs(json_object=True)
-    if so.regex is not None:
-        return gen_pb.StructuredOutputs(regex=so.regex)
-    return gen_pb.StructuredOutputs(grammar=so.grammar)
+    if kind == "choice":
+        return gen_pb.StructuredOutputs(choice=gen_pb.Choices(choices=list(so.choice or ())))
+    return gen_pb.StructuredOutputs(**{kind: getattr(so, kind)})
 
 
 def sampling_from_pb(pb: gen_pb.SamplingParams) -> SamplingParams:
