@@ -28,6 +28,11 @@ async def serve_until_stopped(
         loop.add_signal_handler(sig, stop.set)
     await health.set(True)
     await stop.wait()
+    # A second SIGTERM (a supervisor's own, after the first) must not kill the shutdown under
+    # way: ignored from here to the exit (taken out of the loop's handlers, which its close
+    # would reset to the default, deadly action).
+    loop.remove_signal_handler(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     log.info("shutting down")
     await health.set(False)
     await server.stop(grace_s)
