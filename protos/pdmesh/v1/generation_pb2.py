@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdmesh/v1/generation.proto\x12\tpdmesh.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.pdmesh.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa2\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x03H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12 \n\x13skip_special_tokens\x18\t \x01(\x08H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x01H\x08\x88\x01\x01\x12<\n\nlogit_bias\x18\r \x03(\x0b\x32(.pdmesh.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x0e \x01(\x03H\t\x88\x01\x01\x12\x38\n\x12structured_outputs\x18\x0f \x01(\x0b\x32\x1c.pdmesh.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x16\n\x14_skip_special_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokens\"\x8c\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x12.pdmesh.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xcd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.pdmesh.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x17.pdmesh.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12\r\n\x05model\x18\x06 \x01(\tB\x07\n\x05input\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x83\x01\n\x07Timings\x12\x10\n\x08queue_ns\x18\x01 \x01(\x04\x12\x12\n\nprefill_ns\x18\x02 \x01(\x04\x12\x16\n\x0e\x66irst_token_ns\x18\x03 \x01(\x04\x12\x11\n\tdecode_ns\x18\x04 \x01(\x04\x12\x10\n\x08total_ns\x18\x05 \x01(\x04\x12\x15\n\rdisaggregated\x18\x06 \x01(\x08\"\xbd\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.pdmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.pdmesh.v1.Usage\x12#\n\x07timings\x18\x06 \x01(\x0b\x32\x12.pdmesh.v1.Timings\"\x12\n\x10ModelInfoRequest\"\xbe\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x1b\n\x13num_prefill_workers\x18\x07 \x01(\r\x12\x1a\n\x12num_decode_workers\x18\x08 \x01(\r\"S\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.pdmesh.v1.ChatMessagesH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xdb\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.pdmesh.v1.GenerateRequest\x1a\x1b.pdmesh.v1.GenerateResponse0\x01\x12\x41\n\x0cGetModelInfo\x12\x1b.pdmesh.v1.ModelInfoRequest\x1a\x14.pdmesh.v1.ModelInfo\x12\x43\n\x08Tokenize\x12\x1a.pdmesh.v1.TokenizeRequest\x1a\x1b.pdmesh.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdmesh/v1/generation.proto\x12\tpdmesh.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.pdmesh.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xb0\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x03H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12 \n\x13skip_special_tokens\x18\t \x01(\x08H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x01H\x08\x88\x01\x01\x12<\n\nlogit_bias\x18\r \x03(\x0b\x32(.pdmesh.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x0e \x01(\x03H\t\x88\x01\x01\x12\x38\n\x12structured_outputs\x18\x0f \x01(\x0b\x32\x1c.pdmesh.v1.StructuredOutputs\x12\x15\n\x08logprobs\x18\x10 \x01(\x03H\n\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x03H\x0b\x88\x01\x01\x12\x0e\n\x01n\x18\x12 \x01(\x03H\x0c\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x13 \x01(\x03H\r\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x16\n\x14_skip_special_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x04\n\x02_nB\n\n\x08_best_of\"F\n\x10PositionLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\r\n\x05ranks\x18\x03 \x03(\r\"\x8c\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x12.pdmesh.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xcd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.pdmesh.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x17.pdmesh.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12\r\n\x05model\x18\x06 \x01(\tB\x07\n\x05input\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x83\x01\n\x07Timings\x12\x10\n\x08queue_ns\x18\x01 \x01(\x04\x12\x12\n\nprefill_ns\x18\x02 \x01(\x04\x12\x16\n\x0e\x66irst_token_ns\x18\x03 \x01(\x04\x12\x11\n\tdecode_ns\x18\x04 \x01(\x04\x12\x10\n\x08total_ns\x18\x05 \x01(\x04\x12\x15\n\rdisaggregated\x18\x06 \x01(\x08\"\xb1\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.pdmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.pdmesh.v1.Usage\x12#\n\x07timings\x18\x06 \x01(\x0b\x32\x12.pdmesh.v1.Timings\x12-\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1b.pdmesh.v1.PositionLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1b.pdmesh.v1.PositionLogprobs\x12\r\n\x05index\x18\t \x01(\r\"\x12\n\x10ModelInfoRequest\"\xbe\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x1b\n\x13num_prefill_workers\x18\x07 \x01(\r\x12\x1a\n\x12num_decode_workers\x18\x08 \x01(\r\"S\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.pdmesh.v1.ChatMessagesH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xdb\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.pdmesh.v1.GenerateRequest\x1a\x1b.pdmesh.v1.GenerateResponse0\x01\x12\x41\n\x0cGetModelInfo\x12\x1b.pdmesh.v1.ModelInfoRequest\x1a\x14.pdmesh.v1.ModelInfo\x12\x43\n\x08Tokenize\x12\x1a.pdmesh.v1.TokenizeRequest\x1a\x1b.pdmesh.v1.TokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1978
-  _globals['_FINISHREASON']._serialized_end=2098
+  _globals['_FINISHREASON']._serialized_start=2308
+  _globals['_FINISHREASON']._serialized_end=2428
   _globals['_CHATMESSAGE']._serialized_start=41
   _globals['_CHATMESSAGE']._serialized_end=85
   _globals['_CHATMESSAGES']._serialized_start=87
@@ -42,29 +42,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=145
   _globals['_TOKENIDS']._serialized_end=168
   _globals['_SAMPLINGPARAMS']._serialized_start=171
-  _globals['_SAMPLINGPARAMS']._serialized_end=845
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=632
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=680
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=848
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=988
-  _globals['_CHOICES']._serialized_start=990
-  _globals['_CHOICES']._serialized_end=1016
-  _globals['_GENERATEREQUEST']._serialized_start=1019
-  _globals['_GENERATEREQUEST']._serialized_end=1224
-  _globals['_USAGE']._serialized_start=1226
-  _globals['_USAGE']._serialized_end=1313
-  _globals['_TIMINGS']._serialized_start=1316
-  _globals['_TIMINGS']._serialized_end=1447
-  _globals['_GENERATERESPONSE']._serialized_start=1450
-  _globals['_GENERATERESPONSE']._serialized_end=1639
-  _globals['_MODELINFOREQUEST']._serialized_start=1641
-  _globals['_MODELINFOREQUEST']._serialized_end=1659
-  _globals['_MODELINFO']._serialized_start=1662
-  _globals['_MODELINFO']._serialized_end=1852
-  _globals['_TOKENIZEREQUEST']._serialized_start=1854
-  _globals['_TOKENIZEREQUEST']._serialized_end=1937
-  _globals['_TOKENIZERESPONSE']._serialized_start=1939
-  _globals['_TOKENIZERESPONSE']._serialized_end=1976
-  _globals['_GENERATION']._serialized_start=2101
-  _globals['_GENERATION']._serialized_end=2320
+  _globals['_SAMPLINGPARAMS']._serialized_end=987
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=723
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=771
+  _globals['_POSITIONLOGPROBS']._serialized_start=989
+  _globals['_POSITIONLOGPROBS']._serialized_end=1059
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1062
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1202
+  _globals['_CHOICES']._serialized_start=1204
+  _globals['_CHOICES']._serialized_end=1230
+  _globals['_GENERATEREQUEST']._serialized_start=1233
+  _globals['_GENERATEREQUEST']._serialized_end=1438
+  _globals['_USAGE']._serialized_start=1440
+  _globals['_USAGE']._serialized_end=1527
+  _globals['_TIMINGS']._serialized_start=1530
+  _globals['_TIMINGS']._serialized_end=1661
+  _globals['_GENERATERESPONSE']._serialized_start=1664
+  _globals['_GENERATERESPONSE']._serialized_end=1969
+  _globals['_MODELINFOREQUEST']._serialized_start=1971
+  _globals['_MODELINFOREQUEST']._serialized_end=1989
+  _globals['_MODELINFO']._serialized_start=1992
+  _globals['_MODELINFO']._serialized_end=2182
+  _globals['_TOKENIZEREQUEST']._serialized_start=2184
+  _globals['_TOKENIZEREQUEST']._serialized_end=2267
+  _globals['_TOKENIZERESPONSE']._serialized_start=2269
+  _globals['_TOKENIZERESPONSE']._serialized_end=2306
+  _globals['_GENERATION']._serialized_start=2431
+  _globals['_GENERATION']._serialized_end=2650
 # @@protoc_insertion_point(module_scope)

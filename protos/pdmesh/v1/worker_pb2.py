@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdmesh.v1 import generation_pb2 as pdmesh_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdmesh/v1/worker.proto\x12\tpdmesh.v1\x1a\x1apdmesh/v1/generation.proto\"\x88\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rsubscriber_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x05 \x01(\t\x12\x19\n\x11\x64isagg_min_tokens\x18\x06 \x01(\r\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x07 \x01(\x03\x12\x17\n\x0f\x61rrival_unix_ns\x18\x08 \x01(\x04\x12\x1e\n\x16num_output_tokens_sent\x18\t \x01(\r\"\r\n\x0bSubmitReply\")\n\x10SubscribeRequest\x12\x15\n\rsubscriber_id\x18\x01 \x01(\t\"5\n\nStepUpdate\x12\'\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x17.pdmesh.v1.RequestDelta\"\xe4\x01\n\x0cRequestDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.pdmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.pdmesh.v1.Usage\x12#\n\x07timings\x18\x06 \x01(\x0b\x32\x12.pdmesh.v1.Timings\x12\x12\n\nerror_code\x18\x07 \x01(\x05\x12\x15\n\rerror_message\x18\x08 \x01(\t\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x1d\n\nAbortReply\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\x88\x05\n\x0bWorkerStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x1d\n\x15prefix_queried_tokens\x18\x07 \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\x08 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x19\n\x11kv_bytes_received\x18\n \x01(\x04\x12\x15\n\rkv_bytes_sent\x18\x0b \x01(\x04\x12\x12\n\nkv_seconds\x18\x0c \x01(\x01\x12\x14\n\x0ckv_transfers\x18\r \x01(\x04\x12\x19\n\x11kv_frames_dropped\x18\x0e \x01(\x04\x12\x16\n\x0elocal_prefills\x18\x0f \x01(\x04\x12\x17\n\x0fremote_prefills\x18\x10 \x01(\x04\x12\x19\n\x11prefill_fallbacks\x18\x11 \x01(\x04\x12\x1b\n\x13\x65xpert_token_counts\x18\x12 \x03(\x04\x12\x12\n\nblock_size\x18\x13 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x14 \x01(\r\x12\x1c\n\x14steps_launched_ahead\x18\x15 \x01(\x04\x12\x1e\n\x16pipeline_parallel_size\x18\x16 \x01(\r\x12$\n\x1cphysical_expert_token_counts\x18\x17 \x03(\x04\x12\x17\n\x0f\x65plb_rebalances\x18\x18 \x01(\x04\x12\x16\n\x0e\x65plb_imbalance\x18\x19 \x01(\x01\"\xae\x02\n\x08KVTarget\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\x0c\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\r\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12(\n\tendpoints\x18\x07 \x03(\x0b\x32\x15.pdmesh.v1.KVEndpoint\x12\x12\n\ntimeout_ms\x18\x08 \x01(\r\x12<\n\rtrace_context\x18\t \x03(\x0b\x32%.pdmesh.v1.KVTarget.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"m\n\nKVEndpoint\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nhead_start\x18\x02 \x01(\r\x12\x11\n\tnum_heads\x18\x03 \x01(\r\x12\x13\n\x0blayer_start\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\"\x93\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12&\n\tkv_target\x18\x04 \x01(\x0b\x32\x13.pdmesh.v1.KVTarget\"~\n\x0cPrefillReply\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x12\n\nprefill_ns\x18\x03 \x01(\x04\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x04\x12\x12\n\nkv_send_ns\x18\x05 \x01(\x04\x32\x83\x02\n\x0c\x44\x65\x63odeWorker\x12:\n\x06Submit\x12\x18.pdmesh.v1.DecodeRequest\x1a\x16.pdmesh.v1.SubmitReply\x12\x41\n\tSubscribe\x12\x1b.pdmesh.v1.SubscribeRequest\x1a\x15.pdmesh.v1.StepUpdate0\x01\x12\x37\n\x05\x41\x62ort\x12\x17.pdmesh.v1.AbortRequest\x1a\x15.pdmesh.v1.AbortReply\x12;\n\x08GetStats\x12\x17.pdmesh.v1.StatsRequest\x1a\x16.pdmesh.v1.WorkerStats2\x8b\x01\n\rPrefillWorker\x12=\n\x07Prefill\x12\x19.pdmesh.v1.PrefillRequest\x1a\x17.pdmesh.v1.PrefillReply\x12;\n\x08GetStats\x12\x17.pdmesh.v1.StatsRequest\x1a\x16.pdmesh.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdmesh/v1/worker.proto\x12\tpdmesh.v1\x1a\x1apdmesh/v1/generation.proto\"\x88\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rsubscriber_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x05 \x01(\t\x12\x19\n\x11\x64isagg_min_tokens\x18\x06 \x01(\r\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x07 \x01(\x03\x12\x17\n\x0f\x61rrival_unix_ns\x18\x08 \x01(\x04\x12\x1e\n\x16num_output_tokens_sent\x18\t \x01(\r\"\r\n\x0bSubmitReply\")\n\x10SubscribeRequest\x12\x15\n\rsubscriber_id\x18\x01 \x01(\t\"5\n\nStepUpdate\x12\'\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x17.pdmesh.v1.RequestDelta\"\xd8\x02\n\x0cRequestDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.pdmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.pdmesh.v1.Usage\x12#\n\x07timings\x18\x06 \x01(\x0b\x32\x12.pdmesh.v1.Timings\x12\x12\n\nerror_code\x18\x07 \x01(\x05\x12\x15\n\rerror_message\x18\x08 \x01(\t\x12-\n\x08logprobs\x18\t \x03(\x0b\x32\x1b.pdmesh.v1.PositionLogprobs\x12\x34\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1b.pdmesh.v1.PositionLogprobs\x12\r\n\x05index\x18\x0b \x01(\r\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x1d\n\nAbortReply\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\x88\x05\n\x0bWorkerStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x1d\n\x15prefix_queried_tokens\x18\x07 \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\x08 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x19\n\x11kv_bytes_received\x18\n \x01(\x04\x12\x15\n\rkv_bytes_sent\x18\x0b \x01(\x04\x12\x12\n\nkv_seconds\x18\x0c \x01(\x01\x12\x14\n\x0ckv_transfers\x18\r \x01(\x04\x12\x19\n\x11kv_frames_dropped\x18\x0e \x01(\x04\x12\x16\n\x0elocal_prefills\x18\x0f \x01(\x04\x12\x17\n\x0fremote_prefills\x18\x10 \x01(\x04\x12\x19\n\x11prefill_fallbacks\x18\x11 \x01(\x04\x12\x1b\n\x13\x65xpert_token_counts\x18\x12 \x03(\x04\x12\x12\n\nblock_size\x18\x13 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x14 \x01(\r\x12\x1c\n\x14steps_launched_ahead\x18\x15 \x01(\x04\x12\x1e\n\x16pipeline_parallel_size\x18\x16 \x01(\r\x12$\n\x1cphysical_expert_token_counts\x18\x17 \x03(\x04\x12\x17\n\x0f\x65plb_rebalances\x18\x18 \x01(\x04\x12\x16\n\x0e\x65plb_imbalance\x18\x19 \x01(\x01\"\xae\x02\n\x08KVTarget\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\x0c\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\r\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12(\n\tendpoints\x18\x07 \x03(\x0b\x32\x15.pdmesh.v1.KVEndpoint\x12\x12\n\ntimeout_ms\x18\x08 \x01(\r\x12<\n\rtrace_context\x18\t \x03(\x0b\x32%.pdmesh.v1.KVTarget.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"m\n\nKVEndpoint\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nhead_start\x18\x02 \x01(\r\x12\x11\n\tnum_heads\x18\x03 \x01(\r\x12\x13\n\x0blayer_start\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\"\x93\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12&\n\tkv_target\x18\x04 \x01(\x0b\x32\x13.pdmesh.v1.KVTarget\"\x88\x02\n\x0cPrefillReply\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x12\n\nprefill_ns\x18\x03 \x01(\x04\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x04\x12\x12\n\nkv_send_ns\x18\x05 \x01(\x04\x12\x39\n\x14\x66irst_token_logprobs\x18\x06 \x03(\x0b\x32\x1b.pdmesh.v1.PositionLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1b.pdmesh.v1.PositionLogprobs\x12\x17\n\x0f\x66irst_token_ids\x18\x08 \x03(\r2\x83\x02\n\x0c\x44\x65\x63odeWorker\x12:\n\x06Submit\x12\x18.pdmesh.v1.DecodeRequest\x1a\x16.pdmesh.v1.SubmitReply\x12\x41\n\tSubscribe\x12\x1b.pdmesh.v1.SubscribeRequest\x1a\x15.pdmesh.v1.StepUpdate0\x01\x12\x37\n\x05\x41\x62ort\x12\x17.pdmesh.v1.AbortRequest\x1a\x15.pdmesh.v1.AbortReply\x12;\n\x08GetStats\x12\x17.pdmesh.v1.StatsRequest\x1a\x16.pdmesh.v1.WorkerStats2\x8b\x01\n\rPrefillWorker\x12=\n\x07Prefill\x12\x19.pdmesh.v1.PrefillRequest\x1a\x17.pdmesh.v1.PrefillReply\x12;\n\x08GetStats\x12\x17.pdmesh.v1.StatsRequest\x1a\x16.pdmesh.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,27 +43,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPUPDATE']._serialized_start=390
   _globals['_STEPUPDATE']._serialized_end=443
   _globals['_REQUESTDELTA']._serialized_start=446
-  _globals['_REQUESTDELTA']._serialized_end=674
-  _globals['_ABORTREQUEST']._serialized_start=676
-  _globals['_ABORTREQUEST']._serialized_end=711
-  _globals['_ABORTREPLY']._serialized_start=713
-  _globals['_ABORTREPLY']._serialized_end=742
-  _globals['_STATSREQUEST']._serialized_start=744
-  _globals['_STATSREQUEST']._serialized_end=758
-  _globals['_WORKERSTATS']._serialized_start=761
-  _globals['_WORKERSTATS']._serialized_end=1409
-  _globals['_KVTARGET']._serialized_start=1412
-  _globals['_KVTARGET']._serialized_end=1714
-  _globals['_KVTARGET_TRACECONTEXTENTRY']._serialized_start=1663
-  _globals['_KVTARGET_TRACECONTEXTENTRY']._serialized_end=1714
-  _globals['_KVENDPOINT']._serialized_start=1716
-  _globals['_KVENDPOINT']._serialized_end=1825
-  _globals['_PREFILLREQUEST']._serialized_start=1828
-  _globals['_PREFILLREQUEST']._serialized_end=1975
-  _globals['_PREFILLREPLY']._serialized_start=1977
-  _globals['_PREFILLREPLY']._serialized_end=2103
-  _globals['_DECODEWORKER']._serialized_start=2106
-  _globals['_DECODEWORKER']._serialized_end=2365
-  _globals['_PREFILLWORKER']._serialized_start=2368
-  _globals['_PREFILLWORKER']._serialized_end=2507
+  _globals['_REQUESTDELTA']._serialized_end=790
+  _globals['_ABORTREQUEST']._serialized_start=792
+  _globals['_ABORTREQUEST']._serialized_end=827
+  _globals['_ABORTREPLY']._serialized_start=829
+  _globals['_ABORTREPLY']._serialized_end=858
+  _globals['_STATSREQUEST']._serialized_start=860
+  _globals['_STATSREQUEST']._serialized_end=874
+  _globals['_WORKERSTATS']._serialized_start=877
+  _globals['_WORKERSTATS']._serialized_end=1525
+  _globals['_KVTARGET']._serialized_start=1528
+  _globals['_KVTARGET']._serialized_end=1830
+  _globals['_KVTARGET_TRACECONTEXTENTRY']._serialized_start=1779
+  _globals['_KVTARGET_TRACECONTEXTENTRY']._serialized_end=1830
+  _globals['_KVENDPOINT']._serialized_start=1832
+  _globals['_KVENDPOINT']._serialized_end=1941
+  _globals['_PREFILLREQUEST']._serialized_start=1944
+  _globals['_PREFILLREQUEST']._serialized_end=2091
+  _globals['_PREFILLREPLY']._serialized_start=2094
+  _globals['_PREFILLREPLY']._serialized_end=2358
+  _globals['_DECODEWORKER']._serialized_start=2361
+  _globals['_DECODEWORKER']._serialized_end=2620
+  _globals['_PREFILLWORKER']._serialized_start=2623
+  _globals['_PREFILLWORKER']._serialized_end=2762
 # @@protoc_insertion_point(module_scope)
