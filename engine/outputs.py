@@ -6,15 +6,6 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 
-class StepDelta(NamedTuple):
-    """One request's progress in one engine step (what a streaming server forwards)."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None  # None while the request runs; "stop", "length" or "abort"
-
-
 @dataclass
 class RequestMetrics:
     arrival_time: float
@@ -34,6 +25,20 @@ class Logprob:
 
 # Per position: the token there and the alternatives asked for, by token id (vLLM's shape).
 PositionLogprobs = dict[int, Logprob]
+
+
+class StepDelta(NamedTuple):
+    """One request's progress in one engine step (what a streaming server forwards)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None  # None while the request runs; "stop", "length" or "abort"
+    # One per token of token_ids when the request asks for log-probabilities.
+    logprobs: list[PositionLogprobs] | None = None
+    # With a request's first token when asked for: one per prompt token, None for the first.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    index: int = 0  # the choice (n > 1)
 
 
 @dataclass
