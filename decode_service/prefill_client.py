@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import grpc
 
+from pdmesh.engine.outputs import FirstTokens, Logprob
 from pdmesh.kv_transfer.target import KVTarget
 from pdmesh.sampling_params import SamplingParams
-from pdmesh.serving.convert import sampling_to_pb
+from pdmesh.serving.convert import logprobs_from_pb, sampling_to_pb
 from pdmesh.serving.grpc_server import channel
 from pdmesh.serving.tls import TLSConfig
 from pdmesh.v1 import worker_pb2, worker_pb2_grpc
@@ -33,9 +34,10 @@ class PrefillClient:
         prompt: list[int],
         params: SamplingParams,
         target: KVTarget,
-    ) -> int:
+    ) -> FirstTokens:
         """Have the prefill worker at `address` compute the prompt into `target` (the call's
-        deadline is the target's timeout); the prompt's first token."""
+        deadline is the target's timeout); the prompt's first token (one per choice) and the
+        log-probabilities the request asks for."""
         request = worker_pb2.PrefillRequest(
             request_id=request_id,
             prompt_token_ids=prompt,
@@ -43,7 +45,13 @@ class PrefillClient:
             kv_target=target.to_pb(),
         )
         reply = await self._stub(address).Prefill(request, timeout=target.timeout_s)
-        return reply.first_token_id
+        return FirstTokens(
+            list(reply.first_token_ids) or [reply.first_token_id],
+            [logprobs_from_pb(p, Logprob) for p in reply.first_token_logprobs] or None,
+            [None, *(logprobs_from_pb(p, Logprob) for p in reply.prompt_logprobs)]
+            if params.prompt_logprobs is not None and len(reply.prompt_logprobs) == len(prompt) - 1
+            else None,
+        )
 
     async def close(self) -> None:
         for ch in self._channels:

@@ -10,7 +10,7 @@ import grpc
 from pdmesh.decode_service.types import Delta, Submission
 from pdmesh.decode_service.worker import DecodeWorker
 from pdmesh.errors import InvalidRequest
-from pdmesh.serving.convert import FINISH_TO_PB, sampling_from_pb
+from pdmesh.serving.convert import FINISH_TO_PB, logprobs_to_pb, sampling_from_pb
 from pdmesh.v1 import generation_pb2 as gen_pb
 from pdmesh.v1 import worker_pb2, worker_pb2_grpc
 
@@ -40,7 +40,12 @@ def delta_to_pb(d: Delta) -> worker_pb2.RequestDelta:
         # The wire carries the status code's number (0: no error).
         error_code=grpc.StatusCode[d.error_status].value[0] if d.error_status else 0,
         error_message=d.error_message,
+        index=d.index,
     )
+    if d.logprobs is not None:
+        pb.logprobs.extend(logprobs_to_pb(p) for p in d.logprobs)
+    if d.prompt_logprobs is not None:  # the first prompt token has none
+        pb.prompt_logprobs.extend(logprobs_to_pb(p) for p in d.prompt_logprobs[1:] if p)
     if d.usage is not None:
         pb.usage.CopyFrom(gen_pb.Usage(**dataclasses.asdict(d.usage)))
     if d.timings is not None:

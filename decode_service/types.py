@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from pdmesh.sampling_params import SamplingParams
+
+# One position's log-probabilities: token id -> the engine's Logprob (the token there first).
+Position = dict[int, Any]
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,9 @@ class Delta:
     timings: Timings | None = None
     error_status: str = ""  # the status name of a pdmesh.errors class when the request failed
     error_message: str = ""
+    logprobs: list[Position] | None = None  # one per token, when asked for
+    prompt_logprobs: list[Position | None] | None = None  # with the first token, when asked
+    index: int = 0  # the choice (n > 1)
 
 
 @dataclass

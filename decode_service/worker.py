@@ -17,7 +17,7 @@ from pdmesh.decode_service.prefill_client import PrefillClient
 from pdmesh.decode_service.tracing import DecodeTraces
 from pdmesh.decode_service.types import Delta, RequestClock, Submission, Timings, Usage
 from pdmesh.engine.llm_engine import LLMEngine
-from pdmesh.engine.outputs import StepDelta
+from pdmesh.engine.outputs import FirstTokens, StepDelta
 from pdmesh.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -156,7 +156,7 @@ class DecodeWorker(WorkerProcess):
                 timeout,
                 tracing.inject(rx_span) if rx_span is not None else {},
             )
-            first_token = await self._prefill.prefill(address, rid, sub.prompt, sub.params, target)
+            first = await self._prefill.prefill(address, rid, sub.prompt, sub.params, target)
             moved = await asyncio.wait_for(asyncio.wrap_future(transfer.arrived), kv_timeout)
             if self.kv.followers is not None:
                 await self.loop.acall(lambda e: self.kv.end_followers(transfer, kv_timeout))
@@ -172,7 +172,7 @@ class DecodeWorker(WorkerProcess):
             self._remote.pop(rid, None)
         self.traces.transfer_ended(rx_span, moved)
         self.metrics.transfer.observe(moved.seconds)
-        await self.loop.acall(lambda e: self._prefill_done(e, rid, first_token))
+        await self.loop.acall(lambda e: self._prefill_done(e, rid, first))
 
     def _cancel_transfer(self, transfer: IncomingTransfer) -> None:
         self.kv.cancel(transfer)
@@ -210,8 +210,8 @@ class DecodeWorker(WorkerProcess):
             self._deadlines[sub.request_id] = sub.deadline
         return plan
 
-    def _prefill_done(self, engine: LLMEngine, rid: str, first_token: int) -> None:
-        delta = self.kv.commit(engine, rid, first_token)
+    def _prefill_done(self, engine: LLMEngine, rid: str, first: FirstTokens) -> None:
+        delta = self.kv.commit(engine, rid, first)
         if delta is not None:  # else aborted meanwhile
             self.loop.publish([delta])
 
@@ -264,7 +264,17 @@ class DecodeWorker(WorkerProcess):
                     metrics.first_token(now - clock.arrival_ns, len(d.token_ids))
                 clock.last_token_ns = now
             if d.finish_reason is None:
-                out.append(Delta(d.request_id, d.token_ids, d.text, None))
+                out.append(
+                    Delta(
+                        d.request_id,
+                        d.token_ids,
+                        d.text,
+                        None,
+                        logprobs=d.logprobs,
+                        prompt_logprobs=d.prompt_logprobs,
+                        index=d.index,
+                    )
+                )
                 continue
             result = self.engine.get_output(d.request_id)
             self.engine.release(d.request_id)
@@ -296,6 +306,9 @@ class DecodeWorker(WorkerProcess):
                     ),
                     status,
                     message,
+                    d.logprobs,
+                    d.prompt_logprobs,
+                    d.index,
                 )
             )
         if out and self._aio is not None:

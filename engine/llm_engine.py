@@ -14,7 +14,13 @@ from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.expert_balancer import CountEplb, EplbCounts, EplbStats
 from pdmesh.engine.model_info import ModelInfo
 from pdmesh.engine.model_runner import ModelRunner
-from pdmesh.engine.outputs import EngineStats, PositionLogprobs, RequestOutput, StepDelta
+from pdmesh.engine.outputs import (
+    EngineStats,
+    FirstTokens,
+    PositionLogprobs,
+    RequestOutput,
+    StepDelta,
+)
 from pdmesh.engine.overlap import InFlight, next_decode
 from pdmesh.engine.parallel import SINGLE
 from pdmesh.engine.pipeline import SINGLE_STAGE, check_world
@@ -199,9 +205,10 @@ class LLMEngine:
         return self.scheduler.cached_prefix_tokens(prompt)
 
     def commit_prefill(
-        self, request_id: str, first_token: int, defer_caching: bool = False
+        self, request_id: str, first: FirstTokens, defer_caching: bool = False
     ) -> StepDelta:
-        """The prompt's KV is in its blocks and `first_token` was sampled: start decoding.
+        """The prompt's KV is in its blocks and its first token was sampled (with what else the
+        prefill worker computed): start decoding.
         defer_caching: publish the prompt's blocks in the prefix cache after the next step (or
         when it finishes), so hashing a long prompt does not hold back its first token."""
         seq = self.scheduler.commit(request_id, defer_caching)
@@ -209,7 +216,11 @@ class LLMEngine:
             # The prefill worker drew the first token from this seed: skip that draw here so
             # the rest matches a single-worker run.
             Sampler.skip_draw(seq.generator, self.info.vocab_size)
-        return self._append(self._requests[request_id], first_token)
+        request = self._requests[request_id]
+        if request.prompt_logprobs is not None and first.prompt_logprobs is not None:
+            request.prompt_logprobs = first.prompt_logprobs
+        logprobs = first.logprobs[0] if first.logprobs else None
+        return self._append(request, first.token_ids[0], logprobs)
 
     def release_prefill(self, request_id: str) -> None:
         """The remote prefill failed: free the blocks and prefill the prompt here instead."""

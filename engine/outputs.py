@@ -41,6 +41,16 @@ class StepDelta(NamedTuple):
     index: int = 0  # the choice (n > 1)
 
 
+@dataclass(frozen=True)
+class FirstTokens:
+    """What a prefill worker hands back with a prompt's KV: the first token of each choice, and
+    the log-probabilities it computed when the request asks for them."""
+
+    token_ids: list[int]  # one per choice
+    logprobs: list[PositionLogprobs] | None = None  # one per choice
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # one per prompt token
+
+
 @dataclass
 class CompletionOutput:
     index: int

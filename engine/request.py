@@ -83,7 +83,10 @@ class Request:
             ):
                 text, reason = text + detok.flush(), "length"
         self.text += text
-        return StepDelta(seq.request_id, [token], text, reason)
+        # The wire carries raw entries (no decoded text); prompt ones ride on the first token.
+        position = [logprobs] if self.logprobs is not None and logprobs is not None else None
+        prompt = self.prompt_logprobs if seq.num_output_tokens == 1 else None
+        return StepDelta(seq.request_id, [token], text, reason, position, prompt)
 
     def output(self) -> RequestOutput:
         seq = self.seq

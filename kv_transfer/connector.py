@@ -112,9 +112,7 @@ class PrefillHost(Protocol):
     def reserve_prefill(
         self, request_id: str, prompt: list[int], params: Any, num_output_tokens: int = 0
     ) -> ExternalBlocks | None: ...
-    def commit_prefill(
-        self, request_id: str, first_token: int, defer_caching: bool = False
-    ) -> Any: ...
+    def commit_prefill(self, request_id: str, first: Any, defer_caching: bool = False) -> Any: ...
     def release_prefill(self, request_id: str) -> None: ...
     def is_reserved(self, request_id: str) -> bool: ...
 
@@ -196,13 +194,14 @@ class KVConnector:
             request_id, prompt, params, num_output_tokens=num_output_tokens
         )
 
-    def commit(self, engine: PrefillHost, request_id: str, first_token: int) -> Any | None:
-        """The reserved prompt's KV arrived and `first_token` was sampled: the engine's delta,
-        or None when the request was aborted meanwhile."""
+    def commit(self, engine: PrefillHost, request_id: str, first: Any) -> Any | None:
+        """The reserved prompt's KV arrived and its first token was sampled (`first`: the
+        engine's record of it): the engine's delta, or None when the request was aborted
+        meanwhile."""
         if not engine.is_reserved(request_id):
             return None
         # The prompt's blocks join the prefix cache after the next step: TTFT.
-        return engine.commit_prefill(request_id, first_token, defer_caching=True)
+        return engine.commit_prefill(request_id, first, defer_caching=True)
 
     def release(self, engine: PrefillHost, request_id: str) -> bool:
         """The KV will not come: free the reservation and queue the prompt to be computed here.

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from pdmesh.errors import InvalidRequest
 from pdmesh.kv_transfer.target import KVTarget
-from pdmesh.prefill_service.worker import PrefillTask, PrefillWorker
-from pdmesh.serving.convert import sampling_from_pb
+from pdmesh.prefill_service.worker import PrefillOutcome, PrefillTask, PrefillWorker
+from pdmesh.serving.convert import logprobs_to_pb, sampling_from_pb
 from pdmesh.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -22,13 +20,27 @@ def task_from_pb(req: worker_pb2.PrefillRequest, default_timeout_s: float) -> Pr
     )
 
 
+def outcome_to_pb(out: PrefillOutcome) -> worker_pb2.PrefillReply:
+    pb = worker_pb2.PrefillReply(
+        first_token_id=out.first_token_id,
+        cached_prompt_tokens=out.cached_prompt_tokens,
+        prefill_ns=out.prefill_ns,
+        kv_bytes=out.kv_bytes,
+        kv_send_ns=out.kv_send_ns,
+    )
+    pb.first_token_logprobs.extend(logprobs_to_pb(p) for p in out.first_token_logprobs or ())
+    # The first prompt token has none.
+    pb.prompt_logprobs.extend(logprobs_to_pb(p) for p in (out.prompt_logprobs or [])[1:] if p)
+    return pb
+
+
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, worker: PrefillWorker) -> None:
         self.worker = worker
 
     async def Prefill(self, request, context):
         out = await self.worker.prefill(task_from_pb(request, self.worker.config.kv_send_timeout_s))
-        return worker_pb2.PrefillReply(**dataclasses.asdict(out))
+        return outcome_to_pb(out)
 
     async def GetStats(self, request, context):
         return worker_pb2.WorkerStats(**await self.worker.report())

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from pdmesh.engine.llm_engine import LLMEngine
-from pdmesh.engine.outputs import StepDelta
+from pdmesh.engine.outputs import PositionLogprobs, StepDelta
 from pdmesh.errors import InvalidRequest, Unavailable
 from pdmesh.kv_transfer.base import TransferError, check_token, check_transfer_id
 from pdmesh.kv_transfer.push_connector import PushConnector, PushJob
@@ -46,11 +46,23 @@ class PrefillOutcome:
     prefill_ns: int
     kv_bytes: int
     kv_send_ns: int
+    first_token_logprobs: list[PositionLogprobs] | None = None  # when asked for
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # when asked for
+
+
+@dataclass(frozen=True)
+class _Prefilled:
+    """The engine's part of a PrefillOutcome."""
+
+    first_token_id: int
+    cached_prompt_tokens: int
+    logprobs: list[PositionLogprobs] | None
+    prompt_logprobs: list[PositionLogprobs | None] | None
 
 
 @dataclass
 class _Pending:
-    done: asyncio.Future[tuple[int, int]]  # (first token, cached prompt tokens)
+    done: asyncio.Future[_Prefilled]
     job: PushJob | None = None
 
 
@@ -120,7 +132,7 @@ class PrefillWorker(WorkerProcess):
             await self.loop.acall(lambda e: self._begin(e, task, params, pending))
             job = pending.job
             assert job is not None
-            first_token, cached = await pending.done
+            prefilled = await pending.done
             prefill_ns = time.perf_counter_ns() - started
             if self.kv.done(job):  # usually, by the time the first token is out
                 stats = self.kv.finish(job.job_id, timeout_s)
@@ -144,11 +156,13 @@ class PrefillWorker(WorkerProcess):
         self.metrics.prefilled(prefill_ns, job.forward_ns - received_ns, transfer_s)
         self.prefills["remote"] += 1
         return PrefillOutcome(
-            first_token_id=first_token,
-            cached_prompt_tokens=cached,
+            first_token_id=prefilled.first_token_id,
+            cached_prompt_tokens=prefilled.cached_prompt_tokens,
             prefill_ns=prefill_ns,
             kv_bytes=sum(s.bytes for s in stats),
             kv_send_ns=int(transfer_s * 1e9),
+            first_token_logprobs=prefilled.logprobs,
+            prompt_logprobs=prefilled.prompt_logprobs,
         )
 
     # -- engine thread ----------------------------------------------------------------------------
@@ -180,10 +194,12 @@ class PrefillWorker(WorkerProcess):
             out = self.engine.get_output(d.request_id)
             self.engine.release(d.request_id)
             if pending is not None and d.token_ids and self._aio is not None:
-                result = (d.token_ids[0], out.num_cached_tokens)
+                result = _Prefilled(
+                    d.token_ids[0], out.num_cached_tokens, d.logprobs, d.prompt_logprobs
+                )
                 self._aio.call_soon_threadsafe(_resolve, pending.done, result)
 
 
-def _resolve(future: asyncio.Future[tuple[int, int]], value: tuple[int, int]) -> None:
+def _resolve(future: asyncio.Future[_Prefilled], value: _Prefilled) -> None:
     if not future.done():
         future.set_result(value)

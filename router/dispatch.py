@@ -12,6 +12,7 @@ This is the router's gRPC client edge toward decode workers: their status codes 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -115,6 +116,8 @@ def _merge(request_id: str, items: list[Any]) -> tuple[gen_pb.GenerateResponse, 
             lost = item
             break
         chunk.token_ids.extend(item.token_ids)
+        chunk.logprobs.extend(item.logprobs)
+        chunk.prompt_logprobs.extend(item.prompt_logprobs)
         texts.append(item.text)
         if item.error_code:
             status = _STATUS_NAMES.get(item.error_code, "UNKNOWN")
@@ -165,6 +168,9 @@ class Dispatcher:
         (they count as output), avoiding the decode workers in `lost`. Overloaded when every
         decode worker's queue is full, Unavailable when none is there to take it."""
         prompt_ids = inp.prompt + sent if sent else inp.prompt
+        params = inp.params
+        if sent and params.prompt_logprobs is not None:  # sent with the first token already
+            params = dataclasses.replace(params, prompt_logprobs=None)
         bs = self.block_size
         prompt = PromptInfo(len(prompt_ids), hash_prefix_blocks(prompt_ids, bs), bs)
         refused: set[str] = set()  # queue full
@@ -195,7 +201,7 @@ class Dispatcher:
                 request_id=attempt.wire_id,
                 subscriber_id=attempt.link.subscriber_id,
                 prompt_token_ids=prompt_ids,
-                sampling=sampling_to_pb(inp.params),
+                sampling=sampling_to_pb(params),
                 prefill_address=decision.prefill.address if decision.prefill is not None else "",
                 disagg_min_tokens=self.config.disagg_min_tokens,
                 deadline_unix_ms=int(inp.deadline * 1000) if inp.deadline else 0,

@@ -13,6 +13,7 @@ from support import random_prompts
 from pdmesh import SamplingParams
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.llm_engine import LLMEngine
+from pdmesh.engine.outputs import FirstTokens
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -136,7 +137,7 @@ def test_a_prompt_prefilled_elsewhere_joins_the_next_step(tiny_model) -> None:
     for _ in range(4):
         engine.step()
     assert engine.steps_launched_ahead > 0
-    engine.commit_prefill("remote", first_token=7)
+    engine.commit_prefill("remote", FirstTokens([7]))
     for _ in range(2):
         engine.step()
     assert len(engine.get_output("remote").outputs[0].token_ids) >= 2

@@ -91,6 +91,66 @@ def test_concurrent_requests_match_offline_and_kv_bytes_are_exact(
     assert mesh.stats(mesh.prefill[0]).kv_blocks_used == 0
 
 
+def _positions(entries: list[gen_pb.PositionLogprobs]) -> list[dict[int, tuple[float, int]]]:
+    return [
+        {t: (lp, r) for t, lp, r in zip(e.token_ids, e.logprobs, e.ranks, strict=True)}
+        for e in entries
+    ]
+
+
+def _expected(entries: list) -> list[dict[int, tuple[float, int]]]:
+    return [{t: (e.logprob, e.rank) for t, e in p.items()} for p in entries]
+
+
+def _assert_close(got: list[dict], want: list[dict]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert list(g) == list(w)  # the same tokens, in the same order (the chosen one first)
+        for t, (lp, rank) in g.items():
+            assert abs(lp - w[t][0]) < 1e-4 and rank == w[t][1]  # batches differ
+
+
+def test_logprobs_and_prompt_logprobs_through_the_mesh(mesh: Mesh, default_llm: LLM) -> None:
+    """Prompts prefilled on the prefill worker (long) and on the decode worker (short): the
+    first token's and the prompt's log-probabilities come back from where it was prefilled,
+    equal to the offline engine's (itself checked against transformers in test_logprobs)."""
+    rng = random.Random(5)
+    vocab = default_llm.engine.info.vocab_size
+    prompts = [[rng.randrange(100, vocab) for _ in range(n)] for n in (100, 12)]
+    sampling = [dict(temperature=0), dict(temperature=1.0, seed=7)]
+    requests = [
+        gen_pb.GenerateRequest(
+            token_ids=gen_pb.TokenIds(ids=p),
+            sampling=gen_pb.SamplingParams(
+                max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=2, **s
+            ),
+        )
+        for p in prompts
+        for s in sampling
+    ]
+    streams = asyncio.run(_generate(mesh.target, requests))
+    for req, stream in zip(requests, streams, strict=True):
+        s = req.sampling
+        params = SamplingParams(
+            max_tokens=8,
+            ignore_eos=True,
+            logprobs=3,
+            prompt_logprobs=2,
+            temperature=s.temperature,
+            seed=s.seed if s.HasField("seed") else None,
+        )
+        out = default_llm.generate({"prompt_token_ids": list(req.token_ids.ids)}, params)[0]
+        completion = out.outputs[0]
+        assert [t for r in stream for t in r.token_ids] == completion.token_ids
+        assert stream[-1].timings.disaggregated == (len(req.token_ids.ids) >= DISAGG_MIN)
+        got = _positions([e for r in stream for e in r.logprobs])
+        _assert_close(got, _expected(completion.logprobs))
+        assert len(stream[0].prompt_logprobs) == len(req.token_ids.ids) - 1
+        assert all(not r.prompt_logprobs for r in stream[1:])
+        _assert_close(_positions(stream[0].prompt_logprobs), _expected(out.prompt_logprobs[1:]))
+    assert mesh.stats(mesh.decode[0]).kv_blocks_used == 0
+
+
 def test_reflection_and_health(mesh: Mesh) -> None:
     expected = {
         mesh.target: "pdmesh.v1.Generation",

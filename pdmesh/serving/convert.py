@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from pdmesh.errors import InvalidRequest
 from pdmesh.sampling_params import SamplingParams, StructuredOutputsParams
@@ -18,6 +19,8 @@ FINISH_TO_PB = {
 }
 FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
 
+E = TypeVar("E")
+
 _OPTIONAL_FIELDS = (
     "max_tokens",
     "temperature",
@@ -29,6 +32,8 @@ _OPTIONAL_FIELDS = (
     "frequency_penalty",
     "repetition_penalty",
     "min_tokens",
+    "logprobs",
+    "prompt_logprobs",
 )
 
 
@@ -99,8 +104,26 @@ def sampling_to_pb(params: SamplingParams) -> gen_pb.SamplingParams:
         pb.seed = params.seed
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
         setattr(pb, name, getattr(params, name))
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(params, name) is not None:
+            setattr(pb, name, getattr(params, name))
     if params.logit_bias:
         pb.logit_bias.update(params.logit_bias)
     if params.structured_outputs is not None:
         pb.structured_outputs.CopyFrom(structured_to_pb(params.structured_outputs))
     return pb
+
+
+def logprobs_to_pb(position: Mapping[int, Any]) -> gen_pb.PositionLogprobs:
+    """One position's entries (token id -> an object with `logprob` and `rank`, the token
+    there first) as the wire message, in the same order."""
+    return gen_pb.PositionLogprobs(
+        token_ids=list(position),
+        logprobs=[e.logprob for e in position.values()],
+        ranks=[e.rank for e in position.values()],
+    )
+
+
+def logprobs_from_pb(pb: gen_pb.PositionLogprobs, entry: Callable[[float, int], E]) -> dict[int, E]:
+    """The entries of one position, each made by `entry(logprob, rank)`, in wire order."""
+    return {t: entry(lp, r) for t, lp, r in zip(pb.token_ids, pb.logprobs, pb.ranks, strict=True)}
