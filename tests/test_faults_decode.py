@@ -5,10 +5,13 @@ run; `pdmesh up` restarts the dead worker and it rejoins the rotation through he
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
+import shutil
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -16,6 +19,7 @@ from mesh_support import Mesh, start_mesh
 from service_support import wait_until, wait_workers
 
 from pdmesh import LLM, SamplingParams
+from pdmesh.sampling_params import StructuredOutputsParams
 from pdmesh.v1 import generation_pb2 as gen_pb
 from pdmesh.v1 import generation_pb2_grpc
 
@@ -24,11 +28,28 @@ pytestmark = pytest.mark.timeout(240)
 MAX_TOKENS = 300
 GREEDY = dict(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 SEEDED = dict(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.95, seed=1234, ignore_eos=True)
+# State that shapes sampling must survive the move: a grammar whose next token depends on where
+# its matcher is (t1 t2 t3 in a cycle), penalties over the output so far, and logprobs.
+SHAPED = dict(
+    max_tokens=MAX_TOKENS,
+    temperature=0,
+    min_tokens=MAX_TOKENS,
+    presence_penalty=0.5,
+    frequency_penalty=0.3,
+    logprobs=2,
+)
+SHAPED_REGEX = "(t1t2t3)+"
 
 
 @pytest.fixture(scope="module")
-def folder(tiny_model) -> str:
-    return str(tiny_model("llama"))
+def folder(tiny_model, tmp_path_factory) -> str:
+    # The tiny model with an EOS token (a grammar needs one to end on).
+    copy = tmp_path_factory.mktemp("tiny-eos")
+    for f in Path(tiny_model("llama")).iterdir():
+        shutil.copy(f, copy / f.name)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "eos_token_id": 0}))
+    return str(copy)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +79,7 @@ def _prompts() -> list[list[int]]:
 
 def test_killed_decode_worker_mid_stream_loses_and_repeats_nothing(mesh: Mesh, folder: str) -> None:
     prompts = _prompts()
-    kinds = [GREEDY if i % 3 else SEEDED for i in range(len(prompts))]
+    kinds = [GREEDY if i % 3 else SEEDED for i in range(len(prompts) - 1)] + [SHAPED]
     streams: list[list[gen_pb.GenerateResponse]] = [[] for _ in prompts]
 
     async def run() -> str:
@@ -70,6 +91,8 @@ def test_killed_decode_worker_mid_stream_loses_and_repeats_nothing(mesh: Mesh, f
                     token_ids=gen_pb.TokenIds(ids=prompts[i]),
                     sampling=gen_pb.SamplingParams(**kinds[i]),
                 )
+                if kinds[i] is SHAPED:
+                    req.sampling.structured_outputs.regex = SHAPED_REGEX
                 async for r in stub.Generate(req, timeout=120):
                     streams[i].append(r)
 
@@ -87,7 +110,13 @@ def test_killed_decode_worker_mid_stream_loses_and_repeats_nothing(mesh: Mesh, f
     victim = asyncio.run(run())
     reference = LLM(folder, kv_cache_tokens=8192)
     for stream, prompt, kind in zip(streams, prompts, kinds, strict=True):
-        expected = reference.generate([{"prompt_token_ids": prompt}], SamplingParams(**kind))[0]
+        params = SamplingParams(**kind)
+        if kind is SHAPED:
+            so = StructuredOutputsParams(regex=SHAPED_REGEX)
+            params = SamplingParams(**kind, structured_outputs=so)
+            # Every token streamed has its logprobs once, across the move.
+            assert sum(len(r.logprobs) for r in stream) == MAX_TOKENS
+        expected = reference.generate([{"prompt_token_ids": prompt}], params)[0]
         assert [t for r in stream for t in r.token_ids] == expected.outputs[0].token_ids
         assert "".join(r.text for r in stream) == expected.outputs[0].text
         last = stream[-1]
