@@ -68,9 +68,15 @@ class Unauthenticated(PdmeshError, status="UNAUTHENTICATED", http_status=401):
     """No valid API key or client certificate."""
 
 
-def from_status(status: str, message: str) -> PdmeshError:
-    """The error a remote hop reported by status name (an unknown name is INTERNAL)."""
-    return _BY_STATUS.get(status, PdmeshError)(message)
+def from_status(status: str, message: str, field: str | None = None) -> PdmeshError:
+    """The error a remote hop reported by status name (an unknown name is INTERNAL), with the
+    field it named for bad input (the FIELD_METADATA trailer)."""
+    cls = _BY_STATUS.get(status, PdmeshError)
+    return InvalidRequest(message, field) if cls is InvalidRequest else cls(message)
+
+
+# The trailing-metadata key that carries an InvalidRequest's field between services.
+FIELD_METADATA = "pdmesh-field"
 
 
 def as_error(exc: BaseException) -> PdmeshError | None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from pdmesh.errors import Overloaded, Unavailable, from_status
+from pdmesh.errors import FIELD_METADATA, Overloaded, Unavailable, from_status
 from pdmesh.logger import get_logger
 from pdmesh.prefix_hash import hash_prefix_blocks
 from pdmesh.router.config import RouterConfig
@@ -223,7 +223,9 @@ class Dispatcher:
                     unreachable.add(d.address)
                     telemetry.failover("submit_failed")
                     continue
-                raise from_status(code.name, e.details() or "decode worker refused") from None
+                field = dict(e.trailing_metadata() or ()).get(FIELD_METADATA)
+                detail = e.details() or "decode worker refused"
+                raise from_status(code.name, detail, field) from None
             d.index.insert(prompt.block_hashes)
             if decision.prefill is not None:
                 decision.prefill.index.insert(prompt.block_hashes)

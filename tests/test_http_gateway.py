@@ -334,6 +334,8 @@ def test_a_constraint_the_workers_cannot_compile_is_400_naming_it(mesh: Mesh) ->
     body = {"prompt": "hi", "structured_outputs": {"regex": "(unclosed"}}
     status, _, raw = _request(mesh, "POST", "/v1/completions", body)
     assert status == 400, raw
-    assert "structured_outputs.regex" in json.loads(raw)["error"]["message"]
+    error = json.loads(raw)["error"]
+    assert "structured_outputs.regex" in error["message"]
+    assert error["param"] == "structured_outputs.regex"  # the worker's field, relayed
     status, _, raw = _request(mesh, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})
     assert status == 200, raw

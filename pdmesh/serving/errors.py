@@ -17,7 +17,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from pdmesh.errors import InvalidRequest, as_error
+from pdmesh.errors import FIELD_METADATA, InvalidRequest, as_error
 from pdmesh.logger import get_logger
 
 log = get_logger(__name__)
@@ -83,7 +83,8 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     message = message.encode("utf-8", "backslashreplace").decode()
     if len(message) > MAX_DETAILS_CHARS:
         message = message[: MAX_DETAILS_CHARS - 1] + "…"
-    await context.abort(code, message)
+    field = getattr(error, "field", None)  # so the next hop can name it too (HTTP's param)
+    await context.abort(code, message, ((FIELD_METADATA, field),) if field else None)
 
 
 def _tolerant(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
