@@ -211,9 +211,9 @@ class DecodeWorker(WorkerProcess):
         return plan
 
     def _prefill_done(self, engine: LLMEngine, rid: str, first: FirstTokens) -> None:
-        delta = self.kv.commit(engine, rid, first)
-        if delta is not None:  # else aborted meanwhile
-            self.loop.publish([delta])
+        deltas = self.kv.commit(engine, rid, first)
+        if deltas is not None:  # else aborted meanwhile
+            self.loop.publish(deltas)
 
     def _prefill_failed(self, engine: LLMEngine, rid: str, exc: BaseException) -> None:
         if self.config.prefill_failure_policy == "recompute":

@@ -4,6 +4,11 @@ The block manager never touches tensors; it hands out block ids. A block is free
 references it. A free block that holds a full, hashed prefix stays findable by its hash until it
 is handed out again (evicted least recently freed first), so a later request with the same
 prefix reuses it without recomputing.
+
+A request with several choices forks: each choice takes a reference to every block of the
+prompt's sequence (`fork`). A block held by more than one sequence is never written: the
+first write into a shared, partly filled last block gives the writer a copy (copy on write),
+and the (source, copy) pair waits in `take_copies` for the step that must copy the KV first.
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ class BlockManager:
         self._cached: dict[int, int] = {}  # block hash -> block id
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        self._copies: list[tuple[int, int]] = []  # (source, copy) blocks, for the next step
+        self.num_forked_blocks = 0  # block references taken by forks (blocks shared)
+        self.num_block_copies = 0  # copies on write
 
     # -- sizes --------------------------------------------------------------------------------
     @property
@@ -93,24 +101,63 @@ class BlockManager:
         held = len(prefix) if prefix else len(seq.block_table)
         return max(0, self.blocks_for(computed + num_new_tokens) - held)
 
+    def _shared_write(self, seq: Sequence, write_from: int | None) -> int | None:
+        """The index in `seq`'s table of a block shared with other sequences that a write from
+        position `write_from` (default: its computed count) lands in, if any."""
+        pos = seq.num_computed_tokens if write_from is None else write_from
+        i = pos // self.block_size
+        if i < len(seq.block_table) and self.blocks[seq.block_table[i]].ref_count > 1:
+            return i
+        return None
+
+    def blocks_needed(
+        self, seq: Sequence, num_new_tokens: int, write_from: int | None = None
+    ) -> int:
+        """Free blocks that `allocate(seq, num_new_tokens, write_from=write_from)` takes."""
+        copy = self._shared_write(seq, write_from) is not None
+        return self._new_blocks_needed(seq, num_new_tokens, ()) + copy
+
     def can_allocate(
-        self, seq: Sequence, num_new_tokens: int, prefix: Seq[int] = (), spare: int = 0
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        prefix: Seq[int] = (),
+        spare: int = 0,
+        write_from: int | None = None,
     ) -> bool:
         """Whether `seq` can get slots for `num_new_tokens` more tokens (after taking `prefix`),
-        leaving `spare` blocks free for others."""
+        leaving `spare` blocks free for others; `write_from`: see `allocate`."""
         # Adopting a free cached block takes it out of the free pool too.
         adopted_free = sum(1 for b in prefix if self.blocks[b].ref_count == 0)
         needed = self._new_blocks_needed(seq, num_new_tokens, prefix)
+        if not prefix:
+            needed += self._shared_write(seq, write_from) is not None
         return needed + adopted_free + spare <= len(self._free)
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, prefix: Seq[int] = ()) -> None:
+    def allocate(
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        prefix: Seq[int] = (),
+        write_from: int | None = None,
+    ) -> None:
         """Give `seq` slots for `num_new_tokens` tokens past its computed ones.
 
         `prefix` (from `match_prefix`, only for a sequence holding no blocks) is adopted first and
-        counts as computed. Call `can_allocate` first: this raises if blocks run out.
+        counts as computed. The step writes from position `write_from` (default: the computed
+        count; a step launched before the previous one's tokens are read writes from
+        `num_tokens`): a shared block there is copied first (`take_copies`). Call
+        `can_allocate` first: this raises if blocks run out.
         """
-        if not self.can_allocate(seq, num_new_tokens, prefix):
+        if not self.can_allocate(seq, num_new_tokens, prefix, write_from=write_from):
             raise RuntimeError(f"out of KV blocks allocating {num_new_tokens} tokens for {seq}")
+        shared = None if prefix else self._shared_write(seq, write_from)
+        if shared is not None:
+            source = seq.block_table[shared]
+            self.blocks[source].ref_count -= 1  # others still hold it: never freed here
+            seq.block_table[shared] = copy = self._pop_free()
+            self._copies.append((source, copy))
+            self.num_block_copies += 1
         if not seq.block_table:
             self.prefix_queried_tokens += seq.num_tokens
             self.prefix_hit_tokens += len(prefix) * self.block_size
@@ -123,14 +170,34 @@ class BlockManager:
             seq.block_hashes = [self.blocks[b].hash for b in prefix]  # type: ignore[misc]
             seq.num_computed_tokens = len(prefix) * self.block_size
         for _ in range(self._new_blocks_needed(seq, num_new_tokens, ())):
-            block_id, _ = self._free.popitem(last=False)
-            block = self.blocks[block_id]
-            if block.hash is not None:  # evict its prefix entry: the KV will be overwritten
-                if self._cached.get(block.hash) == block_id:
-                    del self._cached[block.hash]
-                block.forget()
-            block.ref_count = 1
-            seq.block_table.append(block_id)
+            seq.block_table.append(self._pop_free())
+
+    def _pop_free(self) -> int:
+        """The next free block, taken (ref count 1) and out of the prefix cache."""
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:  # evict its prefix entry: the KV will be overwritten
+            if self._cached.get(block.hash) == block_id:
+                del self._cached[block.hash]
+            block.forget()
+        block.ref_count = 1
+        return block_id
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` (holding nothing) shares every block of `parent`, and its published hashes."""
+        if child.block_table:
+            raise RuntimeError(f"{child} already holds blocks; only an empty one can fork")
+        for block_id in parent.block_table:
+            self._take(block_id)
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        self.num_forked_blocks += len(parent.block_table)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (source, copy) block pairs allocated since the last call: the next step copies
+        their KV on every rank before it runs."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]

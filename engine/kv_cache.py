@@ -49,6 +49,12 @@ class KVCache:
         for i, layer in enumerate(attention_layers):
             layer.k_cache, layer.v_cache = self.data[i, 0], self.data[i, 1]
 
+    def copy_blocks(self, pairs: torch.Tensor) -> None:
+        """pairs [2, C] int64 on the cache's device: block pairs[1][i] gets a copy of block
+        pairs[0][i]'s K and V in every layer this rank holds. All sources are read before any
+        copy is written, so a block may be a source and (later in the list) a copy."""
+        self.data[:, :, pairs[1]] = self.data[:, :, pairs[0]]
+
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()

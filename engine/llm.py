@@ -56,8 +56,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. A prompt is a string or
-        `{"prompt_token_ids": [...]}`."""
+        """One RequestOutput per prompt, in order, with `n` completions each (SamplingParams.n).
+        A prompt is a string or `{"prompt_token_ids": [...]}`."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         inputs = [self._prompt_input(p) for p in prompts]
@@ -115,7 +115,8 @@ class LLM:
         with _progress(len(ids), use_tqdm) as advance:
             while engine.has_unfinished_requests():
                 for delta in engine.step():
-                    if delta.finish_reason is not None:
+                    # A request with n > 1 is done once each of its choices has finished.
+                    if delta.finish_reason is not None and engine.is_finished(delta.request_id):
                         advance()
         outputs = [engine.get_output(i) for i in ids]
         for request_id in ids:

@@ -10,6 +10,7 @@ import torch
 from pdmesh import envs
 from pdmesh.checkpoint.source import resolve_model_folder
 from pdmesh.engine.block_manager import BlockManager
+from pdmesh.engine.choices import Limits, check_choices, check_first_tokens, new_sequences
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.expert_balancer import CountEplb, EplbCounts, EplbStats
 from pdmesh.engine.model_info import ModelInfo
@@ -17,6 +18,7 @@ from pdmesh.engine.model_runner import ModelRunner
 from pdmesh.engine.outputs import (
     EngineStats,
     FirstTokens,
+    ForkStats,
     PositionLogprobs,
     RequestOutput,
     StepDelta,
@@ -93,6 +95,9 @@ class LLMEngine:
             )
             max_len = capacity
         self.max_model_len = max_len
+        self.limits = Limits(
+            max_len, config.block_size, self.runner.num_blocks, config.max_num_seqs
+        )
         blocks = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -143,7 +148,9 @@ class LLMEngine:
         arrival_time: float | None = None,
         num_output_tokens: int = 0,
     ) -> Sequence:
-        """Queue a request; raises ValueError (naming the field) for bad input.
+        """Queue a request; raises ValueError (naming the field) for bad input, among it more
+        sequences (n, best_of) than this worker can ever hold. Returns the sequence that runs
+        the prompt (the request's choices fork from it, see `is_finished`).
         `num_output_tokens`: the prompt's last tokens are output a lost worker already produced
         (a resumed request; see Sequence)."""
         request = self._new_request(request_id, prompt, params, arrival_time, num_output_tokens)
@@ -177,10 +184,11 @@ class LLMEngine:
                 f" (fewer than the prompt's tokens and max_tokens), got {num_output_tokens}.",
                 "num_output_tokens_sent",
             )
-        seq = Sequence(request_id, token_ids, params, text, arrival_time, num_output_tokens)
-        if params.structured_outputs is not None:
+        check_choices(params, len(token_ids) - num_output_tokens, num_output_tokens, self.limits)
+        seqs = new_sequences(request_id, token_ids, params, text, arrival_time, num_output_tokens)
+        for seq in seqs if params.structured_outputs is not None else ():
             seq.grammar = self.grammars.matcher(params.structured_outputs)
-        return Request.start(seq, self.tokenizer, self.info.vocab_size)
+        return Request.start(seqs, self.tokenizer, self.info.vocab_size)
 
     # -- prompts prefilled by another worker ---------------------------------------------------
     def reserve_prefill(
@@ -206,21 +214,27 @@ class LLMEngine:
 
     def commit_prefill(
         self, request_id: str, first: FirstTokens, defer_caching: bool = False
-    ) -> StepDelta:
-        """The prompt's KV is in its blocks and its first token was sampled (with what else the
-        prefill worker computed): start decoding.
+    ) -> list[StepDelta]:
+        """The prompt's KV is in its blocks and its first tokens were sampled (with what else the
+        prefill worker computed): the request forks into its sequences (sharing the prompt's
+        blocks) and decodes; a delta per sequence. `first`: see `check_first_tokens`.
         defer_caching: publish the prompt's blocks in the prefix cache after the next step (or
-        when it finishes), so hashing a long prompt does not hold back its first token."""
-        seq = self.scheduler.commit(request_id, defer_caching)
-        if seq.generator is not None and not seq.params.greedy:
-            # The prefill worker drew the first token from this seed: skip that draw here so
-            # the rest matches a single-worker run.
-            Sampler.skip_draw(seq.generator, self.info.vocab_size)
+        when it finishes): hashing a long prompt does not hold back its first token."""
         request = self._requests[request_id]
+        check_first_tokens(request.seq.params, first)
+        self.scheduler.commit(request_id, defer_caching)
+        seqs = [c.seq for c in request.choices]  # forked: running from the next step
+        for seq in seqs:
+            if seq.generator is not None and not seq.params.greedy:
+                # The prefill worker drew the first token from this seed: skip that draw here
+                # so the rest matches a single-worker run.
+                Sampler.skip_draw(seq.generator, self.info.vocab_size)
         if request.prompt_logprobs is not None and first.prompt_logprobs is not None:
             request.prompt_logprobs = first.prompt_logprobs
-        logprobs = first.logprobs[0] if first.logprobs else None
-        return self._append(request, first.token_ids[0], logprobs)
+        return [
+            self._append(request, seq, token, first.logprobs[i] if first.logprobs else None)
+            for i, (seq, token) in enumerate(zip(seqs, first.token_ids, strict=True))
+        ]
 
     def release_prefill(self, request_id: str) -> None:
         """The remote prefill failed: free the blocks and prefill the prompt here instead."""
@@ -230,11 +244,22 @@ class LLMEngine:
         return self.scheduler.is_reserved(request_id)
 
     def abort_request(self, request_id: str) -> StepDelta | None:
+        """End every choice of a request still running (its blocks freed); one delta (index 0)
+        for the whole request, or None when it had ended already."""
         request = self._requests.get(request_id)
-        if request is None or request.seq.is_finished:
+        if request is None or request.is_finished:
             return None
-        self._end(request.seq, "abort")
+        for choice in request.choices:
+            if not choice.seq.is_finished:  # choices never forked end with the first
+                self._end(choice.seq, "abort")
         return StepDelta(request_id, [], "", "abort")
+
+    def is_finished(self, request_id: str) -> bool:
+        """Whether every choice of the request has ended (`get_output` is then its result): a
+        delta's finish reason ends its choice (`index`), the request once all have (n == 1:
+        the first finish reason). False for a request not known here."""
+        request = self._requests.get(request_id)
+        return request is not None and request.is_finished
 
     def has_unfinished_requests(self) -> bool:
         """Requests to run, or a step on the device still to handle."""
@@ -271,7 +296,7 @@ class LLMEngine:
         for i, (seq, token) in enumerate(zip(cur.batch.seqs, sampled, strict=True)):
             if token is not None and not seq.is_finished:  # else aborted while the step ran
                 lp = logprobs[i] if logprobs is not None else None
-                deltas.append(self._append(self._requests[seq.request_id], token, lp))
+                deltas.append(self._append(self._requests[seq.request_id], seq, token, lp))
         return deltas
 
     def _launch(self, busy: Collection[Sequence] = ()) -> InFlight | None:
@@ -312,21 +337,27 @@ class LLMEngine:
         self.scheduler.finish(seq, reason, in_flight)
 
     def _append(
-        self, request: Request, token: int, logprobs: PositionLogprobs | None = None
+        self,
+        request: Request,
+        seq: Sequence,
+        token: int,
+        logprobs: PositionLogprobs | None = None,
     ) -> StepDelta:
-        delta = request.add_token(token, self.info.eos_token_ids, self.max_model_len, logprobs)
+        delta = request.add_token(seq, token, self.info.eos_token_ids, self.max_model_len, logprobs)
         if delta.finish_reason is not None:
-            self._end(request.seq, delta.finish_reason)
+            self._end(seq, delta.finish_reason)
         return delta
 
     # -- results ------------------------------------------------------------------------------
     def get_output(self, request_id: str) -> RequestOutput:
+        """The request's result so far: n completions, index 0 .. n-1 (with best_of > n the n
+        with the highest cumulative log-probability, best first)."""
         return self._requests[request_id].output()
 
     def release(self, request_id: str) -> None:
-        """Forget a finished request's results."""
+        """Forget a finished request's results (nothing happens while a choice still runs)."""
         request = self._requests.get(request_id)
-        if request is not None and request.seq.is_finished:
+        if request is not None and request.is_finished:
             del self._requests[request_id]
 
     def expert_counts(self) -> list[int] | None:
@@ -359,6 +390,10 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return self.scheduler.stats()
+
+    def fork_stats(self) -> ForkStats:
+        """Blocks shared by requests' choices and copies on write, since start."""
+        return self.scheduler.fork_stats()
 
     @property
     def steps_launched_ahead(self) -> int:

@@ -12,6 +12,15 @@ from typing import Any
 import torch
 
 from pdmesh.engine.outputs import Logprob, PositionLogprobs
+from pdmesh.sampling_params import SamplingParams
+
+
+def wanted_logprobs(params: SamplingParams) -> int | None:
+    """Alternatives to compute with each sampled token (None: no log-probabilities): those
+    asked for, or none but the token's own when best_of ranks the sequences by it."""
+    if params.logprobs is None and params.ranks_sequences:
+        return 0
+    return params.logprobs
 
 
 @dataclass

@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -19,50 +18,18 @@ from pdmesh.engine.distributed import all_reduce_min
 from pdmesh.engine.expert_balancer import ExpertBalancer
 from pdmesh.engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
 from pdmesh.engine.layers.moe import FusedMoE
-from pdmesh.engine.logprobs import TopLogprobs, prompt_logprobs
+from pdmesh.engine.logprobs import TopLogprobs, prompt_logprobs, wanted_logprobs
 from pdmesh.engine.model_info import ModelInfo
 from pdmesh.engine.outputs import PositionLogprobs
 from pdmesh.engine.parallel import SINGLE, ParallelGroup
 from pdmesh.engine.pipeline import SINGLE_STAGE, PipelineStage
 from pdmesh.engine.sampler import Sampler, SamplingBatch
 from pdmesh.engine.scheduler import ScheduledBatch
+from pdmesh.engine.step_handle import StepHandle
 from pdmesh.engine.step_inputs import HostInputs, StepInputs
 from pdmesh.engine.symm_all_reduce import symmetric_all_reduce
 from pdmesh.engine.weights import init_dummy_weights, load_named, load_weights
 from pdmesh.kv_transfer.connector import KVBinding, KVConnector, KVHeads
-
-
-@dataclass
-class StepHandle:
-    """A step launched on the device whose sampled tokens have not been read yet."""
-
-    num_seqs: int
-    sample_seq_index: list[int]  # [S]: the batch row of each sampled token
-    tokens: torch.Tensor | None  # [S] int64 on the runner's device (None: nothing sampled)
-    # On a GPU: the tokens' copy in pinned host memory, and an event recorded after it. Waiting
-    # on the event, not on the stream, leaves a step launched after this one running.
-    host_tokens: torch.Tensor | None = None
-    copied: torch.cuda.Event | None = None
-    # Pipeline stages: the logits are still on their way from the last stage; `sample` waits
-    # for them and sets `tokens` (`read` calls it).
-    sample: Callable[[], None] | None = None
-    # Rows asking for log-probabilities: those of the sampled tokens, and what each row asked.
-    logprobs: tuple[TopLogprobs, list[int | None]] | None = None
-    # Prompt positions' log-probabilities: (batch row, position, entry) of each.
-    prompt_logprobs: list[tuple[int, int, PositionLogprobs]] = field(default_factory=list)
-
-    def read(self) -> list[int]:
-        if self.sample is not None:
-            self.sample()
-        if self.tokens is None:
-            return []
-        if self.copied is None:
-            return self.tokens.tolist()
-        # Lets go of the GIL while it waits: the process's other threads (gRPC, KV receivers)
-        # run meanwhile.
-        self.copied.synchronize()
-        assert self.host_tokens is not None
-        return self.host_tokens.tolist()
 
 
 @contextlib.contextmanager
@@ -210,10 +177,17 @@ class ModelRunner:
         # input_ids, positions, slots, decode tables and lens, cu_seqlens, prefill lens and
         # tables, logits indices: filled below.
         host = HostInputs([], [], [], [], [], [0], [], [], [])
+        host.block_copies = [b for pair in batch.block_copies for b in pair]
         sample_seq_index: list[int] = []
         prompt_rows: list[tuple[int, int, int]] = []  # (sequence, position, flat index)
+        forked_from = dict(batch.forks)
+        last_flat: dict[int, int] = {}  # batch index -> flat index of its sampled token
         for i in order:
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
+            if i in forked_from:  # a choice forked this step: its prompt's logits, resampled
+                host.logits_indices.append(last_flat[forked_from[i]])
+                sample_seq_index.append(i)
+                continue
             start = seq.num_computed_tokens if next_ids is None else seq.num_tokens
             end = start + n
             table = seq.block_table
@@ -229,7 +203,8 @@ class ModelRunner:
                 host.prefill_lens.append(end)
                 host.cu_seqlens.append(host.cu_seqlens[-1] + n)
             if end >= seq.num_tokens:
-                host.logits_indices.append(len(host.positions) - 1)
+                last_flat[i] = len(host.positions) - 1
+                host.logits_indices.append(last_flat[i])
                 sample_seq_index.append(i)
             if seq.params.prompt_logprobs is not None:
                 # Prompt positions whose next token is a prompt token (the last one's is sampled).
@@ -246,6 +221,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_logits(self, inputs: StepInputs) -> torch.Tensor | None:
         """The model over the flat batch; logits [S, V] of the rows to sample (None if none)."""
+        if inputs.block_copies is not None:  # before any layer writes this step's K/V
+            self.kv_cache.copy_blocks(inputs.block_copies)
         meta, graphs = inputs.meta, None if self._saving else self.graphs
         n, num_sampled = inputs.input_ids.numel(), len(inputs.sample_seq_index)
         if graphs is not None and graphs.covers(n, meta.num_decode_tokens, num_sampled):
@@ -352,7 +329,7 @@ class ModelRunner:
             )
             tokens = self.sampler(logits, sampling)
         handle.tokens = tokens
-        wanted = [s.params.logprobs for s in seqs]
+        wanted = [wanted_logprobs(s.params) for s in seqs]
         if any(k is not None for k in wanted):
             handle.logprobs = TopLogprobs.of(raw, tokens, max(k or 0 for k in wanted)), wanted
         if tokens.is_cuda:

@@ -28,17 +28,22 @@ PositionLogprobs = dict[int, Logprob]
 
 
 class StepDelta(NamedTuple):
-    """One request's progress in one engine step (what a streaming server forwards)."""
+    """One choice's progress in one engine step (what a streaming server forwards). A request
+    with n > 1 or best_of has a delta per sequence and step; `finish_reason` ends the choice
+    `index`, and the request once every choice has ended (`LLMEngine.is_finished`)."""
 
     request_id: str
     token_ids: list[int]
     text: str
-    finish_reason: str | None  # None while the request runs; "stop", "length" or "abort"
-    # One per token of token_ids when the request asks for log-probabilities.
+    finish_reason: str | None  # None while the choice runs; "stop", "length" or "abort"
+    # One per token of token_ids when the request asks for log-probabilities (or when best_of >
+    # n ranks its sequences by them: then the token's own entry, asked for or not).
     logprobs: list[PositionLogprobs] | None = None
     # With a request's first token when asked for: one per prompt token, None for the first.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
-    index: int = 0  # the choice (n > 1)
+    # The sequence: the choice 0 .. n-1; with best_of > n, the candidate 0 .. best_of-1 (not
+    # streamed to clients: the n returned are chosen at the end, see RequestOutput).
+    index: int = 0
 
 
 @dataclass(frozen=True)
@@ -46,8 +51,8 @@ class FirstTokens:
     """What a prefill worker hands back with a prompt's KV: the first token of each choice, and
     the log-probabilities it computed when the request asks for them."""
 
-    token_ids: list[int]  # one per choice
-    logprobs: list[PositionLogprobs] | None = None  # one per choice
+    token_ids: list[int]  # one per sequence (best_of, else n), by the deltas' index
+    logprobs: list[PositionLogprobs] | None = None  # one per sequence
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # one per prompt token
 
 
@@ -88,3 +93,10 @@ class EngineStats:
     prefix_hit_tokens: int
     num_preemptions: int
     steps_launched_ahead: int
+
+
+class ForkStats(NamedTuple):
+    """What requests with several sequences (n, best_of) saved, since start."""
+
+    blocks_shared: int  # prompt block references forked sequences took instead of new blocks
+    blocks_copied: int  # shared, partly filled blocks copied on a sequence's first write

@@ -26,9 +26,9 @@ import torch
 
 from pdmesh.engine import penalties, structured
 from pdmesh.engine.distributed import host_to_device
-from pdmesh.engine.model_runner import StepHandle
 from pdmesh.engine.scheduler import ScheduledBatch, Scheduler
 from pdmesh.engine.sequence import Sequence
+from pdmesh.engine.step_handle import StepHandle
 
 
 @dataclass

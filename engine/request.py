@@ -1,5 +1,5 @@
-"""A request as the engine loop serves it: its sequence, its detokenizer and the text handed out;
-what each sampled token does to it (stop rules), and its result."""
+"""A request as the engine loop serves it: its choices (a sequence each, with its detokenizer and
+the text handed out), what each sampled token does to a choice (stop rules), and its result."""
 
 from __future__ import annotations
 
@@ -21,51 +21,80 @@ from pdmesh.text.detokenizer import IncrementalDetokenizer
 
 
 @dataclass
-class Request:
-    """One record per request: the engine's only per-request state besides the scheduler's."""
+class Choice:
+    """One sequence of a request (one per choice with n > 1, per candidate with best_of)."""
 
     seq: Sequence
     detokenizer: IncrementalDetokenizer
     text: str = ""  # output text handed out so far (held-back text excluded)
-    tokenizer: Any = None  # decodes the tokens of log-probabilities
     # Per output token when the request asks for log-probabilities (params.logprobs).
     logprobs: list[PositionLogprobs] | None = None
+    # Sum of the sampled tokens' log-probabilities, where computed (logprobs or best_of > n).
+    cumulative_logprob: float = 0.0
+
+
+@dataclass
+class Request:
+    """One record per request: the engine's only per-request state besides the scheduler's."""
+
+    choices: list[Choice]
+    tokenizer: Any = None  # decodes the tokens of log-probabilities
     # Per prompt token (None for the first) when asked for (params.prompt_logprobs).
     prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @classmethod
-    def start(cls, seq: Sequence, tokenizer: Any, vocab_size: int) -> Request:
-        """The record of a new `seq`. A resumed request's output so far (see Sequence) is replayed
-        as the lost worker produced it: the detokenizer ends up holding back exactly what that
-        worker held back (its text was sent already), and the seed has made its draws."""
-        params = seq.params
-        detok = IncrementalDetokenizer(
-            tokenizer, seq.prompt_token_ids, params.skip_special_tokens, params.stop
-        )
-        text = "".join(detok.add(t).text for t in seq.output_token_ids)
-        for t in seq.output_token_ids if seq.grammar is not None else ():
-            seq.grammar.accept_token(t)  # a resumed request's matcher where the lost one was
-        if seq.generator is not None and not params.greedy:
-            for _ in range(seq.num_output_tokens):  # each streamed token was one draw of the seed
-                Sampler.skip_draw(seq.generator, vocab_size)
-        logprobs = [] if params.logprobs is not None else None
-        prompt = [None] * seq.num_prompt_tokens if params.prompt_logprobs is not None else None
-        return cls(seq, detok, text, tokenizer, logprobs, prompt)
+    def start(cls, seqs: list[Sequence], tokenizer: Any, vocab_size: int) -> Request:
+        """The record of new sequences, one per choice (the first runs the prompt). A resumed
+        request's output so far (see Sequence; one choice only) is replayed as the lost worker
+        produced it: the detokenizer ends up holding back exactly what that worker held back
+        (its text was sent already), and the seed has made its draws."""
+        choices = []
+        for seq in seqs:
+            params = seq.params
+            detok = IncrementalDetokenizer(
+                tokenizer, seq.prompt_token_ids, params.skip_special_tokens, params.stop
+            )
+            text = "".join(detok.add(t).text for t in seq.output_token_ids)
+            for t in seq.output_token_ids if seq.grammar is not None else ():
+                seq.grammar.accept_token(t)  # a resumed request's matcher where the lost one was
+            if seq.generator is not None and not params.greedy:
+                for _ in range(seq.num_output_tokens):  # each token sent was one draw
+                    Sampler.skip_draw(seq.generator, vocab_size)
+            logprobs = [] if params.logprobs is not None else None
+            choices.append(Choice(seq, detok, text, logprobs))
+        first = seqs[0]
+        asks = first.params.prompt_logprobs is not None
+        prompt = [None] * first.num_prompt_tokens if asks else None
+        return cls(choices, tokenizer, prompt)
+
+    @property
+    def seq(self) -> Sequence:
+        """The first choice's sequence: the one that runs the prompt."""
+        return self.choices[0].seq
+
+    @property
+    def is_finished(self) -> bool:
+        """Every choice has ended."""
+        return all(c.seq.is_finished for c in self.choices)
 
     def add_token(
         self,
+        seq: Sequence,
         token: int,
         eos_token_ids: Container[int],
         max_model_len: int,
         logprobs: PositionLogprobs | None = None,
     ) -> StepDelta:
-        """Append a sampled token (and its log-probabilities, when asked for); the delta has the
-        text it releases and, when the token is the request's last, why ("stop" or "length":
-        the caller then finishes the sequence)."""
-        seq, params, detok = self.seq, self.seq.params, self.detokenizer
+        """Append a token sampled for choice `seq` (and its log-probabilities, when computed);
+        the delta has the text it releases and, when the token is the choice's last, why
+        ("stop" or "length": the caller then finishes the sequence)."""
+        choice = self.choices[seq.index]
+        params, detok = seq.params, choice.detokenizer
         seq.append_token(token)
-        if self.logprobs is not None and logprobs is not None:
-            self.logprobs.append(logprobs)
+        if logprobs is not None:
+            choice.cumulative_logprob += logprobs[token].logprob
+            if choice.logprobs is not None:
+                choice.logprobs.append(logprobs)
         # A grammar ends where its matcher accepts a stop token (it allows one once complete).
         ended = seq.grammar is not None and _accept(seq.grammar, token)
         if (
@@ -82,38 +111,50 @@ class Request:
                 seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len
             ):
                 text, reason = text + detok.flush(), "length"
-        self.text += text
-        # The wire carries raw entries (no decoded text); prompt ones ride on the first token.
-        position = [logprobs] if self.logprobs is not None and logprobs is not None else None
-        prompt = self.prompt_logprobs if seq.num_output_tokens == 1 else None
-        return StepDelta(seq.request_id, [token], text, reason, position, prompt)
+        choice.text += text
+        # The wire carries raw entries (no decoded text); prompt ones ride on the first token
+        # of the first choice. Ranked sequences (best_of) carry their token's own entry, asked
+        # for or not: a decode worker continuing them needs the first one.
+        position = [logprobs] if logprobs is not None else None
+        first = seq.index == 0 and seq.num_output_tokens == 1
+        prompt = self.prompt_logprobs if first else None
+        return StepDelta(seq.request_id, [token], text, reason, position, prompt, seq.index)
 
     def output(self) -> RequestOutput:
-        seq = self.seq
+        """The request's result: n completions; with best_of > n the n whose tokens have the
+        highest cumulative log-probability, best first, indexed in that order (as vLLM)."""
+        first, params = self.seq, self.seq.params
+        completions = [self._completion(c) for c in self.choices]
+        if params.ranks_sequences:
+            best = sorted(completions, key=lambda c: -(c.cumulative_logprob or 0.0))
+            completions = [dataclasses.replace(c, index=i) for i, c in enumerate(best[: params.n])]
+        seqs = [c.seq for c in self.choices]
+        ended = [s.finished_time for s in seqs]
         return RequestOutput(
-            request_id=seq.request_id,
-            prompt=seq.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            outputs=[self._completion()],
-            finished=seq.is_finished,
-            num_cached_tokens=seq.num_cached_tokens,
+            request_id=first.request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=completions,
+            finished=self.is_finished,
+            num_cached_tokens=first.num_cached_tokens,
             prompt_logprobs=None
             if self.prompt_logprobs is None
             else [p if p is None else self._decoded(p) for p in self.prompt_logprobs],
             metrics=RequestMetrics(
-                seq.arrival_time, seq.first_token_time, seq.finished_time, seq.num_preemptions
+                first.arrival_time,
+                first.first_token_time,
+                None if None in ended else max(t for t in ended if t is not None),
+                sum(s.num_preemptions for s in seqs),
             ),
         )
 
-    def _completion(self) -> CompletionOutput:
-        seq = self.seq
-        out = CompletionOutput(0, self.text, seq.output_token_ids, seq.finish_reason)
-        if self.logprobs is not None:
-            out.logprobs = [self._decoded(p) for p in self.logprobs]
-            tokens = seq.output_token_ids
-            out.cumulative_logprob = sum(
-                p[t].logprob for p, t in zip(self.logprobs, tokens, strict=False)
-            )
+    def _completion(self, choice: Choice) -> CompletionOutput:
+        seq = choice.seq
+        out = CompletionOutput(seq.index, choice.text, seq.output_token_ids, seq.finish_reason)
+        if choice.logprobs is not None or seq.params.ranks_sequences:
+            out.cumulative_logprob = choice.cumulative_logprob
+        if choice.logprobs is not None:
+            out.logprobs = [self._decoded(p) for p in choice.logprobs]
         return out
 
     def _decoded(self, position: PositionLogprobs) -> PositionLogprobs:

@@ -4,6 +4,11 @@ The scheduler is the only owner of the KV blocks: it gives them to the sequences
 to prompts another worker prefills (reservations) and to the decode step launched before the
 current one's tokens are read (the lookahead, see engine/overlap.py); it frees them when a
 sequence ends or is preempted, and publishes full ones to the prefix cache as steps complete.
+
+A request with several choices (n, best_of) is one sequence until its prompt is computed: the
+step that completes the prompt forks it (`Sequence.forks`), its choices joining the batch with
+no tokens to run and sampling from the prompt's last position. Each forked choice is then a
+sequence like any other (preempted alone, recomputed from its prompt and output).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
 from pdmesh.engine.block_manager import BlockManager
-from pdmesh.engine.outputs import EngineStats
+from pdmesh.engine.outputs import EngineStats, ForkStats
 from pdmesh.engine.sequence import Sequence, SequenceStatus
 from pdmesh.kv_transfer.connector import ExternalBlocks
 from pdmesh.sampling_params import SamplingParams
@@ -27,6 +32,11 @@ class ScheduledBatch(NamedTuple):
     seqs: list[Sequence]
     num_new_tokens: list[int]
     preempted: list[Sequence]
+    # Choices forked this step: (index in seqs of the choice, index of the sequence whose
+    # prompt this step completes). A choice runs no tokens and samples from that one's logits.
+    forks: tuple[tuple[int, int], ...] = ()
+    # Copy on write: (source, copy) block pairs whose KV every rank copies before the step.
+    block_copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -92,10 +102,10 @@ class Scheduler:
         fit = taken = 0
         for seq in self.waiting:
             need = self._blocks.blocks_for(seq.num_tokens) - len(seq.block_table)
-            if need > free - taken or slots <= 0:
+            if need > free - taken or slots < seq.num_seqs:
                 break
             taken += need
-            slots -= 1
+            slots -= seq.num_seqs
             fit += 1
         return taken, len(self.waiting) - fit
 
@@ -121,6 +131,10 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finished_time = time.monotonic()
+        for choice in seq.forks:  # never forked: they end with it, holding nothing
+            choice.status, choice.finish_reason = SequenceStatus.FINISHED, reason
+            choice.finished_time = seq.finished_time
+        seq.forks = []
         self._blocks.cache_full_blocks(seq)
         if in_flight:
             self._free_after_step.append(seq)
@@ -138,7 +152,7 @@ class Scheduler:
         # while one of them waits for blocks.
         queued_blocks, beyond = self._waiting_demand()
         if (
-            len(self.running) + len(self._reserved) >= self.max_num_seqs
+            self._seq_slots_taken() + seq.num_seqs > self.max_num_seqs
             or beyond
             or not bm.can_allocate(seq, new_tokens, prefix, queued_blocks)
         ):
@@ -149,19 +163,37 @@ class Scheduler:
         self._reserved[seq.request_id] = seq
         return ExternalBlocks(len(prefix), seq.block_table[len(prefix) :], new_tokens)
 
+    def _seq_slots_taken(self) -> int:
+        return len(self.running) + sum(s.num_seqs for s in self._reserved.values())
+
     def is_reserved(self, request_id: str) -> bool:
         return request_id in self._reserved
 
     def commit(self, request_id: str, defer_caching: bool = False) -> Sequence:
-        """The reserved prompt's KV is in its blocks: the sequence runs from the next step.
-        `defer_caching`: its blocks join the prefix cache at its next `complete` or `finish`."""
+        """The reserved prompt's KV is in its blocks: the sequence runs from the next step, and
+        so do the choices it forks into (`Sequence.forks`). `defer_caching`: its blocks join
+        the prefix cache at its next `complete` or `finish`."""
         seq = self._reserved.pop(request_id)
         seq.num_computed_tokens = seq.num_tokens
         if not defer_caching:
             self._blocks.cache_full_blocks(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+        self._fork(seq)
         return seq
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """`seq`'s prompt is computed (or will be by the end of the step being scheduled): its
+        pending choices share its blocks and run from now on."""
+        forked = [c for c in seq.forks if c.status is SequenceStatus.FORK_PENDING]
+        seq.forks = []
+        for choice in forked:
+            self._blocks.fork(seq, choice)
+            choice.num_computed_tokens = seq.num_tokens
+            choice.num_cached_tokens = seq.num_cached_tokens
+            choice.status = SequenceStatus.RUNNING
+            self.running.append(choice)
+        return forked
 
     def release(self, request_id: str) -> Sequence:
         """The remote prefill failed: free the reserved blocks and queue the prompt here."""
@@ -184,6 +216,18 @@ class Scheduler:
         seqs: list[Sequence] = []
         counts: list[int] = []
         preempted: list[Sequence] = []
+        forks: list[tuple[int, int]] = []
+
+        def take(seq: Sequence, n: int) -> None:
+            seqs.append(seq)
+            counts.append(n)
+            if seq.forks and seq.num_computed_tokens + n >= seq.num_tokens:
+                parent = len(seqs) - 1
+                for choice in self._fork(seq):
+                    skip.add(id(choice))  # in this batch already: not scheduled again
+                    forks.append((len(seqs), parent))
+                    seqs.append(choice)
+                    counts.append(0)
 
         i = 0
         while i < len(self.running) and budget > 0 and len(seqs) < limit:
@@ -202,15 +246,16 @@ class Scheduler:
                     break
             else:
                 bm.allocate(seq, n)
-                seqs.append(seq)
-                counts.append(n)
+                take(seq, n)
                 budget -= n
                 i += 1
 
         while self.waiting and budget > 0 and not preempted and len(seqs) < limit:
-            if len(self.running) >= self.max_num_seqs:
-                break
             seq = self.waiting[0]
+            # A request's choices fork within a step of admission: room for all of them (the
+            # engine refuses a request with more choices than max_num_seqs).
+            if self.running and len(self.running) + seq.num_seqs > self.max_num_seqs:
+                break
             prefix = self._cached_prefix(seq)
             cached = len(prefix) * bm.block_size
             n = min(seq.num_tokens - cached, budget)
@@ -222,10 +267,10 @@ class Scheduler:
                 seq.num_cached_tokens = cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            seqs.append(seq)
-            counts.append(n)
+            take(seq, n)
             budget -= n
-        return ScheduledBatch(seqs, counts, preempted)
+        copies = tuple(bm.take_copies())
+        return ScheduledBatch(seqs, counts, preempted, tuple(forks), copies)
 
     def schedule_lookahead(
         self, prev: ScheduledBatch, sampled: Seq[int], max_model_len: int
@@ -257,14 +302,18 @@ class Scheduler:
             return None
         # `prev` has not been completed yet: each sequence holds slots for num_tokens, and needs
         # one more for the token `prev` samples.
+        # A choice forked in `prev` writes a prompt block it shares: copied first (on the
+        # device, after `prev` wrote it).
         bm = self._blocks
-        need = sum(bm.blocks_for(s.num_tokens + 1) - len(s.block_table) for s in seqs)
+        ahead = [(s, s.num_tokens + 1 - s.num_computed_tokens) for s in seqs]
+        need = sum(bm.blocks_needed(s, n, write_from=s.num_tokens) for s, n in ahead)
         if need > bm.num_free_blocks:
             return None  # `schedule` decides who gives way
-        for seq in seqs:
-            bm.allocate(seq, seq.num_tokens + 1 - seq.num_computed_tokens)
+        for seq, n in ahead:
+            bm.allocate(seq, n, write_from=seq.num_tokens)
         self.num_lookaheads += 1
-        return Lookahead(ScheduledBatch(seqs, [1] * len(seqs), []), rows)
+        copies = tuple(bm.take_copies())
+        return Lookahead(ScheduledBatch(seqs, [1] * len(seqs), [], (), copies), rows)
 
     def complete(self, batch: ScheduledBatch) -> None:
         """The step that ran `batch` is off the device: free the blocks of its sequences finished
@@ -297,6 +346,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # -- state --------------------------------------------------------------------------------
+    def fork_stats(self) -> ForkStats:
+        bm = self._blocks
+        return ForkStats(bm.num_forked_blocks, bm.num_block_copies)
+
     def stats(self) -> EngineStats:
         bm = self._blocks
         return EngineStats(

@@ -29,6 +29,9 @@ class StepInputs:
     host: HostInputs  # the integers these tensors were made from
     # [P]: (index into batch.seqs, position) of each prompt row after the sampled ones
     prompt_rows: list[tuple[int, int]] = field(default_factory=list)
+    # [2, C] int64: (source, copy) block ids whose KV is copied before the forward (copy on
+    # write of blocks shared by a request's choices); None when there are none
+    block_copies: torch.Tensor | None = None
 
 
 @dataclass
@@ -44,6 +47,8 @@ class HostInputs:
     prefill_lens: list[int]  # [P]
     prefill_tables: list[list[int]]  # [P][blocks]
     logits_indices: list[int]  # [S]
+    # [2C]: source and copy block of each copy on write, in pairs
+    block_copies: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -72,6 +77,10 @@ class HostInputs:
             max_prefill_context_len=max(self.prefill_lens, default=0),
         )
         ids = device_ids if device_ids is not None else _to(self.input_ids, torch.int64, device)
+        copies = None
+        if self.block_copies:
+            # [C, 2] pairs -> [2, C]: sources, then copies
+            copies = _to(self.block_copies, torch.int64, device).view(-1, 2).t().contiguous()
         return StepInputs(
             input_ids=ids,
             positions=_to(self.positions, torch.int64, device),
@@ -79,6 +88,7 @@ class HostInputs:
             logits_indices=_to(self.logits_indices, torch.int64, device),
             sample_seq_index=sample_seq_index,
             host=self,
+            block_copies=copies,
         )
 
 

@@ -196,8 +196,8 @@ class KVConnector:
 
     def commit(self, engine: PrefillHost, request_id: str, first: Any) -> Any | None:
         """The reserved prompt's KV arrived and its first token was sampled (`first`: the
-        engine's record of it): the engine's delta, or None when the request was aborted
-        meanwhile."""
+        engine's record of it, a token per sequence): the engine's deltas (one per sequence),
+        or None when the request was aborted meanwhile."""
         if not engine.is_reserved(request_id):
             return None
         # The prompt's blocks join the prefix cache after the next step: TTFT.

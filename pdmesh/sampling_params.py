@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 from pdmesh.errors import InvalidRequest
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's API allows
+MAX_CHOICES = 16  # n and best_of: sequences one request may fork into
 
 
 def is_int(value: object) -> bool:
@@ -103,6 +104,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
     structured_outputs: StructuredOutputsParams | None = None
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists (and a bare string for `stop`) the way vLLM does; store tuples.
@@ -164,6 +167,7 @@ class SamplingParams:
                 "repetition_penalty",
             )
         self._validate_bias()
+        self._validate_choices()
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise InvalidRequest(
@@ -173,6 +177,19 @@ class SamplingParams:
             raise InvalidRequest(
                 f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}.",
                 "min_tokens",
+            )
+
+    def _validate_choices(self) -> None:
+        if not is_int(self.n) or not 1 <= self.n <= MAX_CHOICES:
+            raise InvalidRequest(
+                f"n must be an integer in [1, {MAX_CHOICES}], got {self.n!r}.", "n"
+            )
+        b = self.best_of
+        if b is not None and (not is_int(b) or not self.n <= b <= MAX_CHOICES):
+            raise InvalidRequest(
+                f"best_of must be an integer in [n, {MAX_CHOICES}] (n is {self.n}) or null, "
+                f"got {b!r}.",
+                "best_of",
             )
 
     def _validate_bias(self) -> None:
@@ -194,6 +211,17 @@ class SamplingParams:
                     f"logit_bias values must be numbers in [-100, 100], got {value!r:.50}.",
                     "logit_bias",
                 )
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences generated: best_of, or n when best_of is not set."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def ranks_sequences(self) -> bool:
+        """Whether the n returned are chosen by cumulative log-probability (best_of > n): each
+        sampled token's log-probability is then computed, asked for or not."""
+        return self.num_sequences > self.n
 
     @property
     def greedy(self) -> bool:
