@@ -95,12 +95,10 @@ class LLMEngine:
             )
             max_len = capacity
         self.max_model_len = max_len
-        self.limits = Limits(
-            max_len, config.block_size, self.runner.num_blocks, config.max_num_seqs
-        )
         blocks = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
+        self.limits = Limits(max_len, config.block_size, blocks.num_blocks, config.max_num_seqs)
         self.scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self._requests: dict[str, Request] = {}
         self.grammars = Grammars(self.info.folder, self.info.vocab_size, self.info.eos_token_ids)

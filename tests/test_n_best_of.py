@@ -10,7 +10,7 @@ from support import random_prompts
 from pdmesh import LLM, SamplingParams
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.llm_engine import LLMEngine
-from pdmesh.engine.outputs import FirstTokens, RequestOutput
+from pdmesh.engine.outputs import CompletionOutput, FirstTokens, RequestOutput
 from pdmesh.errors import InvalidRequest
 
 BLOCK = 16
@@ -24,9 +24,13 @@ def _params(**kw: object) -> SamplingParams:
 
 def _separate(llm: LLM, prompt: list[int], n: int, **kw: object) -> list[list[int]]:
     """The same prompt as n requests of their own, seeded seed .. seed + n - 1."""
+    return [c.token_ids for c in _separate_outputs(llm, prompt, n, **kw)]
+
+
+def _separate_outputs(llm: LLM, prompt: list[int], n: int, **kw: object) -> list[CompletionOutput]:
     params = [_params(seed=SEED + i, **kw) for i in range(n)]
     outs = llm.generate([{"prompt_token_ids": prompt}] * n, params)
-    return [o.outputs[0].token_ids for o in outs]
+    return [o.outputs[0] for o in outs]
 
 
 def _choices(out: RequestOutput) -> list[list[int]]:
@@ -52,11 +56,13 @@ def llm(tiny_model):
 @pytest.mark.parametrize("length", [2 * BLOCK, 21, 53])
 def test_n_equals_separate_requests_with_derived_seeds(llm: LLM, length: int) -> None:
     (prompt,) = random_prompts([length], seed=length)
-    expected = _separate(llm, prompt, 4)
+    separate = _separate_outputs(llm, prompt, 4)
+    expected = [c.token_ids for c in separate]
     before = llm.engine.fork_stats()
     (out,) = llm.generate({"prompt_token_ids": prompt}, _params(n=4))
     after = llm.engine.fork_stats()
     assert _choices(out) == expected
+    assert [c.text for c in out.outputs] == [c.text for c in separate]  # a detokenizer each
     assert len(set(map(tuple, expected))) > 1  # the seeds differ: so do the choices
     # Three forks took a reference to each prompt block instead of prefilling it again.
     assert after.blocks_shared - before.blocks_shared == 3 * -(-length // BLOCK)
