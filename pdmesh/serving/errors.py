@@ -84,7 +84,7 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     if len(message) > MAX_DETAILS_CHARS:
         message = message[: MAX_DETAILS_CHARS - 1] + "…"
     field = getattr(error, "field", None)  # so the next hop can name it too (HTTP's param)
-    await context.abort(code, message, ((FIELD_METADATA, field),) if field else None)
+    await context.abort(code, message, ((FIELD_METADATA, field),) if field else ())
 
 
 def _tolerant(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
