@@ -13,6 +13,7 @@ from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.outputs import RequestOutput
 from pdmesh.sampling_params import SamplingParams
+from pdmesh.text.chat_messages import check_tools
 from pdmesh.text.chat_template import Message, chat_token_ids
 
 PromptType = str | dict[str, Any]
@@ -68,11 +69,16 @@ class LLM:
         messages: list[Message] | list[list[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them (chat template applied)."""
+        """Generate replies to one conversation or a list of them (chat template applied).
+        `tools`: OpenAI function definitions, rendered by the chat template as vLLM's `LLM.chat`
+        renders them; messages may hold tool calls and `tool` results. The reply is the
+        model's text (the router's parsers read calls out of it)."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tokenizer = self.engine.tokenizer
-        inputs = [chat_token_ids(tokenizer, conv) for conv in conversations]  # type: ignore[arg-type]
+        checked = check_tools(tools) if tools else None
+        inputs = [chat_token_ids(tokenizer, conv, checked) for conv in conversations]  # type: ignore[arg-type]
         return self._run(inputs, sampling_params, use_tqdm)
 
     def _prompt_input(self, prompt: PromptType) -> str | list[int]:

@@ -178,6 +178,12 @@ def _front_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP; 0: off")
     p.add_argument("--policy", default="kv", help="kv | round_robin")
     p.add_argument("--disagg-min-tokens", type=int, default=64)
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="the model's tool-call format for tool_choice auto: hermes (Hermes, Qwen2.5, "
+        "Qwen3) | llama3_json (Llama 3.1+); default: the one its chat template asks for",
+    )
     _api_key_args(p)
 
 

@@ -163,6 +163,8 @@ def _router(args: argparse.Namespace, prefill: list[str], decode: list[str]) -> 
     argv += ["--http-port", str(args.http_port), "--prefill", ",".join(prefill)]
     argv += ["--decode", ",".join(decode), "--policy", args.policy]
     argv += ["--disagg-min-tokens", str(args.disagg_min_tokens)]
+    if args.tool_call_parser:
+        argv += ["--tool-call-parser", args.tool_call_parser]
     if args.model:
         argv += ["--model", args.model]
     if args.max_model_len:

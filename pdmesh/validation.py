@@ -89,13 +89,30 @@ def check_stop_rules(stop: Sequence[str], stop_token_ids: Sequence[int]) -> None
         )
 
 
+def check_json_text(value: Any, name: str) -> int:
+    """check_text on every string of a JSON value (keys too), naming its path; the number of
+    characters in them."""
+    if isinstance(value, str):
+        return len(check_text(value, name))
+    if isinstance(value, dict):
+        return sum(
+            check_json_text(k, name) + check_json_text(v, f"{name}.{k}") for k, v in value.items()
+        )
+    if isinstance(value, list):
+        return sum(check_json_text(v, f"{name}[{i}]") for i, v in enumerate(value))
+    return 0
+
+
 @dataclass(frozen=True)
 class Prompt:
-    """The prompt as the client gave it: exactly one of text, token ids, chat messages."""
+    """The prompt as the client gave it: exactly one of text, token ids, chat messages; with
+    messages, the tool definitions the chat template renders (checked by the edge)."""
 
     text: str | None = None
     token_ids: list[int] | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tools_field: str = "tools"
 
 
 @dataclass(frozen=True)
@@ -154,12 +171,10 @@ class Validator:
     async def tokenize(self, prompt: Prompt, name: str = "prompt") -> list[int]:
         """The prompt's token ids (its text checked first); InvalidRequest naming `name`."""
         if prompt.messages is not None:
-            messages = prompt.messages
-            for i, m in enumerate(messages):
-                check_text(m["role"], f"{name}[{i}].role")
-                check_text(m["content"], f"{name}[{i}].content")
-            self._check_chars(sum(len(m["content"]) for m in messages), "the chat", "messages")
-            return await self._run(lambda: chat_token_ids(self.tokenizer, messages))
+            messages, tools = prompt.messages, prompt.tools
+            chars = check_json_text(messages, name) + check_json_text(tools, prompt.tools_field)
+            self._check_chars(chars, "the chat", name)
+            return await self._run(lambda: chat_token_ids(self.tokenizer, messages, tools, name))
         if prompt.text is not None:
             text = check_text(prompt.text, name)
             self._check_chars(len(text), "the prompt", "prompt")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdmesh.router.tool_parsers.registry import get_parser
 from pdmesh.serving.auth import ApiKeys
 from pdmesh.serving.tls import TLSConfig
 
@@ -16,7 +17,9 @@ class RouterConfig:
     max_failovers: how many times one request moves to another decode worker when its worker is
     lost or refuses it. tls: the router's certificate for its public API and its hops to
     workers; public_client_auth: clients of the public API must present a certificate signed by
-    `tls.ca` too. api_keys: keys the public API (gRPC and HTTP) requires (none: open)."""
+    `tls.ca` too. api_keys: keys the public API (gRPC and HTTP) requires (none: open).
+    tool_call_parser: the model's tool-call format for tool_choice "auto" (router/tool_parsers;
+    None: the one its chat template asks for)."""
 
     model: str | None = None
     prefill: tuple[str, ...] = ()
@@ -34,6 +37,7 @@ class RouterConfig:
     tls: TLSConfig | None = None
     public_client_auth: bool = False
     api_keys: ApiKeys = field(default_factory=ApiKeys)
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not self.decode:
@@ -48,6 +52,8 @@ class RouterConfig:
             raise ValueError("a router with TLS needs its certificate: --tls-cert and --tls-key.")
         if self.public_client_auth and (self.tls is None or self.tls.ca is None):
             raise ValueError("public_client_auth needs TLS with a CA (--tls-ca).")
+        if self.tool_call_parser is not None:
+            get_parser(self.tool_call_parser)  # ValueError naming the flag and the choices
         for name in ("health_interval_s", "stats_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}.")

@@ -36,6 +36,8 @@ from pdmesh.router.openai_responses import (
     model_card,
     models_body,
 )
+from pdmesh.router.tool_parsers.base import StreamDelta, ToolParser
+from pdmesh.router.tool_parsers.registry import pick_parser
 from pdmesh.serving.auth import ApiKeys
 from pdmesh.serving.convert import FINISH_FROM_PB
 from pdmesh.v1.generation_pb2 import GenerateResponse as Chunk
@@ -119,13 +121,18 @@ class Gateway:
     def __init__(self, router: Router) -> None:
         self.router = router
         self.created = int(time.time())
+        # The model's tool-call format, for tool_choice "auto".
+        template = router.validator.tokenizer.chat_template
+        self.tool_format = pick_parser(router.config.tool_call_parser, template)
 
     async def generate(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         """/v1/completions and /v1/chat/completions."""
         record = metrics.RequestRecorder(endpoint)
+        req: OpenAIRequest | None = None
         try:
             body = await read_json(request)
             req = parse(body, chat=endpoint == CHAT)
+            tools = req.tools.parser(self.tool_format) if req.tools is not None else None
             inp = await self.router.validator.validate(
                 req.spec, "chatcmpl-" if req.chat else "cmpl-"
             )
@@ -136,17 +143,23 @@ class Gateway:
                 # first token (no worker, a refused submit) are still proper HTTP statuses.
                 first = await anext(chunks)
                 if req.stream:
-                    return await _stream(request, req, head, first, chunks, record)
+                    return await _stream(request, req, head, first, chunks, record, tools)
                 texts: list[str] = []
                 async for chunk in _through_last(first, chunks, record):
                     texts.append(chunk.text)
                 record.done("200")
                 reason = FINISH_FROM_PB[chunk.finish_reason]
-                return web.json_response(full_body(head, "".join(texts), reason, chunk.usage))
+                if tools is None:
+                    return web.json_response(full_body(head, "".join(texts), reason, chunk.usage))
+                content, calls = tools.parse("".join(texts))
+                reason = _finish_reason(reason, bool(calls))
+                return web.json_response(full_body(head, content, reason, chunk.usage, calls))
         except asyncio.CancelledError:
             record.done(CLIENT_CLOSED)
             raise
         except Exception as exc:
+            if req is not None and req.tools is not None:
+                exc = req.tools.refusal(exc)
             status, message, param = status_of(exc)
             record.done(str(status))
             return error_response(status, message, param)
@@ -183,6 +196,11 @@ class Gateway:
         return web.Response(body=body, headers={"Content-Type": content_type})
 
 
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    """OpenAI's "tool_calls" when the output ended in calls (a cut-off one stays "length")."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
 async def _through_last(
     first: Chunk, chunks: AsyncIterator[Chunk], record: metrics.RequestRecorder
 ) -> AsyncIterator[Chunk]:
@@ -203,6 +221,7 @@ async def _stream(
     first: Chunk,
     chunks: AsyncIterator[Chunk],
     record: metrics.RequestRecorder,
+    tools: ToolParser | None,
 ) -> web.StreamResponse:
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
@@ -212,10 +231,16 @@ async def _stream(
         if req.chat:
             await response.write(writer.role())
         async for chunk in _through_last(first, chunks, record):
-            if chunk.text:
+            if chunk.text and tools is None:
                 await response.write(writer.text(chunk.text, None))
+            elif chunk.text and tools is not None:
+                await _write_delta(response, writer, tools.feed(chunk.text))
+        reason = FINISH_FROM_PB[chunk.finish_reason]
+        if tools is not None:
+            await _write_delta(response, writer, tools.finish())
+            reason = _finish_reason(reason, tools.called)
         # OpenAI ends with a chunk of its own carrying only the finish reason.
-        await response.write(writer.text("", FINISH_FROM_PB[chunk.finish_reason]))
+        await response.write(writer.text("", reason))
         if req.include_usage:
             await response.write(writer.usage(chunk.usage))
     except ConnectionResetError:
@@ -229,6 +254,13 @@ async def _stream(
     await _write_quietly(response, ChunkWriter.DONE)
     record.done(status)
     return response
+
+
+async def _write_delta(response: web.StreamResponse, writer: ChunkWriter, d: StreamDelta) -> None:
+    if d.calls:
+        await response.write(writer.tool_calls(d.content, d.calls))
+    elif d.content:
+        await response.write(writer.text(d.content, None))
 
 
 async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:

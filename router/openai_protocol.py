@@ -15,11 +15,14 @@ from typing import Any
 
 from pdmesh.errors import InvalidRequest
 from pdmesh.router.openai_structured import structured_from_body
+from pdmesh.router.openai_tools import tool_use_from_body
+from pdmesh.router.tool_choice import ToolUse
 from pdmesh.sampling_params import is_int
 from pdmesh.validation import Prompt, RequestSpec
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 TEXT_PART = "text"
+_MESSAGE_TOOL_FIELDS = ("name", "tool_calls", "tool_call_id")
 _SAMPLING_NUMBERS = (
     "temperature",
     "top_p",
@@ -38,8 +41,7 @@ _UNSUPPORTED: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("echo", (None, False)),
     ("suffix", (None, "")),
     ("best_of", (None, 1)),
-    ("tools", (None, [])),
-    ("functions", (None, [])),
+    ("functions", (None, [])),  # deprecated by OpenAI for tools
 )
 
 
@@ -51,6 +53,7 @@ class OpenAIRequest:
     spec: RequestSpec
     stream: bool
     include_usage: bool
+    tools: ToolUse | None = None
 
 
 def _is_bool(v: Any) -> bool:
@@ -185,19 +188,26 @@ def _message_content(content: Any, i: int) -> str:
     return "".join(texts)
 
 
-def _messages(body: dict[str, Any]) -> Prompt:
+def _messages(body: dict[str, Any], tools: ToolUse | None) -> Prompt:
+    """The conversation (its tool fields are checked with the template's input, in
+    pdmesh.text.chat_messages) and the tools to render."""
     v = body.get("messages")
     if not isinstance(v, list) or not v:
         raise InvalidRequest("messages must be a non-empty list of messages.", "messages")
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(v):
         if not isinstance(m, dict):
             raise InvalidRequest(f"messages[{i}] must be an object.", f"messages[{i}]")
         role = m.get("role")
         if not isinstance(role, str) or not role:
             raise InvalidRequest(f"messages[{i}].role must be a string.", f"messages[{i}].role")
-        out.append({"role": role, "content": _message_content(m.get("content"), i)})
-    return Prompt(messages=out)
+        message = {k: m[k] for k in _MESSAGE_TOOL_FIELDS if m.get(k) is not None}
+        # OpenAI: an assistant message's content may be null when it has tool calls.
+        content = m.get("content")
+        if content is not None or role != "assistant" or not m.get("tool_calls"):
+            content = _message_content(content, i)
+        out.append({"role": role, "content": content, **message})
+    return Prompt(messages=out, tools=tools.tools if tools is not None else None)
 
 
 def parse(body: Any, chat: bool) -> OpenAIRequest:
@@ -206,17 +216,23 @@ def parse(body: Any, chat: bool) -> OpenAIRequest:
         raise InvalidRequest("the request body must be a JSON object.")
     _check_unsupported(body)
     stream, include_usage = _stream(body)
+    if not chat and body.get("tools"):
+        raise InvalidRequest("tools are for /v1/chat/completions only.", "tools")
+    tools = tool_use_from_body(body) if chat else None
+    sampling = _sampling(body)
+    if tools is not None:
+        tools.constrain(sampling)
     # max_completion_tokens replaces chat's deprecated max_tokens; either is accepted.
     given = chat and body.get("max_completion_tokens") is not None
     name = "max_completion_tokens" if given else "max_tokens"
     spec = RequestSpec(
-        prompt=_messages(body) if chat else _completion_prompt(body),
+        prompt=_messages(body, tools) if chat else _completion_prompt(body),
         prompt_field="messages" if chat else "prompt",
         model=_field(body.get("model"), "model", _is_str, "a string", ""),
         max_tokens=body.get(name),
         max_tokens_field=name,
         must_fit=True,
         default_max_tokens=None if chat else COMPLETION_DEFAULT_MAX_TOKENS,
-        sampling=_sampling(body),
+        sampling=sampling,
     )
-    return OpenAIRequest(chat, spec, stream, include_usage)
+    return OpenAIRequest(chat, spec, stream, include_usage, tools)

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from pdmesh.router.tool_parsers.base import ToolCall, ToolCallDelta
 from pdmesh.v1.generation_pb2 import Usage
 
 ERROR_TYPE_BY_STATUS = {
@@ -53,14 +54,34 @@ def usage_body(usage: Usage) -> dict[str, Any]:
     }
 
 
+def tool_call_body(call: ToolCall) -> dict[str, Any]:
+    function = {"name": call.name, "arguments": call.arguments}
+    return {"id": call.id, "type": "function", "function": function}
+
+
+def tool_call_delta_body(delta: ToolCallDelta) -> dict[str, Any]:
+    """A streamed call's piece: index, id, type and name first, then argument fragments."""
+    if delta.id is None:
+        return {"index": delta.index, "function": {"arguments": delta.arguments}}
+    function = {"name": delta.name, "arguments": delta.arguments}
+    return {"index": delta.index, "id": delta.id, "type": "function", "function": function}
+
+
 def full_body(
-    head: ResponseHead, text: str, finish_reason: str | None, usage: Usage
+    head: ResponseHead,
+    text: str | None,
+    finish_reason: str | None,
+    usage: Usage,
+    tool_calls: list[ToolCall] | None = None,
 ) -> dict[str, Any]:
-    """A non-streamed text_completion or chat.completion."""
+    """A non-streamed text_completion or chat.completion (`text`: the message's content)."""
     if head.chat:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = [tool_call_body(c) for c in tool_calls]
         choice: dict[str, Any] = {
             "index": 0,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
             "logprobs": None,
             "finish_reason": finish_reason,
         }
@@ -114,6 +135,13 @@ class ChunkWriter:
             choice = {"index": 0, "text": text}
         choice["logprobs"] = None
         choice["finish_reason"] = finish_reason
+        return self._event([choice])
+
+    def tool_calls(self, content: str, calls: list[ToolCallDelta]) -> bytes:
+        """A chat chunk with content and pieces of tool calls."""
+        delta: dict[str, Any] = {"content": content} if content else {}
+        delta["tool_calls"] = [tool_call_delta_body(d) for d in calls]
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
         return self._event([choice])
 
     def usage(self, usage: Usage) -> bytes:

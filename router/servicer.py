@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import grpc
 
 from pdmesh.errors import InvalidRequest
 from pdmesh.router import metrics
+from pdmesh.router.chat_pb import CallsAtEnd, messages_from_pb, tool_use_from_pb, tools_from_pb
 from pdmesh.router.core import Router
+from pdmesh.router.tool_choice import NONE
+from pdmesh.router.tool_parsers.registry import pick_parser
 from pdmesh.serving.convert import sampling_fields_from_pb
 from pdmesh.serving.errors import status_name
 from pdmesh.v1 import generation_pb2 as gen_pb
@@ -18,14 +22,16 @@ from pdmesh.validation import Prompt, RequestSpec
 
 GRPC_ENDPOINT = "grpc"  # the `endpoint` label of the router's metrics for gRPC requests
 CHAT_FIELD = "chat.messages"
+TOOLS_FIELD = "chat.tools"
 
 
 def prompt_from_pb(req: gen_pb.GenerateRequest | gen_pb.TokenizeRequest) -> tuple[Prompt, str]:
     """The request's `input` (an empty Prompt when none is set) and its field's name."""
     kind = req.WhichOneof("input")
     if kind == "chat":
-        messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
-        return Prompt(messages=messages), CHAT_FIELD
+        tools = tools_from_pb(req.chat) or None
+        prompt = Prompt(messages=messages_from_pb(req.chat), tools=tools, tools_field=TOOLS_FIELD)
+        return prompt, CHAT_FIELD
     if kind == "token_ids":
         return Prompt(token_ids=list(req.token_ids.ids)), "prompt"  # type: ignore[union-attr]
     return Prompt(text=req.text if kind == "text" else None), "prompt"
@@ -34,12 +40,17 @@ def prompt_from_pb(req: gen_pb.GenerateRequest | gen_pb.TokenizeRequest) -> tupl
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, router: Router) -> None:
         self.router = router
+        # The model's tool-call format, for tool_choice "auto".
+        template = router.validator.tokenizer.chat_template
+        self.tool_format = pick_parser(router.config.tool_call_parser, template)
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
         record = metrics.RequestRecorder(GRPC_ENDPOINT)
+        calls: CallsAtEnd | None = None
         try:
             sampling = sampling_fields_from_pb(request.sampling)
             prompt, prompt_field = prompt_from_pb(request)
+            calls = self._tool_calls(request, prompt, sampling)
             remaining_s = context.time_remaining()
             spec = RequestSpec(
                 prompt=prompt,
@@ -54,14 +65,30 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             record.prompt(len(inp.prompt))
             async for chunk in self.router.generate(inp):
                 record.tokens(len(chunk.token_ids))
+                if calls is not None:
+                    calls.see(chunk)
                 yield chunk
         except asyncio.CancelledError:
             record.done(grpc.StatusCode.CANCELLED.name)
             raise
         except Exception as exc:
             record.done(status_name(exc))
+            refusal = calls.tools.refusal(exc) if calls is not None else exc
+            if refusal is not exc:
+                raise refusal from None
             raise
         record.done(grpc.StatusCode.OK.name)
+
+    def _tool_calls(
+        self, request: gen_pb.GenerateRequest, prompt: Prompt, sampling: dict[str, Any]
+    ) -> CallsAtEnd | None:
+        """For a chat with tools: their constraint put on `sampling`, and what parses the calls
+        (None: no tools, or tool_choice "none")."""
+        tools = tool_use_from_pb(request.chat, prompt.tools or []) if prompt.messages else None
+        if tools is None:
+            return None
+        tools.constrain(sampling)
+        return CallsAtEnd(tools, self.tool_format) if tools.choice != NONE else None
 
     async def GetModelInfo(self, request, context):
         r = self.router

@@ -54,7 +54,13 @@ def test_lone_surrogates_are_400_naming_the_field(mesh: Mesh, text: str) -> None
             "tools": [{"type": "function", "function": {"name": text}}],
         },
     )
-    assert status == 400 and reply["error"]["param"] == "tools"
+    assert status == 400 and reply["error"]["param"] == "tools[0].function.name"
+    tool = {"type": "function", "function": {"name": "f", "description": text}}
+    status, reply = post_json(
+        mesh.http, CHAT, {"messages": [{"role": "user", "content": "t1"}], "tools": [tool]}
+    )
+    assert status == 400 and reply["error"]["param"] == "tools[0].function.description"
+    assert "not valid Unicode text" in reply["error"]["message"]
 
 
 @pytest.mark.parametrize("text", ODD_TEXT)

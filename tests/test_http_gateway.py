@@ -136,6 +136,16 @@ def test_models_health_and_metrics(mesh: Mesh) -> None:
 _LONG = "hello " * 9000
 
 
+_TOOLS: dict[str, Any] = {
+    "messages": [{"role": "user", "content": "hi"}],
+    "tools": [{"type": "function", "function": {"name": "ping"}}],
+}
+
+
+def _named(name: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name}}
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
@@ -164,6 +174,44 @@ _LONG = "hello " * 9000
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages[0].content"),
         ("/v1/completions", b"{not json", None),
+        ("/v1/chat/completions", {**_TOOLS, "tool_choice": _named("launch")}, "tool_choice"),
+        ("/v1/chat/completions", {**_TOOLS, "tool_choice": "always"}, "tool_choice"),
+        ("/v1/chat/completions", {**_TOOLS, "tools": {"name": "f"}}, "tools"),
+        (
+            "/v1/chat/completions",
+            {**_TOOLS, "tools": [{"type": "function", "function": {"name": "a b"}}]},
+            "tools[0].function.name",
+        ),
+        (
+            "/v1/chat/completions",
+            {**_TOOLS, "tools": [], "tool_choice": "required"},
+            "tool_choice",
+        ),
+        ("/v1/chat/completions", {**_TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        (
+            "/v1/chat/completions",
+            {
+                **_TOOLS,
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "tool_choice",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}],
+                    },
+                ]
+            },
+            "messages[1].tool_calls[0].function.arguments",
+        ),
+        ("/v1/completions", {"prompt": "hi", "tools": _TOOLS["tools"]}, "tools"),
     ],
 )
 def test_bad_requests_are_400_naming_the_field(
@@ -339,3 +387,82 @@ def test_a_constraint_the_workers_cannot_compile_is_400_naming_it(mesh: Mesh) ->
     assert error["param"] == "structured_outputs.regex"  # the worker's field, relayed
     status, _, raw = _request(mesh, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})
     assert status == 200, raw
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "a": {"type": "integer", "minimum": 0, "maximum": 1000},
+                "b": {"type": "integer", "minimum": 0, "maximum": 1000},
+            },
+            "required": ["a", "b"],
+        },
+    },
+}
+
+
+def test_tool_calls_through_the_mesh(mesh: Mesh) -> None:
+    """With the openai SDK on the default model (its template ignores tools: pdmesh writes them
+    into the system prompt, which then needs a remote prefill): tool_choice "required" and a
+    named function return calls whose arguments validate against the tool's schema; the stream
+    the SDK reassembles is the same call; the mesh holds nothing afterwards."""
+    import jsonschema
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{mesh.http}/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ADD)}
+    before = mesh.stats(mesh.decode[0]).remote_prefills
+    cases = (
+        ("Weather", "What is the weather in Paris?", "required"),
+        ("Sums", "What is 12 plus 30?", {"type": "function", "function": {"name": "add"}}),
+    )
+    for topic, question, choice in cases:
+        # A system message of its own first: no prefix-cache hit brings the prompt (the tools
+        # are written after it) under 64 new tokens; the streamed repeat is a hit, local.
+        system = {"role": "system", "content": f"{topic}. You answer by calling functions."}
+        kwargs: dict[str, Any] = dict(
+            model=model,
+            messages=[system, {"role": "user", "content": question}],
+            tools=[WEATHER, ADD],
+            tool_choice=choice,
+            parallel_tool_calls=False,
+            temperature=0,
+            max_tokens=100,
+        )
+        done = client.chat.completions.create(**kwargs).choices[0]
+        assert done.finish_reason == "tool_calls", done.message
+        (call,) = done.message.tool_calls
+        assert call.id.startswith("call_") and call.type == "function"
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        with client.chat.completions.stream(**kwargs) as stream:
+            final = stream.get_final_completion().choices[0]
+        assert final.finish_reason == "tool_calls"
+        (streamed,) = final.message.tool_calls
+        assert (streamed.function.name, streamed.function.arguments) == (
+            call.function.name,
+            call.function.arguments,
+        )
+    assert call.function.name == "add"
+    assert mesh.stats(mesh.decode[0]).remote_prefills == before + len(cases)
+    assert mesh.stats(mesh.decode[0]).num_running == 0

@@ -104,7 +104,7 @@ def test_word_tokenizer_and_template_match_transformers(
 def test_a_refused_conversation_names_the_messages(word_pair: tuple[Tokenizer, object]) -> None:
     ours, _ = word_pair
     with pytest.raises(InvalidRequest, match="refused these messages: unknown role") as err:
-        chat_token_ids(ours, [{"role": "tool", "content": "t1"}])
+        chat_token_ids(ours, [{"role": "critic", "content": "t1"}])
     assert err.value.field == "messages"
     with pytest.raises(InvalidRequest, match="non-empty list"):
         chat_token_ids(ours, [])

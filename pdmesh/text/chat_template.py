@@ -1,8 +1,10 @@
 """A conversation through the model's chat template, to prompt token ids.
 
 The template is rendered as transformers' `apply_chat_template` renders it (the same sandboxed
-Jinja environment, globals and filters; the named special tokens as variables; a generation
-prompt added), then tokenized without special tokens, so the ids are transformers' own.
+Jinja environment, globals and filters; the named special tokens as variables; the tool
+definitions as `tools`; a generation prompt added), then tokenized without special tokens, so
+the ids are transformers' own. A template that never reads `tools` gets them, and any tool
+turns, written into the messages instead (pdmesh.text.tool_prompt says why).
 """
 
 from __future__ import annotations
@@ -13,50 +15,56 @@ from functools import lru_cache
 from typing import Any
 
 import jinja2
+from jinja2 import meta
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from pdmesh.errors import InvalidRequest
+from pdmesh.text.chat_messages import Message, check_messages, has_tool_turns
 from pdmesh.text.tokenizer import Tokenizer
+from pdmesh.text.tool_prompt import inline_tools
 
-Message = dict[str, str]
+__all__ = ["Message", "chat_token_ids", "renders_tools"]
 
 
-def chat_token_ids(tokenizer: Tokenizer, messages: list[Message]) -> list[int]:
-    """The prompt token ids of one conversation through the model's chat template.
-    InvalidRequest (field "messages") when the conversation is malformed, the model has no
-    template, or the template refuses it (a role it forbids, ...)."""
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest(
-            "messages must be a non-empty list of {'role': ..., 'content': ...}.", "messages"
-        )
-    for m in messages:
-        if (
-            not isinstance(m, dict)
-            or not isinstance(m.get("role"), str)
-            or not isinstance(m.get("content"), str)
-        ):
-            raise InvalidRequest(
-                f"each message needs a string 'role' and 'content', got {m!r:.200}.", "messages"
-            )
-    if tokenizer.chat_template is None:
+def chat_token_ids(
+    tokenizer: Tokenizer,
+    messages: list[Message],
+    tools: list[dict[str, Any]] | None = None,
+    field: str = "messages",
+) -> list[int]:
+    """The prompt token ids of one conversation through the model's chat template; `tools` are
+    checked already (pdmesh.text.chat_messages.check_tools). InvalidRequest naming `field` (the
+    messages) when the conversation is malformed, the model has no template, or the template
+    refuses it (a role it forbids, ...)."""
+    conversation = check_messages(messages, field)
+    template = tokenizer.chat_template
+    if template is None:
         raise InvalidRequest(
             "this model's tokenizer has no chat template; send a prompt (text or token ids).",
-            "messages",
+            field,
         )
+    if (tools or has_tool_turns(conversation)) and not renders_tools(template):
+        conversation = inline_tools(conversation, tools)
     try:
-        text = _compile(tokenizer.chat_template).render(
-            messages=[dict(m) for m in messages],
-            tools=None,
+        text = _compile(template).render(
+            messages=conversation,
+            tools=tools or None,
             documents=None,
             add_generation_prompt=True,
             **tokenizer.special_tokens,
         )
-    except jinja2.TemplateError as e:  # the template refused the conversation
+    except (jinja2.TemplateError, TypeError) as e:  # refused, or a shape it cannot render
         raise InvalidRequest(
-            f"the model's chat template refused these messages: {e}.", "messages"
+            f"the model's chat template refused these messages: {e}.", field
         ) from None
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+@lru_cache(maxsize=8)
+def renders_tools(template: str) -> bool:
+    """Whether the template reads its `tools` variable at all."""
+    return "tools" in meta.find_undeclared_variables(_ENV.parse(template))
 
 
 class _Generation(Extension):
@@ -127,8 +135,7 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-@lru_cache(maxsize=8)
-def _compile(template: str) -> jinja2.Template:
+def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols]
     )
@@ -137,4 +144,12 @@ def _compile(template: str) -> jinja2.Template:
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _Namespace
-    return env.from_string(template)
+    return env
+
+
+_ENV = _environment()
+
+
+@lru_cache(maxsize=8)
+def _compile(template: str) -> jinja2.Template:
+    return _ENV.from_string(template)
