@@ -73,6 +73,12 @@ def add_up(sub: Any) -> None:
         help = f"pipeline stages of each {role} worker (default: --pipeline-parallel-size)"
         u.add_argument(f"--{role}-pp", type=int, default=None, help=help)
     u.add_argument(
+        "--kvstore",
+        action="store_true",
+        help="start a KV store too (`pdmesh kvstore`; the workers do not use it yet)",
+    )
+    u.add_argument("--kvstore-capacity-gib", type=float, default=2.0, help="its --capacity-gib")
+    u.add_argument(
         "--colocated",
         action="store_true",
         help="no prefill pool: decode workers do both phases (the baseline)",
@@ -155,6 +161,48 @@ def add_services(sub: Any) -> None:
 
     p = _worker(sub, "prefill", 50071, cmd_prefill)
     p.add_argument("--kv-send-timeout", type=float, default=30.0)
+    _kvstore_args(_service(sub, "kvstore", "run a KV store the workers share", 50081, cmd_kvstore))
+
+
+def _kvstore_args(s: argparse.ArgumentParser) -> None:
+    """`pdmesh kvstore`: its data plane (named like a decode worker's too), budget, timeouts."""
+    host, port, advertise = (("--data-" + n, "--kv-" + n) for n in ("host", "port", "advertise"))
+    s.add_argument(
+        *host, dest="kv_host", metavar="HOST", help="data plane bind host (default: --host)"
+    )
+    s.add_argument(
+        *port,
+        dest="kv_port",
+        metavar="PORT",
+        type=int,
+        default=50082,
+        help="data plane port workers push blocks to and get them from; 0: a free one",
+    )
+    s.add_argument(
+        *advertise,
+        dest="kv_advertise",
+        metavar="HOST[:PORT]",
+        help="HOST or HOST:PORT workers reach the data plane at (default: the bound address; "
+        "needed with --host 0.0.0.0)",
+    )
+    s.add_argument(
+        "--capacity-gib",
+        type=float,
+        default=4.0,
+        help="GiB of KV blocks held in memory; beyond it the least recently used are evicted",
+    )
+    s.add_argument(
+        "--put-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a worker's blocks may take to arrive before they are dropped",
+    )
+    s.add_argument(
+        "--get-timeout", type=float, default=30.0, help="the longest a push to a worker may take"
+    )
+    s.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics; 0: off")
+    s.add_argument("--api-keys", default=None, help="comma-separated keys every call needs")
+    s.add_argument("--api-keys-file", default=None, help="a file of API keys, one per line")
 
 
 def _reliability_args(p: argparse.ArgumentParser) -> None:
@@ -276,3 +324,23 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     from pdmesh.prefill_service.server import serve
 
     return _serve_worker(PrefillConfig, serve, args, kv_send_timeout_s=args.kv_send_timeout)
+
+
+def cmd_kvstore(args: argparse.Namespace) -> int:
+    from pdmesh.kvstore_service.config import GIB, KVStoreConfig
+    from pdmesh.kvstore_service.server import serve
+    from pdmesh.serving.auth import ApiKeys
+
+    config = KVStoreConfig(
+        bind=f"{args.host}:{args.port}",
+        data_bind=f"tcp://{args.kv_host or args.host}:{args.kv_port}",
+        data_advertise=args.kv_advertise,
+        capacity_bytes=int(args.capacity_gib * GIB),
+        put_timeout_s=args.put_timeout,
+        get_timeout_s=args.get_timeout,
+        metrics_bind=f"{args.host}:{args.metrics_port}" if args.metrics_port else None,
+        tls=tls_config(args),
+        api_keys=ApiKeys.from_flags(args.api_keys, args.api_keys_file),
+    )
+    asyncio.run(serve(config))
+    return 0

@@ -1,11 +1,12 @@
 """`pdmesh up`: which services a local mesh runs, on which ports and GPUs, with which flags.
 
-`plan_mesh` turns `pdmesh up`'s flags into one `ProcessSpec` per service (prefill workers, decode
-workers, then the router, each a `python -m pdmesh.cli` command on free ports) without starting
-anything; `run_up` starts them under pdmesh/supervisor.py, waits until the router has every
-worker in rotation, and restarts workers that exit until Ctrl-C or SIGTERM. Engine and TLS
-flags go to every worker (TLS to the router too; each child uses the same certificate as server
-and client); API keys go to the router through its environment, not its command line.
+`plan_mesh` turns `pdmesh up`'s flags into one `ProcessSpec` per service (a KV store when asked,
+prefill workers, decode workers, then the router, each a `python -m pdmesh.cli` command on free
+ports) without starting anything; `run_up` starts them under pdmesh/supervisor.py, waits until
+the router has every worker in rotation (and the KV store serves), and restarts workers that
+exit until Ctrl-C or SIGTERM. Engine and TLS flags go to every worker (TLS to the router and the
+KV store too; each child uses the same certificate as server and client); API keys go to the
+router through its environment, not its command line.
 """
 
 from __future__ import annotations
@@ -22,15 +23,17 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from pdmesh import envs
+from pdmesh import envs, healthcheck
 from pdmesh.client import RouterClient
 from pdmesh.flags import engine_argv, engine_options, tls_argv
 from pdmesh.processes import free_port
+from pdmesh.serving.tls import TLSConfig
 from pdmesh.supervisor import Child, ProcessSpec, spawn, stop_all, supervise, wait_ready
 
 # What `pdmesh up` prints once it is up: a line a service, then READY (`read_services` reads them).
 SERVICE_LINE = re.compile(
-    r"\s+(?P<name>(?P<role>prefill|decode|router)(?:-\d+)?): (?P<address>\S+) \(pid (?P<pid>\d+)\)"
+    r"\s+(?P<name>(?P<role>prefill|decode|router|kvstore)(?:-\d+)?): (?P<address>\S+) "
+    r"\(pid (?P<pid>\d+)\)"
     r"(?:, metrics (?P<metrics>\S+))?"
 )
 READY = "Ctrl-C stops everything."
@@ -41,10 +44,10 @@ class Service:
     """One service of a running `pdmesh up`, as it lists them."""
 
     name: str
-    role: str  # prefill | decode | router
+    role: str  # prefill | decode | router | kvstore
     address: str
     pid: int
-    metrics: str | None  # its /metrics URL (workers)
+    metrics: str | None  # its /metrics URL (workers, the KV store)
 
 
 def quiet_up(port: int, *argv: str, http_port: int = 0) -> list[str]:
@@ -179,9 +182,22 @@ def _router(args: argparse.Namespace, prefill: list[str], decode: list[str]) -> 
     return ProcessSpec("router", pdmesh_command(*argv), address, env=env, restart=False)
 
 
+def _kvstore(args: argparse.Namespace) -> ProcessSpec:
+    """A KV store on free ports (gRPC, data plane, /metrics), with the mesh's TLS."""
+    port, data_port, metrics_port = (free_port(args.host) for _ in range(3))
+    argv = ["kvstore", "--host", args.host, "--port", str(port), "--data-port", str(data_port)]
+    argv += ["--metrics-port", str(metrics_port), "--capacity-gib", str(args.kvstore_capacity_gib)]
+    return ProcessSpec(
+        "kvstore",
+        pdmesh_command(*argv, *tls_argv(args)),
+        f"{args.host}:{port}",
+        f"http://{args.host}:{metrics_port}/metrics",
+    )
+
+
 def plan_mesh(args: argparse.Namespace) -> list[ProcessSpec]:
-    """The services of `pdmesh up ARGS`, in start order: prefill workers, decode workers, the
-    router (the one whose exit stops the mesh)."""
+    """The services of `pdmesh up ARGS`, in start order: the KV store (--kvstore), prefill
+    workers, decode workers, the router (the one whose exit stops the mesh)."""
     options, tls = engine_options(args), tls_argv(args)
     if options["nnodes"] != 1:
         raise ValueError(
@@ -191,7 +207,7 @@ def plan_mesh(args: argparse.Namespace) -> list[ProcessSpec]:
     decode_flags = ["--max-waiting-requests", str(args.max_waiting_requests)]
     decode_flags += ["--prefill-timeout", str(args.prefill_timeout)]
     gpus = GpuPlacement(args.device)
-    specs: list[ProcessSpec] = []
+    specs: list[ProcessSpec] = [_kvstore(args)] if args.kvstore else []
     prefill: dict[str, range | None] = {}  # address -> GPUs
     for i in range(0 if args.colocated else args.prefill):
         layout = _layout(args, "prefill")
@@ -217,6 +233,17 @@ def wait_for_workers(
     TimeoutError after `timeout_s`)."""
     client = router if isinstance(router, RouterClient) else RouterClient(router)
     wait_ready(children, lambda: client.has_workers(prefill, decode), timeout_s, "the mesh")
+
+
+def wait_for_kvstore(children: list[Child], tls: TLSConfig | None, timeout_s: float) -> None:
+    """Until the KV store among `children`, if there is one, serves."""
+    stores = [c.address for c in children if c.name == "kvstore"]
+
+    def serving() -> bool:
+        return all(healthcheck.check(a, tls=tls)[0] == healthcheck.SERVING for a in stores)
+
+    if stores:
+        wait_ready(children, serving, timeout_s, "the KV store")
 
 
 def _print_endpoints(args: argparse.Namespace, client: RouterClient, children: list[Child]) -> None:
@@ -247,6 +274,7 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         prefill = 0 if args.colocated else args.prefill
         wait_for_workers(client, prefill, args.decode, children, args.ready_timeout)
+        wait_for_kvstore(children, client.tls, args.ready_timeout)
         _print_endpoints(args, client, children)
         if args.ask:
             print(f"Q: {args.ask}\nA: {client.ask(args.ask)}", flush=True)

@@ -36,6 +36,9 @@ TRACED_METHODS = (
     "/pdmesh.v1.DecodeWorker/Submit",
     "/pdmesh.v1.DecodeWorker/Abort",
     "/pdmesh.v1.PrefillWorker/Prefill",
+    "/pdmesh.v1.KVStore/Lookup",
+    "/pdmesh.v1.KVStore/Put",
+    "/pdmesh.v1.KVStore/Get",
 )
 _PROPAGATOR = TraceContextTextMapPropagator()
 
