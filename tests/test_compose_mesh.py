@@ -84,7 +84,7 @@ def mesh(default_model_folder: Path) -> Iterator[ComposeMesh]:
         # Export spans within 0.1 s instead of 5 s, and keep the logs short.
         extra_env={"OTEL_BSP_SCHEDULE_DELAY": "100", "PDMESH_LOG_LEVEL": "WARNING"},
     )
-    assert set(services) == {"router", "prefill-0", "decode-0"}
+    assert set(services) == {"router", "prefill-0", "decode-0", "kvstore"}
     m = ComposeMesh(services, receiver)
     start(services)
     try:

@@ -40,7 +40,8 @@ def test_compose_validation_rejects_a_broken_file(tmp_path: Path) -> None:
 def test_gpu_workers_reserve_gpus_and_the_cpu_override_drops_them() -> None:
     gpu = compose_config(COMPOSE_FILES[:1])
     cpu = compose_config(COMPOSE_FILES)
-    workers = [n for n, s in pdmesh_services(gpu).items() if s["command"][1] != "router"]
+    roles = ("prefill", "decode")  # the KV store needs no GPU
+    workers = [n for n, s in pdmesh_services(gpu).items() if s["command"][1] in roles]
     assert workers == ["decode-0", "prefill-0"]
     gpu_ids = []
     for name in workers:
@@ -122,7 +123,9 @@ def test_kubernetes_manifests_validate_offline() -> None:
     assert kinds == [
         "ConfigMap",
         "Deployment",
+        "Deployment",
         "Namespace",
+        "Service",
         "Service",
         "Service",
         "Service",
@@ -163,6 +166,23 @@ def test_router_lists_every_statefulset_pod_and_pods_are_scraped() -> None:
         "containers"][0]["env"]}  # fmt: skip
     assert decode_env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert decode_env["PDMESH_KV_ADVERTISE"]["value"] == "$(POD_IP)"
+
+
+def test_the_kv_store_is_deployed_with_its_data_plane_advertised() -> None:
+    compose = compose_config()["services"]["kvstore"]
+    env = compose["environment"]
+    assert compose["command"] == ["pdmesh", "kvstore"] and "deploy" not in compose  # no GPU
+    assert env["PDMESH_KV_ADVERTISE"] == "kvstore" and env["PDMESH_KV_PORT"] == "50082"
+    docs = {(d["kind"], d["metadata"]["name"]): d for _, d in _manifests()}
+    deployment = docs["Deployment", "kvstore"]
+    pod = deployment["spec"]["template"]
+    container = pod["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert deployment["spec"]["replicas"] == 1 and env["PDMESH_KV_ADVERTISE"] == "$(POD_IP)"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"grpc": 50081, "kv": int(env["PDMESH_KV_PORT"]), "metrics": 9400}
+    service = {p["name"]: p["port"] for p in docs["Service", "kvstore"]["spec"]["ports"]}
+    assert service == ports and pod["metadata"]["annotations"]["prometheus.io/port"] == "9400"
 
 
 # -- a decode worker over two nodes: a LeaderWorkerSet (deploy/k8s/multinode) ---------------------
