@@ -22,6 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 import grpc
 
@@ -37,6 +38,7 @@ log = get_logger(__name__)
 
 Push = Callable[[PutTarget], Awaitable[None]]  # moves a Put's blocks; raises when it could not
 RETRY_MAX_S = 30.0
+M = TypeVar("M")
 # Answers that say nothing about the store's health: the blocks went (evicted between a lookup
 # and a get), or the caller asked wrongly (logged; a bug of the caller's).
 _NOT_A_STORE_FAILURE = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT)
@@ -115,10 +117,12 @@ class KVStoreClient:
         self._count(lookups=1, lookup_blocks=full)
         if not full or self._skip():
             return 0
-        request = kvstore_pb2.KVLookupRequest(
-            geometry=self._geometry_pb, token_ids=token_ids[: full * self.geometry.block_size]
-        )
         try:
+            request = _build(
+                kvstore_pb2.KVLookupRequest,
+                geometry=self._geometry_pb,
+                token_ids=token_ids[: full * self.geometry.block_size],
+            )
             reply = await self._stub.Lookup(
                 request, timeout=self.timeout_s, metadata=self._metadata
             )
@@ -166,17 +170,18 @@ class KVStoreClient:
         if self._skip():
             return False
         deadline = time.monotonic() + self.fetch_timeout_s
-        request = kvstore_pb2.KVGetRequest(
-            geometry=self._geometry_pb,
-            token_ids=token_ids[: (first_block + num_blocks) * self.geometry.block_size],
-            first_block=first_block,
-            num_blocks=num_blocks,
-            transfer_id=target.transfer_id,
-            token=target.token,
-            endpoints=[e.to_pb() for e in target.endpoints],
-            timeout_ms=max(1, int(self.fetch_timeout_s * 1000)),
-        )
         try:
+            request = _build(
+                kvstore_pb2.KVGetRequest,
+                geometry=self._geometry_pb,
+                token_ids=token_ids[: (first_block + num_blocks) * self.geometry.block_size],
+                first_block=first_block,
+                num_blocks=num_blocks,
+                transfer_id=target.transfer_id,
+                token=target.token,
+                endpoints=[e.to_pb() for e in target.endpoints],
+                timeout_ms=max(1, int(self.fetch_timeout_s * 1000)),
+            )
             reply = await self._stub.Get(
                 request, timeout=self.fetch_timeout_s, metadata=self._metadata
             )
@@ -201,7 +206,13 @@ class KVStoreClient:
                 return False
             self._pending += 1
         job = (list(token_ids), first_block, push)
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, job)
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, job)
+        except RuntimeError:  # the loop is closed
+            with self._lock:
+                self._pending -= 1
+                self._counts.publishes_dropped += 1
+            return False
         return True
 
     async def put_target(self, token_ids: Sequence[int], first_block: int) -> PutTarget | None:
@@ -210,12 +221,13 @@ class KVStoreClient:
         full = len(token_ids) // self.geometry.block_size
         if first_block >= full or self._skip():
             return None
-        request = kvstore_pb2.KVPutRequest(
-            geometry=self._geometry_pb,
-            token_ids=token_ids[: full * self.geometry.block_size],
-            first_block=first_block,
-        )
         try:
+            request = _build(
+                kvstore_pb2.KVPutRequest,
+                geometry=self._geometry_pb,
+                token_ids=token_ids[: full * self.geometry.block_size],
+                first_block=first_block,
+            )
             reply = await self._stub.Put(request, timeout=self.timeout_s, metadata=self._metadata)
             target = PutTarget.from_pb(reply, first_block, full) if reply.num_blocks else None
         except Exception as e:
@@ -292,7 +304,7 @@ class KVStoreClient:
     def _failed(self, call: str, e: Exception) -> None:
         self._count(failures=1)
         code = e.code() if isinstance(e, grpc.aio.AioRpcError) else None
-        if code in _NOT_A_STORE_FAILURE:
+        if code in _NOT_A_STORE_FAILURE or isinstance(e, _CallerError):
             log.log(
                 logging.DEBUG if code is grpc.StatusCode.NOT_FOUND else logging.WARNING,
                 "KV store %s %s: %s",
@@ -313,6 +325,18 @@ class KVStoreClient:
                 self._backoff,
             )
         self._backoff = min(RETRY_MAX_S, self._backoff * 2)
+
+
+class _CallerError(ValueError):
+    """A call the caller got wrong (token ids that are no uint32, ...): a miss, logged, and no
+    sign of the store's health."""
+
+
+def _build(message: type[M], **fields: Any) -> M:
+    try:
+        return message(**fields)
+    except (TypeError, ValueError) as e:
+        raise _CallerError(f"cannot build {message.__name__}: {e}") from None
 
 
 def _garbage(what: str) -> InvalidRequest:

@@ -250,6 +250,7 @@ def test_garbage_answers_are_misses() -> None:
         await server.start()
         client = KVStoreClient(f"127.0.0.1:{port}", GEOMETRY, retry_after_s=0)
         assert await client.lookup(tokens) == 0
+        assert await client.lookup([-1] * 8) == 0  # the caller's bug: a miss too, never raised
         assert client.publish(tokens, 0, push)
         await wait_for(lambda: client.stats.publishes == 1)
         spec = TransferSpec.new([0, 1, 2], head_start=0, num_heads=4)
@@ -264,7 +265,7 @@ def test_garbage_answers_are_misses() -> None:
         client = asyncio.run(run())
     finally:
         asker.close()
-    assert pushed == [] and client.stats.failures == 3 and client.stats.fetch_misses == 1
+    assert pushed == [] and client.stats.failures == 4 and client.stats.fetch_misses == 1
 
 
 def test_requests_that_do_not_fit_are_refused_naming_the_field(stores: Stores) -> None:
