@@ -132,7 +132,8 @@ class Gateway:
         try:
             body = await read_json(request)
             req = parse(body, chat=endpoint == CHAT)
-            tools = req.tools.parser(self.tool_format) if req.tools is not None else None
+            # What reads tool calls out of the output (None: no tools, or tool_choice "none").
+            calls = req.tools.parser(self.tool_format) if req.tools is not None else None
             inp = await self.router.validator.validate(
                 req.spec, "chatcmpl-" if req.chat else "cmpl-"
             )
@@ -143,17 +144,17 @@ class Gateway:
                 # first token (no worker, a refused submit) are still proper HTTP statuses.
                 first = await anext(chunks)
                 if req.stream:
-                    return await _stream(request, req, head, first, chunks, record, tools)
+                    return await _stream(request, req, head, first, chunks, record, calls)
                 texts: list[str] = []
                 async for chunk in _through_last(first, chunks, record):
                     texts.append(chunk.text)
                 record.done("200")
                 reason = FINISH_FROM_PB[chunk.finish_reason]
-                if tools is None:
+                if calls is None:
                     return web.json_response(full_body(head, "".join(texts), reason, chunk.usage))
-                content, calls = tools.parse("".join(texts))
-                reason = _finish_reason(reason, bool(calls))
-                return web.json_response(full_body(head, content, reason, chunk.usage, calls))
+                content, found = calls.parse("".join(texts))
+                reason = _finish_reason(reason, bool(found))
+                return web.json_response(full_body(head, content, reason, chunk.usage, found))
         except asyncio.CancelledError:
             record.done(CLIENT_CLOSED)
             raise
@@ -221,7 +222,7 @@ async def _stream(
     first: Chunk,
     chunks: AsyncIterator[Chunk],
     record: metrics.RequestRecorder,
-    tools: ToolParser | None,
+    calls: ToolParser | None,
 ) -> web.StreamResponse:
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
@@ -231,14 +232,14 @@ async def _stream(
         if req.chat:
             await response.write(writer.role())
         async for chunk in _through_last(first, chunks, record):
-            if chunk.text and tools is None:
+            if chunk.text and calls is None:
                 await response.write(writer.text(chunk.text, None))
-            elif chunk.text and tools is not None:
-                await _write_delta(response, writer, tools.feed(chunk.text))
+            elif chunk.text and calls is not None:
+                await _write_delta(response, writer, calls.feed(chunk.text))
         reason = FINISH_FROM_PB[chunk.finish_reason]
-        if tools is not None:
-            await _write_delta(response, writer, tools.finish())
-            reason = _finish_reason(reason, tools.called)
+        if calls is not None:
+            await _write_delta(response, writer, calls.finish())
+            reason = _finish_reason(reason, calls.called)
         # OpenAI ends with a chunk of its own carrying only the finish reason.
         await response.write(writer.text("", reason))
         if req.include_usage:

@@ -280,6 +280,13 @@ def test_tiny_model_calls_through_the_mesh(tiny_mesh: tuple[Mesh, Path]) -> None
         tools = check_tools([WEATHER, PING])
         expected = _hf_ids(folder, [{"role": "user", "content": "Weather in Oslo?"}], tools)
         assert list(stub.Tokenize(tokenize).token_ids) == expected
+        # A chat without tools, as old clients send it: no new field set.
+        plain = gen_pb.GenerateRequest(chat=request.chat, sampling=gen_pb.SamplingParams())
+        del plain.chat.tools[:]
+        plain.chat.ClearField("tool_choice")
+        last = list(stub.Generate(plain, timeout=60))[-1]
+        assert last.finish_reason in (gen_pb.FINISH_REASON_STOP, gen_pb.FINISH_REASON_LENGTH)
+        assert not last.HasField("content") and not last.tool_calls
         # An unknown function: INVALID_ARGUMENT naming the field.
         request.chat.tool_choice.function = "launch"
         with pytest.raises(grpc.RpcError) as err:

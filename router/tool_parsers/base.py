@@ -143,8 +143,8 @@ class ToolParser(ABC):
 
     @property
     def called(self) -> bool:
-        """Whether a call was returned so far."""
-        return self.out.calls > 0
+        """Whether calls were returned so far and none was malformed (as `parse` would say)."""
+        return self.out.calls > 0 and not self.out.malformed
 
     def parse(self, text: str) -> Extracted:
         """The whole output's content and calls (a fresh parser per text)."""
