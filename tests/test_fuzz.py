@@ -117,9 +117,26 @@ def _plausible_request() -> st.SearchStrategy[gen_pb.GenerateRequest]:
 
 def _generate_request() -> st.SearchStrategy[gen_pb.GenerateRequest]:
     token_ids = st.lists(st.one_of(st.integers(0, 600), st.integers(0, 2**32 - 1)), max_size=80)
-    role = st.one_of(st.sampled_from(["system", "user", "assistant"]), st.text(max_size=8))
-    chat = st.lists(st.builds(gen_pb.ChatMessage, role=role, content=TEXT), max_size=6).map(
-        lambda ms: gen_pb.ChatMessages(messages=ms)
+    role = st.one_of(st.sampled_from(["system", "user", "assistant", "tool"]), st.text(max_size=8))
+    call = st.builds(gen_pb.ToolCall, id=TEXT, name=TEXT, arguments=st.one_of(TEXT, st.just("{}")))
+    message = st.builds(
+        gen_pb.ChatMessage,
+        role=role,
+        content=TEXT,
+        tool_call_id=st.one_of(st.just(""), TEXT),
+        tool_calls=st.lists(call, max_size=2),
+    )
+    schemas = st.sampled_from(["", '{"type": "object"}', "[1]", "{", '{"type": "nonsense"}'])
+    tool = st.builds(gen_pb.Tool, name=st.one_of(TEXT, st.just("f")), parameters=schemas)
+    choice = st.one_of(
+        st.builds(gen_pb.ToolChoice, mode=st.one_of(st.sampled_from(["auto", "required"]), TEXT)),
+        st.builds(gen_pb.ToolChoice, function=st.one_of(TEXT, st.just("f"))),
+    )
+    chat = st.builds(
+        lambda ms, tools, c: gen_pb.ChatMessages(messages=ms, tools=tools, tool_choice=c),
+        st.lists(message, max_size=6),
+        st.lists(tool, max_size=2),
+        st.one_of(st.none(), choice),
     )
     prompt = st.one_of(
         st.builds(dict, text=TEXT),
@@ -156,6 +173,9 @@ JSON = st.recursive(
 
 def _http_item() -> st.SearchStrategy[tuple[str, bytes]]:
     numbers = st.one_of(INT64, st.floats(), st.text(max_size=5), st.none(), st.integers(0, 40))
+    function = st.fixed_dictionaries(
+        {}, optional={"name": st.one_of(JSON_TEXT, st.just("f")), "arguments": JSON_TEXT}
+    )
     message = st.fixed_dictionaries(
         {},
         optional={
@@ -167,6 +187,8 @@ def _http_item() -> st.SearchStrategy[tuple[str, bytes]]:
                 JSON,
                 st.lists(st.builds(dict, type=st.just("text"), text=JSON_TEXT), max_size=3),
             ),
+            "tool_calls": st.one_of(JSON, st.lists(st.builds(dict, function=function), max_size=2)),
+            "tool_call_id": st.one_of(JSON_TEXT, JSON),
         },
     )
     body = st.fixed_dictionaries(
@@ -176,14 +198,32 @@ def _http_item() -> st.SearchStrategy[tuple[str, bytes]]:
             "messages": st.one_of(st.lists(message, max_size=5), JSON),
             "model": st.one_of(st.text(max_size=10), JSON_TEXT, JSON),
             "user": JSON_TEXT,
-            "tools": st.lists(
+            "tools": st.one_of(
+                JSON,
+                st.lists(
+                    st.builds(
+                        dict,
+                        type=st.just("function"),
+                        function=st.builds(
+                            dict,
+                            name=st.one_of(JSON_TEXT, st.just("f")),
+                            description=JSON_TEXT,
+                            parameters=st.one_of(JSON, st.just({"type": "object"})),
+                        ),
+                    ),
+                    max_size=2,
+                ),
+            ),
+            "tool_choice": st.one_of(
+                st.sampled_from(["none", "auto", "required"]),
+                JSON,
                 st.builds(
                     dict,
                     type=st.just("function"),
-                    function=st.builds(dict, name=JSON_TEXT, description=JSON_TEXT),
+                    function=st.builds(dict, name=st.one_of(JSON_TEXT, st.just("f"))),
                 ),
-                max_size=2,
             ),
+            "parallel_tool_calls": st.one_of(st.booleans(), JSON),
             "response_format": st.builds(
                 dict, type=st.just("json_schema"), json_schema=st.builds(dict, name=JSON_TEXT)
             ),
