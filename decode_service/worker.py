@@ -9,6 +9,7 @@ through `EngineLoop.acall` / `publish` and `call_soon_threadsafe`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 from pdmesh.decode_service.config import DecodeConfig
@@ -49,6 +50,8 @@ class DecodeWorker(WorkerProcess):
         self._deadlines: dict[str, float] = {}
         self._clocks: dict[str, RequestClock] = {}
         self._errors: dict[str, tuple[str, str]] = {}  # rid -> (status, message)
+        # best_of > n: the n best are sent once every sequence has ended, nothing before.
+        self._ranked: set[str] = set()
         self._subscribers: dict[str, asyncio.Queue[list[Delta]]] = {}
         self._owner: dict[str, str] = {}  # request id -> subscriber id
         self._remote: dict[str, asyncio.Task[None]] = {}
@@ -111,6 +114,8 @@ class DecodeWorker(WorkerProcess):
         self._owner[sub.request_id] = sub.subscriber_id
         span = self.traces.begin(sub)
         try:
+            if sub.params.structured_outputs is not None:  # compiled off the engine thread
+                await asyncio.to_thread(self.engine.grammars.compile, sub.params.structured_outputs)
             plan = await self.loop.acall(lambda e: self._admit(e, sub))
         except BaseException as exc:
             self._owner.pop(sub.request_id, None)
@@ -206,6 +211,8 @@ class DecodeWorker(WorkerProcess):
             clock.disaggregated = True
             self.prefills["remote"] += 1
         self._clocks[sub.request_id] = clock
+        if sub.params.ranks_sequences:
+            self._ranked.add(sub.request_id)
         if sub.deadline is not None:
             self._deadlines[sub.request_id] = sub.deadline
         return plan
@@ -255,7 +262,8 @@ class DecodeWorker(WorkerProcess):
         out: list[Delta] = []
         now = time.time_ns()
         for d in deltas:
-            clock = self._clocks.get(d.request_id)
+            rid = d.request_id
+            clock = self._clocks.get(rid)
             if clock is not None and d.token_ids:
                 if clock.first_token_ns:
                     metrics.next_tokens(now - clock.last_token_ns, len(d.token_ids))
@@ -263,53 +271,82 @@ class DecodeWorker(WorkerProcess):
                     clock.first_token_ns = now
                     metrics.first_token(now - clock.arrival_ns, len(d.token_ids))
                 clock.last_token_ns = now
-            if d.finish_reason is None:
-                out.append(
-                    Delta(
-                        d.request_id,
-                        d.token_ids,
-                        d.text,
-                        None,
-                        logprobs=d.logprobs,
-                        prompt_logprobs=d.prompt_logprobs,
-                        index=d.index,
+            # A finish reason ends a choice (`index`); the request ends with its last choice.
+            if d.finish_reason is None or not self.engine.is_finished(rid):
+                if rid not in self._ranked:
+                    out.append(
+                        Delta(
+                            rid,
+                            d.token_ids,
+                            d.text,
+                            d.finish_reason,
+                            logprobs=d.logprobs,
+                            prompt_logprobs=d.prompt_logprobs,
+                            index=d.index,
+                        )
                     )
-                )
                 continue
-            result = self.engine.get_output(d.request_id)
-            self.engine.release(d.request_id)
-            self._deadlines.pop(d.request_id, None)
-            status, message = self._errors.pop(d.request_id, ("", ""))
-            clock = self._clocks.pop(d.request_id, None) or RequestClock(now, now)
-            first = clock.first_token_ns or now
-            metrics.finish(
-                d.finish_reason, clock.admitted_ns - clock.arrival_ns, now - clock.arrival_ns
-            )
-            out.append(
-                Delta(
-                    d.request_id,
-                    d.token_ids,
-                    d.text,
-                    d.finish_reason,
-                    Usage(
-                        len(result.prompt_token_ids),
-                        len(result.outputs[0].token_ids),
-                        result.num_cached_tokens,
-                    ),
-                    Timings(
-                        queue_ns=clock.admitted_ns - clock.arrival_ns,
-                        prefill_ns=first - clock.admitted_ns,
-                        first_token_ns=first - clock.arrival_ns,
-                        decode_ns=now - first,
-                        total_ns=now - clock.arrival_ns,
-                        disaggregated=clock.disaggregated,
-                    ),
-                    status,
-                    message,
-                    d.logprobs,
-                    d.prompt_logprobs,
-                    d.index,
-                )
-            )
+            out.extend(self._finished(d, now))
         if out and self._aio is not None:
             self._aio.call_soon_threadsafe(self._dispatch, out)
+
+    def _finished(self, d: StepDelta, now: int) -> list[Delta]:
+        """The last deltas of a request whose every choice has ended: its usage and timings on
+        the last one. A ranked request (best_of > n) sends its n best choices whole here."""
+        rid = d.request_id
+        result = self.engine.get_output(rid)
+        self.engine.release(rid)
+        self._deadlines.pop(rid, None)
+        status, message = self._errors.pop(rid, ("", ""))
+        clock = self._clocks.pop(rid, None) or RequestClock(now, now)
+        first = clock.first_token_ns or now
+        self.metrics.finish(
+            d.finish_reason or "abort", clock.admitted_ns - clock.arrival_ns, now - clock.arrival_ns
+        )
+        usage = Usage(
+            len(result.prompt_token_ids),
+            sum(len(c.token_ids) for c in result.outputs),
+            result.num_cached_tokens,
+        )
+        timings = Timings(
+            queue_ns=clock.admitted_ns - clock.arrival_ns,
+            prefill_ns=first - clock.admitted_ns,
+            first_token_ns=first - clock.arrival_ns,
+            decode_ns=now - first,
+            total_ns=now - clock.arrival_ns,
+            disaggregated=clock.disaggregated,
+        )
+        last = Delta(
+            rid,
+            d.token_ids,
+            d.text,
+            d.finish_reason,
+            usage=usage,
+            timings=timings,
+            error_status=status,
+            error_message=message,
+            logprobs=d.logprobs,
+            prompt_logprobs=d.prompt_logprobs,
+            index=d.index,
+        )
+        if rid not in self._ranked:
+            return [last]
+        self._ranked.discard(rid)
+        if d.finish_reason == "abort" or status:
+            return [dataclasses.replace(last, token_ids=[], text="", logprobs=None)]
+        whole = [
+            Delta(
+                rid,
+                c.token_ids,
+                c.text,
+                c.finish_reason,
+                logprobs=c.logprobs,
+                prompt_logprobs=result.prompt_logprobs if c.index == 0 else None,
+                index=c.index,
+            )
+            for c in result.outputs
+        ]
+        whole[-1] = dataclasses.replace(
+            whole[-1], usage=usage, timings=timings, error_status=status, error_message=message
+        )
+        return whole

@@ -1,8 +1,8 @@
 """Structured output: constraints compiled by xgrammar, a matcher per request, token bitmasks.
 
-Callers may rely on: `Grammars.matcher` raises InvalidRequest naming the `structured_outputs`
-field for a constraint xgrammar cannot compile, or whose compilation runs past
-COMPILE_TIMEOUT_S (the engine stays healthy); compiled grammars are cached by constraint. Each
+Callers may rely on: `Grammars.compile` and `matcher` raise InvalidRequest naming the
+`structured_outputs` field for a constraint xgrammar cannot compile, or whose compilation runs
+past COMPILE_TIMEOUT_S (the engine stays healthy); compiled grammars are cached by constraint. Each
 step, `mask` leaves only the tokens a request's grammar allows in its row of the logits (after
 penalties, before temperature and filters); `Request.add_token` advances the matcher. The
 engine never launches a step ahead of a token a matcher has not seen (engine/overlap.py).
@@ -41,6 +41,11 @@ class Grammars:
         """A fresh matcher (xgrammar.GrammarMatcher) for `so`, from the cache when compiled."""
         import xgrammar as xgr
 
+        return xgr.GrammarMatcher(self.compile(so))
+
+    def compile(self, so: StructuredOutputsParams) -> Any:
+        """`so` compiled (cached). Thread-safe: servers call it off the engine thread before
+        admitting a request, so a compilation never holds up the running batch."""
         kind = so.kind
         spec = getattr(so, kind)
         key = (kind, json.dumps(spec, sort_keys=True) if not isinstance(spec, str) else spec)
@@ -62,7 +67,7 @@ class Grammars:
                 ) from None
             with self._lock:
                 self._cache[key] = compiled
-        return xgr.GrammarMatcher(compiled)
+        return compiled
 
     def _compile(self, kind: str, spec: Any) -> Any:
         compiler = self._get_compiler()

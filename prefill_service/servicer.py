@@ -27,6 +27,7 @@ def outcome_to_pb(out: PrefillOutcome) -> worker_pb2.PrefillReply:
         prefill_ns=out.prefill_ns,
         kv_bytes=out.kv_bytes,
         kv_send_ns=out.kv_send_ns,
+        first_token_ids=out.first_token_ids or (),
     )
     pb.first_token_logprobs.extend(logprobs_to_pb(p) for p in out.first_token_logprobs or ())
     # The first prompt token has none.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.outputs import PositionLogprobs, StepDelta
@@ -46,15 +46,16 @@ class PrefillOutcome:
     prefill_ns: int
     kv_bytes: int
     kv_send_ns: int
-    first_token_logprobs: list[PositionLogprobs] | None = None  # when asked for
+    first_token_logprobs: list[PositionLogprobs] | None = None  # per sequence, when computed
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # when asked for
+    first_token_ids: list[int] | None = None  # n or best_of > 1: one per sequence
 
 
 @dataclass(frozen=True)
 class _Prefilled:
-    """The engine's part of a PrefillOutcome."""
+    """The engine's part of a PrefillOutcome: a first token per sequence (n, best_of)."""
 
-    first_token_id: int
+    first_token_ids: list[int]
     cached_prompt_tokens: int
     logprobs: list[PositionLogprobs] | None
     prompt_logprobs: list[PositionLogprobs | None] | None
@@ -64,6 +65,9 @@ class _Prefilled:
 class _Pending:
     done: asyncio.Future[_Prefilled]
     job: PushJob | None = None
+    # Engine thread: each sequence's first token and its logprobs, by delta index.
+    firsts: dict[int, tuple[int, PositionLogprobs | None]] = field(default_factory=dict)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
 
 class PrefillWorker(WorkerProcess):
@@ -128,6 +132,8 @@ class PrefillWorker(WorkerProcess):
             ignore_eos=True,
         )
         timeout_s = task.target.timeout_s
+        if params.structured_outputs is not None:  # compiled here, not on the engine thread
+            await asyncio.to_thread(self.engine.grammars.compile, params.structured_outputs)
         try:
             await self.loop.acall(lambda e: self._begin(e, task, params, pending))
             job = pending.job
@@ -155,14 +161,16 @@ class PrefillWorker(WorkerProcess):
         transfer_s = max((s.seconds for s in stats), default=0.0)
         self.metrics.prefilled(prefill_ns, job.forward_ns - received_ns, transfer_s)
         self.prefills["remote"] += 1
+        tokens = prefilled.first_token_ids
         return PrefillOutcome(
-            first_token_id=prefilled.first_token_id,
+            first_token_id=tokens[0],
             cached_prompt_tokens=prefilled.cached_prompt_tokens,
             prefill_ns=prefill_ns,
             kv_bytes=sum(s.bytes for s in stats),
             kv_send_ns=int(transfer_s * 1e9),
             first_token_logprobs=prefilled.logprobs,
             prompt_logprobs=prefilled.prompt_logprobs,
+            first_token_ids=tokens if len(tokens) > 1 else None,
         )
 
     # -- engine thread ----------------------------------------------------------------------------
@@ -189,13 +197,26 @@ class PrefillWorker(WorkerProcess):
         for d in deltas:
             if d.finish_reason is None:
                 continue
-            pending = self._pending.pop(d.request_id, None)
-            self.kv.forget(d.request_id)
-            out = self.engine.get_output(d.request_id)
-            self.engine.release(d.request_id)
-            if pending is not None and d.token_ids and self._aio is not None:
+            rid = d.request_id
+            pending = self._pending.get(rid)
+            if pending is not None and d.token_ids:  # a sequence's one token (max_tokens 1)
+                pending.firsts[d.index] = (d.token_ids[0], d.logprobs[0] if d.logprobs else None)
+                if d.prompt_logprobs is not None:
+                    pending.prompt_logprobs = d.prompt_logprobs
+            if not self.engine.is_finished(rid):
+                continue
+            self._pending.pop(rid, None)
+            self.kv.forget(rid)
+            out = self.engine.get_output(rid)
+            self.engine.release(rid)
+            if pending is not None and pending.firsts and self._aio is not None:
+                firsts = [pending.firsts[i] for i in sorted(pending.firsts)]
+                logprobs = [lp for _, lp in firsts]
                 result = _Prefilled(
-                    d.token_ids[0], out.num_cached_tokens, d.logprobs, d.prompt_logprobs
+                    [t for t, _ in firsts],
+                    out.num_cached_tokens,
+                    logprobs if all(lp is not None for lp in logprobs) else None,  # type: ignore[misc]
+                    pending.prompt_logprobs,
                 )
                 self._aio.call_soon_threadsafe(_resolve, pending.done, result)
 

@@ -10,6 +10,7 @@ tokens already streamed.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ from pdmesh.checkpoint.config import ModelConfig
 from pdmesh.checkpoint.source import model_display_name
 from pdmesh.errors import InvalidRequest, Unavailable
 from pdmesh.logger import get_logger
+from pdmesh.router.choices import resume_choices
 from pdmesh.router.config import RouterConfig
 from pdmesh.router.decode_link import LinkLost
 from pdmesh.router.dispatch import Dispatcher
@@ -101,18 +103,50 @@ class Router:
         self.pacer.open += 1
         finished = False
         try:
-            while not finished:
-                attempt = await self.dispatcher.submit(inp, failover.sent, failover.lost, telemetry)
-                try:
-                    async for chunk in attempt.relay(self.pacer):
-                        failover.sent += chunk.token_ids
-                        finished = attempt.finished  # before the yield: the client may leave
-                        yield chunk
-                finally:
-                    self.dispatcher.end(attempt)
-                if attempt.lost is not None:
-                    failover.worker_lost(attempt.lost, telemetry)
+            async for chunk in self._run(inp, failover, telemetry):
+                finished = chunk.HasField("usage")  # before the yield: the client may leave
+                yield chunk
         finally:
             self._active_ids.discard(inp.request_id)
             telemetry.end(finished)
             self.pacer.open -= 1
+
+    async def _run(
+        self, inp: ValidRequest, failover: Failover, telemetry: RequestTelemetry
+    ) -> AsyncIterator[gen_pb.GenerateResponse]:
+        """Attempts until the request's last chunk: after a lost worker, the next attempt
+        submits prompt + the tokens already sent. A request of several choices that had
+        streamed some is continued choice by choice (choices.py); before any, it starts over."""
+        single = inp.params.num_sequences == 1
+        sent: dict[int, list[int]] = {i: [] for i in range(inp.params.num_sequences)}
+        if single:
+            sent[0] = failover.sent  # extended in place as tokens go out
+        ended: set[int] = set()
+        while True:
+            tokens = sent[0] if single else []
+            attempt = await self.dispatcher.submit(inp, tokens, failover.lost, telemetry)
+            try:
+                async for chunk in attempt.relay(self.pacer):
+                    sent[chunk.index] += chunk.token_ids
+                    if chunk.finish_reason:
+                        ended.add(chunk.index)
+                    yield chunk
+            finally:
+                self.dispatcher.end(attempt)
+            if attempt.lost is None:
+                return
+            failover.worker_lost(attempt.lost, telemetry)
+            if single or not any(sent.values()):
+                continue
+            run = functools.partial(self._run_choice, failover, telemetry)
+            async for chunk in resume_choices(inp, sent, ended, run):
+                yield chunk
+            return
+
+    def _run_choice(
+        self, failover: Failover, telemetry: RequestTelemetry, inp: ValidRequest, sent: list[int]
+    ) -> AsyncIterator[gen_pb.GenerateResponse]:
+        """One choice of a request whose worker was lost, continued as a request of its own
+        with the failovers the request has left."""
+        left = failover.max_failovers - failover.failovers
+        return self._run(inp, Failover(inp.request_id, left, sent, set(failover.lost)), telemetry)

@@ -92,43 +92,55 @@ class Attempt:
         while True:
             if sent_at is not None and (wait := sent_at + pacer.interval() - loop.time()) > 0:
                 await asyncio.sleep(wait)
-            chunk, lost = _merge(self.request_id, await self.queue.take_all())
-            if chunk.token_ids or chunk.finish_reason:
+            chunks, lost = _merge(self.request_id, await self.queue.take_all())
+            for chunk in chunks:
                 self.first_tokens()
-                self.finished = chunk.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED
+                self.finished = chunk.HasField("usage")  # the request's last chunk
                 yield chunk
                 if self.finished:
                     return
+            if chunks:
                 sent_at = loop.time()
             if lost is not None:
                 self.lost = lost
                 return
 
 
-def _merge(request_id: str, items: list[Any]) -> tuple[gen_pb.GenerateResponse, LinkLost | None]:
-    """One chunk from a request's pending deltas (usage and timings on the last), and the
-    LinkLost marker if its worker's stream broke after them."""
-    chunk = gen_pb.GenerateResponse(request_id=request_id)
-    texts: list[str] = []
+def _merge(
+    request_id: str, items: list[Any]
+) -> tuple[list[gen_pb.GenerateResponse], LinkLost | None]:
+    """Chunks of a request's pending deltas, one per run of deltas of the same choice (one
+    chunk when n is 1), usage and timings on the request's last; and the LinkLost marker if its
+    worker's stream broke after them."""
+    chunks: list[gen_pb.GenerateResponse] = []
+    texts: list[list[str]] = []
     lost = None
     for item in items:
         if item.__class__ is LinkLost:
             lost = item
             break
-        chunk.token_ids.extend(item.token_ids)
-        chunk.logprobs.extend(item.logprobs)
-        chunk.prompt_logprobs.extend(item.prompt_logprobs)
-        texts.append(item.text)
         if item.error_code:
             status = _STATUS_NAMES.get(item.error_code, "UNKNOWN")
             raise from_status(status, item.error_message or status)
-        if item.finish_reason:
+        if not (item.token_ids or item.finish_reason):
+            continue
+        if not chunks or chunks[-1].index != item.index or chunks[-1].finish_reason:
+            chunks.append(gen_pb.GenerateResponse(request_id=request_id, index=item.index))
+            texts.append([])
+        chunk = chunks[-1]
+        chunk.token_ids.extend(item.token_ids)
+        chunk.logprobs.extend(item.logprobs)
+        chunk.prompt_logprobs.extend(item.prompt_logprobs)
+        texts[-1].append(item.text)
+        if item.finish_reason:  # the choice's end; usage and timings: the request's
             chunk.finish_reason = item.finish_reason
-            chunk.usage.CopyFrom(item.usage)
-            chunk.timings.CopyFrom(item.timings)
-            break
-    chunk.text = "".join(texts)
-    return chunk, lost
+            if item.HasField("usage"):
+                chunk.usage.CopyFrom(item.usage)
+                chunk.timings.CopyFrom(item.timings)
+                break
+    for chunk, parts in zip(chunks, texts, strict=True):
+        chunk.text = "".join(parts)
+    return chunks, lost
 
 
 class Dispatcher:

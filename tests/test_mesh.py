@@ -151,6 +151,63 @@ def test_logprobs_and_prompt_logprobs_through_the_mesh(mesh: Mesh, default_llm: 
     assert mesh.stats(mesh.decode[0]).kv_blocks_used == 0
 
 
+def _by_choice(stream: list[gen_pb.GenerateResponse]) -> dict[int, list[int]]:
+    tokens: dict[int, list[int]] = {}
+    for r in stream:
+        tokens.setdefault(r.index, []).extend(r.token_ids)
+    return tokens
+
+
+def test_n_and_best_of_through_the_mesh(mesh: Mesh, default_llm: LLM) -> None:
+    """n choices stream under their indexes, equal to the offline engine's (itself equal to
+    separate requests seeded seed + i), with the prompt prefilled once, remotely for the long
+    prompt; best_of sends the n best whole; every block is free afterwards."""
+    rng = random.Random(6)
+    vocab = default_llm.engine.info.vocab_size
+    prompts = [[rng.randrange(100, vocab) for _ in range(n)] for n in (90, 20)]
+    shapes = [dict(n=3), dict(n=2, best_of=3)]
+    cases = [(p, shape) for p in prompts for shape in shapes]
+    requests = [
+        gen_pb.GenerateRequest(
+            token_ids=gen_pb.TokenIds(ids=p),
+            sampling=gen_pb.SamplingParams(
+                max_tokens=10, temperature=1.0, seed=21, ignore_eos=True, logprobs=1, **shape
+            ),
+        )
+        for p, shape in cases
+    ]
+    before = mesh.stats(mesh.decode[0])
+    streams = asyncio.run(_generate(mesh.target, requests))
+    after = mesh.stats(mesh.decode[0])
+    assert after.remote_prefills - before.remote_prefills == len(shapes)  # once per request
+    for (prompt, shape), stream in zip(cases, streams, strict=True):
+        params = SamplingParams(
+            max_tokens=10, temperature=1.0, seed=21, ignore_eos=True, logprobs=1, **shape
+        )
+        out = default_llm.generate({"prompt_token_ids": prompt}, params)[0]
+        got = _by_choice(stream)
+        assert got == {c.index: c.token_ids for c in out.outputs}
+        for c in out.outputs:
+            entries = [e for r in stream if r.index == c.index for e in r.logprobs]
+            _assert_close(_positions(entries), _expected(c.logprobs))
+        finishes = [(r.index, r.finish_reason) for r in stream if r.finish_reason]
+        assert sorted(finishes) == [(i, gen_pb.FINISH_REASON_LENGTH) for i in range(shape["n"])]
+        assert [r.HasField("usage") for r in stream].count(True) == 1 and stream[-1].usage
+        assert stream[-1].usage.completion_tokens == 10 * shape["n"]
+        if "best_of" in shape:  # not streamed: each choice arrives whole
+            assert all(len(r.token_ids) == 10 for r in stream)
+    assert mesh.stats(mesh.decode[0]).kv_blocks_used == 0
+    assert mesh.stats(mesh.prefill[0]).kv_blocks_used == 0
+
+
+def test_n_beyond_what_the_kv_cache_can_hold_is_refused(mesh: Mesh) -> None:
+    request = _request([5] * 10, 8000, n=16)
+    with pytest.raises(grpc.RpcError) as caught:
+        asyncio.run(_generate(mesh.target, [request]))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "n" in caught.value.details()
+
+
 def test_reflection_and_health(mesh: Mesh) -> None:
     expected = {
         mesh.target: "pdmesh.v1.Generation",

@@ -34,6 +34,8 @@ _OPTIONAL_FIELDS = (
     "min_tokens",
     "logprobs",
     "prompt_logprobs",
+    "n",
+    "best_of",
 )
 
 
@@ -104,9 +106,11 @@ def sampling_to_pb(params: SamplingParams) -> gen_pb.SamplingParams:
         pb.seed = params.seed
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
         setattr(pb, name, getattr(params, name))
-    for name in ("logprobs", "prompt_logprobs"):
+    for name in ("logprobs", "prompt_logprobs", "best_of"):
         if getattr(params, name) is not None:
             setattr(pb, name, getattr(params, name))
+    if params.n != 1:
+        pb.n = params.n
     if params.logit_bias:
         pb.logit_bias.update(params.logit_bias)
     if params.structured_outputs is not None:
