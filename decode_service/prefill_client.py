@@ -7,7 +7,7 @@ import grpc
 from pdmesh.engine.outputs import FirstTokens, Logprob
 from pdmesh.kv_transfer.target import KVTarget
 from pdmesh.sampling_params import SamplingParams
-from pdmesh.serving.convert import logprobs_from_pb, sampling_to_pb
+from pdmesh.serving.convert import logprobs_from_pb, prompt_logprobs_from_pb, sampling_to_pb
 from pdmesh.serving.grpc_server import channel
 from pdmesh.serving.tls import TLSConfig
 from pdmesh.v1 import worker_pb2, worker_pb2_grpc
@@ -48,8 +48,8 @@ class PrefillClient:
         return FirstTokens(
             list(reply.first_token_ids) or [reply.first_token_id],
             [logprobs_from_pb(p, Logprob) for p in reply.first_token_logprobs] or None,
-            [None, *(logprobs_from_pb(p, Logprob) for p in reply.prompt_logprobs)]
-            if params.prompt_logprobs is not None and len(reply.prompt_logprobs) == len(prompt) - 1
+            prompt_logprobs_from_pb(reply.prompt_logprobs, len(prompt), Logprob)
+            if params.prompt_logprobs is not None
             else None,
         )
 

@@ -10,7 +10,12 @@ import grpc
 from pdmesh.decode_service.types import Delta, Submission
 from pdmesh.decode_service.worker import DecodeWorker
 from pdmesh.errors import InvalidRequest
-from pdmesh.serving.convert import FINISH_TO_PB, logprobs_to_pb, sampling_from_pb
+from pdmesh.serving.convert import (
+    FINISH_TO_PB,
+    logprobs_to_pb,
+    prompt_logprobs_to_pb,
+    sampling_from_pb,
+)
 from pdmesh.v1 import generation_pb2 as gen_pb
 from pdmesh.v1 import worker_pb2, worker_pb2_grpc
 
@@ -44,8 +49,8 @@ def delta_to_pb(d: Delta) -> worker_pb2.RequestDelta:
     )
     if d.logprobs is not None:
         pb.logprobs.extend(logprobs_to_pb(p) for p in d.logprobs)
-    if d.prompt_logprobs is not None:  # the first prompt token has none
-        pb.prompt_logprobs.extend(logprobs_to_pb(p) for p in d.prompt_logprobs[1:] if p)
+    if d.prompt_logprobs is not None:
+        pb.prompt_logprobs.extend(prompt_logprobs_to_pb(d.prompt_logprobs))
     if d.usage is not None:
         pb.usage.CopyFrom(gen_pb.Usage(**dataclasses.asdict(d.usage)))
     if d.timings is not None:

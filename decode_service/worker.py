@@ -301,7 +301,7 @@ class DecodeWorker(WorkerProcess):
         clock = self._clocks.pop(rid, None) or RequestClock(now, now)
         first = clock.first_token_ns or now
         self.metrics.finish(
-            d.finish_reason or "abort", clock.admitted_ns - clock.arrival_ns, now - clock.arrival_ns
+            d.finish_reason, clock.admitted_ns - clock.arrival_ns, now - clock.arrival_ns
         )
         usage = Usage(
             len(result.prompt_token_ids),

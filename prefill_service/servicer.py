@@ -5,7 +5,7 @@ from __future__ import annotations
 from pdmesh.errors import InvalidRequest
 from pdmesh.kv_transfer.target import KVTarget
 from pdmesh.prefill_service.worker import PrefillOutcome, PrefillTask, PrefillWorker
-from pdmesh.serving.convert import logprobs_to_pb, sampling_from_pb
+from pdmesh.serving.convert import logprobs_to_pb, prompt_logprobs_to_pb, sampling_from_pb
 from pdmesh.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -30,8 +30,7 @@ def outcome_to_pb(out: PrefillOutcome) -> worker_pb2.PrefillReply:
         first_token_ids=out.first_token_ids or (),
     )
     pb.first_token_logprobs.extend(logprobs_to_pb(p) for p in out.first_token_logprobs or ())
-    # The first prompt token has none.
-    pb.prompt_logprobs.extend(logprobs_to_pb(p) for p in (out.prompt_logprobs or [])[1:] if p)
+    pb.prompt_logprobs.extend(prompt_logprobs_to_pb(out.prompt_logprobs or []))
     return pb
 
 

@@ -211,11 +211,11 @@ class PrefillWorker(WorkerProcess):
             self.engine.release(rid)
             if pending is not None and pending.firsts and self._aio is not None:
                 firsts = [pending.firsts[i] for i in sorted(pending.firsts)]
-                logprobs = [lp for _, lp in firsts]
+                logprobs = [lp for _, lp in firsts if lp is not None]
                 result = _Prefilled(
                     [t for t, _ in firsts],
                     out.num_cached_tokens,
-                    logprobs if all(lp is not None for lp in logprobs) else None,  # type: ignore[misc]
+                    logprobs if len(logprobs) == len(firsts) else None,
                     pending.prompt_logprobs,
                 )
                 self._aio.call_soon_threadsafe(_resolve, pending.done, result)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from pdmesh.errors import InvalidRequest
@@ -126,6 +126,23 @@ def logprobs_to_pb(position: Mapping[int, Any]) -> gen_pb.PositionLogprobs:
         logprobs=[e.logprob for e in position.values()],
         ranks=[e.rank for e in position.values()],
     )
+
+
+def prompt_logprobs_to_pb(
+    entries: Sequence[Mapping[int, Any] | None],
+) -> list[gen_pb.PositionLogprobs]:
+    """A prompt's entries (None for the first token, which nothing predicts) as the wire
+    carries them: one per prompt token after the first."""
+    return [logprobs_to_pb(p) for p in entries[1:] if p is not None]
+
+
+def prompt_logprobs_from_pb(
+    pbs: Sequence[gen_pb.PositionLogprobs], num_prompt_tokens: int, entry: Callable[[float, int], E]
+) -> list[dict[int, E] | None] | None:
+    """The inverse of prompt_logprobs_to_pb; None when the count does not fit the prompt."""
+    if len(pbs) != num_prompt_tokens - 1:
+        return None
+    return [None, *(logprobs_from_pb(p, entry) for p in pbs)]
 
 
 def logprobs_from_pb(pb: gen_pb.PositionLogprobs, entry: Callable[[float, int], E]) -> dict[int, E]:
