@@ -58,6 +58,12 @@ class Delta:
     prompt_logprobs: list[Position | None] | None = None  # with the first token, when asked
     index: int = 0  # the choice (n > 1)
 
+    @property
+    def ends_request(self) -> bool:
+        """The request's last delta (every choice has ended) is the one with its usage; with
+        n > 1 a finish reason before it ends only its choice."""
+        return self.usage is not None
+
 
 @dataclass
 class RequestClock:

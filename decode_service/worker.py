@@ -89,13 +89,13 @@ class DecodeWorker(WorkerProcess):
     def _dispatch(self, deltas: list[Delta]) -> None:
         by_subscriber: dict[str, list[Delta]] = {}
         for d in deltas:
-            if d.finish_reason is not None:
+            if d.ends_request:
                 self.traces.finished(d)
             sub = self._owner.get(d.request_id)
             if sub is None:
                 continue
             by_subscriber.setdefault(sub, []).append(d)
-            if d.finish_reason is not None:
+            if d.ends_request:
                 del self._owner[d.request_id]
         for sub, items in by_subscriber.items():
             queue = self._subscribers.get(sub)
@@ -177,7 +177,12 @@ class DecodeWorker(WorkerProcess):
             self._remote.pop(rid, None)
         self.traces.transfer_ended(rx_span, moved)
         self.metrics.transfer.observe(moved.seconds)
-        await self.loop.acall(lambda e: self._prefill_done(e, rid, first))
+        try:
+            await self.loop.acall(lambda e: self._prefill_done(e, rid, first))
+        except Exception as exc:  # a bug here: the request fails rather than wait forever
+            log.exception("committing the remote prefill of %s failed", rid)
+            message = f"committing the prefilled prompt failed: {exc}"
+            await self.loop.acall(lambda e: self._end_with_error(e, rid, "INTERNAL", message))
 
     def _cancel_transfer(self, transfer: IncomingTransfer) -> None:
         self.kv.cancel(transfer)
@@ -230,8 +235,12 @@ class DecodeWorker(WorkerProcess):
                 if clock is not None:  # its timings must say where it was prefilled in the end
                     clock.disaggregated = False
         elif engine.is_reserved(rid):
-            self._errors[rid] = (Unavailable.status, f"prefill failed: {exc}")
-            self._abort_one(engine, rid)
+            self._end_with_error(engine, rid, Unavailable.status, f"prefill failed: {exc}")
+
+    def _end_with_error(self, engine: LLMEngine, rid: str, status: str, message: str) -> None:
+        """End a request with a gRPC status (its name) and message on its last delta."""
+        self._errors[rid] = (status, message)
+        self._abort_one(engine, rid)
 
     def _abort_one(self, engine: LLMEngine, rid: str) -> int:
         delta = engine.abort_request(rid)
@@ -246,10 +255,10 @@ class DecodeWorker(WorkerProcess):
             return
         now = time.time()
         for rid in [r for r, d in deadlines.items() if now > d]:
-            self._errors[rid] = (DeadlineExceeded.status, "the request's deadline passed")
             if self._aio is not None:
                 self._aio.call_soon_threadsafe(self._cancel_remote, rid)
-            self._abort_one(engine, rid)
+            message = "the request's deadline passed"
+            self._end_with_error(engine, rid, DeadlineExceeded.status, message)
             deadlines.pop(rid, None)
 
     def _cancel_remote(self, rid: str) -> None:
@@ -272,7 +281,7 @@ class DecodeWorker(WorkerProcess):
                     metrics.first_token(now - clock.arrival_ns, len(d.token_ids))
                 clock.last_token_ns = now
             # A finish reason ends a choice (`index`); the request ends with its last choice.
-            if d.finish_reason is None or not self.engine.is_finished(rid):
+            if not d.request_finished:
                 if rid not in self._ranked:
                     out.append(
                         Delta(

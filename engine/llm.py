@@ -121,8 +121,7 @@ class LLM:
         with _progress(len(ids), use_tqdm) as advance:
             while engine.has_unfinished_requests():
                 for delta in engine.step():
-                    # A request with n > 1 is done once each of its choices has finished.
-                    if delta.finish_reason is not None and engine.is_finished(delta.request_id):
+                    if delta.request_finished:  # n > 1: each of its choices has ended
                         advance()
         outputs = [engine.get_output(i) for i in ids]
         for request_id in ids:

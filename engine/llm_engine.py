@@ -22,6 +22,7 @@ from pdmesh.engine.outputs import (
     PositionLogprobs,
     RequestOutput,
     StepDelta,
+    mark_request_ends,
 )
 from pdmesh.engine.overlap import InFlight, next_decode
 from pdmesh.engine.parallel import SINGLE
@@ -229,10 +230,11 @@ class LLMEngine:
                 Sampler.skip_draw(seq.generator, self.info.vocab_size)
         if request.prompt_logprobs is not None and first.prompt_logprobs is not None:
             request.prompt_logprobs = first.prompt_logprobs
-        return [
+        deltas = [
             self._append(request, seq, token, first.logprobs[i] if first.logprobs else None)
             for i, (seq, token) in enumerate(zip(seqs, first.token_ids, strict=True))
         ]
+        return mark_request_ends(deltas, self.is_finished)
 
     def release_prefill(self, request_id: str) -> None:
         """The remote prefill failed: free the blocks and prefill the prompt here instead."""
@@ -250,12 +252,11 @@ class LLMEngine:
         for choice in request.choices:
             if not choice.seq.is_finished:  # choices never forked end with the first
                 self._end(choice.seq, "abort")
-        return StepDelta(request_id, [], "", "abort")
+        return StepDelta(request_id, [], "", "abort", request_finished=True)
 
     def is_finished(self, request_id: str) -> bool:
-        """Whether every choice of the request has ended (`get_output` is then its result): a
-        delta's finish reason ends its choice (`index`), the request once all have (n == 1:
-        the first finish reason). False for a request not known here."""
+        """Whether every choice of the request has ended (`get_output` is then its result; the
+        delta that ended it has `request_finished`). False for a request not known here."""
         request = self._requests.get(request_id)
         return request is not None and request.is_finished
 
@@ -295,7 +296,7 @@ class LLMEngine:
             if token is not None and not seq.is_finished:  # else aborted while the step ran
                 lp = logprobs[i] if logprobs is not None else None
                 deltas.append(self._append(self._requests[seq.request_id], seq, token, lp))
-        return deltas
+        return mark_request_ends(deltas, self.is_finished)
 
     def _launch(self, busy: Collection[Sequence] = ()) -> InFlight | None:
         """Schedule a step and launch it (None: nothing to run). `busy`: the sequences of the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -30,7 +31,8 @@ PositionLogprobs = dict[int, Logprob]
 class StepDelta(NamedTuple):
     """One choice's progress in one engine step (what a streaming server forwards). A request
     with n > 1 or best_of has a delta per sequence and step; `finish_reason` ends the choice
-    `index`, and the request once every choice has ended (`LLMEngine.is_finished`)."""
+    `index`, and `request_finished` marks the request's last delta (every choice has ended;
+    with n > 1 several may end in one step, and only the last of them carries it)."""
 
     request_id: str
     token_ids: list[int]
@@ -44,6 +46,22 @@ class StepDelta(NamedTuple):
     # The sequence: the choice 0 .. n-1; with best_of > n, the candidate 0 .. best_of-1 (not
     # streamed to clients: the n returned are chosen at the end, see RequestOutput).
     index: int = 0
+    request_finished: bool = False
+
+
+def mark_request_ends(
+    deltas: list[StepDelta], is_finished: Callable[[str], bool]
+) -> list[StepDelta]:
+    """`deltas` with `request_finished` set on the last one of each request whose every choice
+    has ended by then."""
+    seen: set[str] = set()
+    for i in range(len(deltas) - 1, -1, -1):
+        d = deltas[i]
+        if d.request_id not in seen:
+            seen.add(d.request_id)
+            if d.finish_reason is not None and is_finished(d.request_id):
+                deltas[i] = d._replace(request_finished=True)
+    return deltas
 
 
 @dataclass(frozen=True)

@@ -203,7 +203,7 @@ class PrefillWorker(WorkerProcess):
                 pending.firsts[d.index] = (d.token_ids[0], d.logprobs[0] if d.logprobs else None)
                 if d.prompt_logprobs is not None:
                     pending.prompt_logprobs = d.prompt_logprobs
-            if not self.engine.is_finished(rid):
+            if not d.request_finished:
                 continue
             self._pending.pop(rid, None)
             self.kv.forget(rid)

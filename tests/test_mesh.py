@@ -200,6 +200,31 @@ def test_n_and_best_of_through_the_mesh(mesh: Mesh, default_llm: LLM) -> None:
     assert mesh.stats(mesh.prefill[0]).kv_blocks_used == 0
 
 
+def test_choices_ending_at_different_steps_through_the_mesh(mesh: Mesh, default_llm: LLM) -> None:
+    """A choice that stops early ends only itself: the others stream on to their end, and the
+    request's last chunk (with usage) comes after every choice's finish reason."""
+    rng = random.Random(8)
+    prompt = [rng.randrange(100, default_llm.engine.info.vocab_size) for _ in range(90)]
+    params = dict(max_tokens=10, temperature=1.0, seed=5, ignore_eos=True, n=3)
+    free = default_llm.generate({"prompt_token_ids": prompt}, SamplingParams(**params))[0]
+    tokens = [c.token_ids for c in free.outputs]
+    stop = next(t for t in tokens[0][1:] if t not in tokens[1] and t not in tokens[2])
+    sampling = gen_pb.SamplingParams(**params, stop_token_ids=[stop])
+    request = gen_pb.GenerateRequest(token_ids=gen_pb.TokenIds(ids=prompt), sampling=sampling)
+    (stream,) = asyncio.run(_generate(mesh.target, [request]))
+    expected = default_llm.generate(
+        {"prompt_token_ids": prompt}, SamplingParams(**params, stop_token_ids=[stop])
+    )[0]
+    assert _by_choice(stream) == {c.index: c.token_ids for c in expected.outputs}
+    assert len(expected.outputs[0].token_ids) < 10 == len(expected.outputs[1].token_ids)
+    finishes = [(r.index, r.finish_reason) for r in stream if r.finish_reason]
+    stop_pb, length_pb = gen_pb.FINISH_REASON_STOP, gen_pb.FINISH_REASON_LENGTH
+    assert finishes == [(0, stop_pb), (1, length_pb), (2, length_pb)]
+    assert stream[-1].usage.completion_tokens == sum(len(t) for t in _by_choice(stream).values())
+    assert stream[-1].timings.disaggregated
+    assert _blocks_used(mesh) == (0, 0)
+
+
 def test_n_beyond_what_the_kv_cache_can_hold_is_refused(mesh: Mesh) -> None:
     request = _request([5] * 10, 8000, n=16)
     with pytest.raises(grpc.RpcError) as caught:

@@ -138,6 +138,28 @@ def test_deltas_carry_each_choice_and_abort_frees_every_block(llm: LLM) -> None:
     engine.release("b")
 
 
+def test_only_the_last_delta_of_a_request_ends_it(llm: LLM) -> None:
+    """Choices ending at different steps (a stop token that choice 0 samples early): each
+    finish reason ends its choice; `request_finished` is on the request's last delta only."""
+    (prompt,) = random_prompts([21], seed=5)
+    free = _choices(llm.generate({"prompt_token_ids": prompt}, _params(n=3, max_tokens=8))[0])
+    stop = next(t for t in free[0][1:] if t not in free[1] and t not in free[2])
+    ends_at = free[0].index(stop) + 1
+    engine = llm.engine
+    engine.add_request("s", prompt, _params(n=3, max_tokens=8, stop_token_ids=[stop]))
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas += engine.step()
+    finishes = [(d.index, d.finish_reason) for d in deltas if d.finish_reason]
+    assert finishes == [(0, "stop"), (1, "length"), (2, "length")]
+    assert [d.request_finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    out = engine.get_output("s")
+    assert [len(c.token_ids) for c in out.outputs] == [ends_at, 8, 8]
+    assert _choices(out) == [free[0][:ends_at], free[1], free[2]]
+    engine.release("s")
+    assert _all_free(engine)
+
+
 def test_prefill_and_decode_workers_hand_over_every_choice(llm: LLM, tiny_model) -> None:
     """The mesh's path. A prefill worker runs the request with max_tokens=1: one delta per
     choice, each its first token. A decode worker reserves blocks for the prompt, receives its
@@ -154,6 +176,8 @@ def test_prefill_and_decode_workers_hand_over_every_choice(llm: LLM, tiny_model)
         deltas = prefill.step()
     assert sorted(d.index for d in deltas) == [0, 1, 2]
     assert all(d.finish_reason == "length" and len(d.token_ids) == 1 for d in deltas)
+    # All three end in one step; only the last delta says the request has ended.
+    assert [d.request_finished for d in deltas] == [False, False, True]
     first = {d.index: d.token_ids[0] for d in deltas}
     prefill.release("p")
     assert [first[i] for i in range(3)] == [c[0] for c in expected]
