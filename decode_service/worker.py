@@ -202,10 +202,11 @@ class DecodeWorker(WorkerProcess):
         )
         plan = None
         sent = sub.num_output_tokens_sent
-        # A resumed seeded request is prefilled here: a prefill worker would draw its first
-        # token from the start of the seed's stream rather than after the tokens already sent.
-        seeded_resume = sent > 0 and sub.params.seed is not None and not sub.params.greedy
-        if sub.prefill_address and not seeded_resume:
+        # A resumed request whose sampling state grew with its output (a seed's stream, a
+        # grammar's matcher, penalties) is prefilled here, where add_request replays that
+        # output; a prefill worker would sample its next token as if nothing had been output.
+        stateful_resume = sent > 0 and sub.params.depends_on_output
+        if sub.prefill_address and not stateful_resume:
             plan = self.kv.reserve(
                 engine, sub.request_id, sub.prompt, sub.params, sent, sub.disagg_min_tokens
             )

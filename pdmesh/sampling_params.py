@@ -228,6 +228,15 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def depends_on_output(self) -> bool:
+        """Whether a token depends on the output before it by more than context: a seeded
+        random stream's position, penalties or min_tokens counting output tokens, a grammar's
+        matcher. A request resumed after some output is then continued where that state is
+        rebuilt from the output (a decode worker replays it), not prefilled from scratch."""
+        seeded = self.seed is not None and not self.greedy
+        return seeded or self.shapes_logits or self.structured_outputs is not None
+
+    @property
     def shapes_logits(self) -> bool:
         """Whether penalties, a bias or min_tokens change the logits before sampling."""
         return bool(

@@ -96,13 +96,16 @@ def test_killed_decode_worker_mid_stream_loses_and_repeats_nothing(mesh: Mesh, f
                 async for r in stub.Generate(req, timeout=120):
                     streams[i].append(r)
 
-            tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
+            # The shaped request first, alone: the worker running it is the one to kill.
+            tasks = [asyncio.create_task(one(len(prompts) - 1))]
+            while not streams[-1]:
+                await asyncio.sleep(0.005)
+            busy = {a: mesh.stats(a).num_running for a in mesh.decode}
+            (victim,) = (a for a, running in busy.items() if running)
+            tasks += [asyncio.create_task(one(i)) for i in range(len(prompts) - 1)]
             while min(sum(len(r.token_ids) for r in s) for s in streams) < 10:
                 await asyncio.sleep(0.005)
-            # Kill the decode worker serving the most of them, while they stream.
-            busy = {a: mesh.stats(a).num_running for a in mesh.decode}
-            victim = max(busy, key=lambda a: busy[a])
-            assert busy[victim] > 0
+            assert sum(len(r.token_ids) for r in streams[-1]) < MAX_TOKENS  # still running
             os.kill(mesh.pids[victim], signal.SIGKILL)
             await asyncio.gather(*tasks)
             return victim
