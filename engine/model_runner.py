@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from typing import Any, Protocol
 
 import torch
@@ -285,19 +286,20 @@ class ModelRunner:
         plan = self.kv_connector.plan_step(batch) if self.kv_connector is not None else None
         if self.followers is not None:  # every rank runs the step; rank 0 samples
             self.followers.send_step(inputs, plan)
+        seqs = [batch.seqs[i] for i in inputs.sample_seq_index]
+        masks = structured.start_masks(seqs, self.info.vocab_size)  # while the forward runs
         logits = self.forward_with_plan(inputs, plan)
         if self.balancer is not None:  # between this step and the next, as every rank does
             self.balancer.after_step()
-        seqs = [batch.seqs[i] for i in inputs.sample_seq_index]
         handle = StepHandle(len(batch.seqs), inputs.sample_seq_index, None)
         rows = len(inputs.host.logits_indices)
         if self.stage.size > 1 and rows:
             # The last stage computes the logits: receive them without waiting, so the next
             # batch can start on this stage meanwhile (batches in flight, see LLMEngine).
             arriving = self.stage.irecv_logits((rows, self.info.vocab_size), self.dtype)
-            handle.sample = lambda: self._sample(handle, arriving(), seqs, batch, inputs)
+            handle.sample = lambda: self._sample(handle, arriving(), seqs, batch, inputs, masks)
         elif logits is not None:
-            self._sample(handle, logits, seqs, batch, inputs)
+            self._sample(handle, logits, seqs, batch, inputs, masks)
         return handle
 
     def _sample(
@@ -307,9 +309,10 @@ class ModelRunner:
         seqs: list[Any],
         batch: ScheduledBatch,
         inputs: StepInputs,
+        masks: Future[torch.Tensor] | None,
     ) -> None:
         """logits [S + P, V]: the step's rows to sample -> handle.tokens [S]; the prompt rows'
-        log-probabilities -> handle.prompt_logprobs."""
+        log-probabilities -> handle.prompt_logprobs. masks: the constrained rows' bitmasks."""
         handle.sample = None
         if inputs.prompt_rows:
             handle.prompt_logprobs = prompt_logprobs(logits[len(seqs) :], batch, inputs)
@@ -319,8 +322,8 @@ class ModelRunner:
         raw = logits  # logprobs are of the model's own distribution
         if penalties.shapes_logits(seqs):
             logits = penalties.apply(logits, seqs, self.info.eos_token_ids)
-        if structured.constrained(seqs):
-            logits = structured.mask(logits, seqs)
+        if masks is not None:
+            logits = structured.mask(logits, masks)
         if all(s.params.greedy for s in seqs):  # the common case: no per-row tensors to build
             tokens = logits.argmax(dim=-1)
         else:

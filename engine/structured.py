@@ -3,8 +3,9 @@
 Callers may rely on: `Grammars.compile` and `matcher` raise InvalidRequest naming the
 `structured_outputs` field for a constraint xgrammar cannot compile, or whose compilation runs
 past COMPILE_TIMEOUT_S (the engine stays healthy); compiled grammars are cached by constraint. Each
-step, `mask` leaves only the tokens a request's grammar allows in its row of the logits (after
-penalties, before temperature and filters); `Request.add_token` advances the matcher. The
+step, `start_masks` fills the bitmasks on a thread of its own while the forward runs and `mask`
+leaves only the tokens a request's grammar allows in its row of the logits (after penalties,
+before temperature and filters); `Request.add_token` advances the matcher. The
 engine never launches a step ahead of a token a matcher has not seen (engine/overlap.py).
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
@@ -98,14 +99,35 @@ def constrained(seqs: Sequence[Any]) -> bool:
     return any(s.grammar is not None for s in seqs)
 
 
-def mask(logits: torch.Tensor, seqs: Sequence[Any]) -> torch.Tensor:
-    """logits [S, V] float32 -> the same with each constrained row's disallowed tokens -inf."""
+# Bitmasks are filled here while the step's forward runs on the caller's thread (torch leaves
+# the GIL while it computes): by the time the logits exist, the masks mostly do too.
+_FILLER = ThreadPoolExecutor(1, thread_name_prefix="pdmesh-bitmask")
+
+
+def start_masks(seqs: Sequence[Any], vocab_size: int) -> Future[torch.Tensor] | None:
+    """Begin filling the token bitmask of `seqs` (a row each, every token allowed where a
+    sequence has no grammar) for the step about to run; None when none is constrained. The
+    matchers must have seen every token so far and must not advance until `mask` returns."""
+    if not constrained(seqs):
+        return None
+    return _FILLER.submit(_fill, [s.grammar for s in seqs], vocab_size)
+
+
+def _fill(grammars: list[Any], vocab_size: int) -> torch.Tensor:
     import xgrammar as xgr
 
-    bitmask = xgr.allocate_token_bitmask(len(seqs), logits.shape[-1])  # every token allowed
-    for row, seq in enumerate(seqs):
-        if seq.grammar is not None:
-            seq.grammar.fill_next_token_bitmask(bitmask, row)
+    bitmask = xgr.allocate_token_bitmask(len(grammars), vocab_size)
+    for row, grammar in enumerate(grammars):
+        if grammar is not None:
+            grammar.fill_next_token_bitmask(bitmask, row)
+    return bitmask
+
+
+def mask(logits: torch.Tensor, masks: Future[torch.Tensor]) -> torch.Tensor:
+    """logits [S, V] float32 -> the same with each constrained row's disallowed tokens -inf,
+    by the bitmask `start_masks` began."""
+    import xgrammar as xgr
+
     out = logits.float().clone()
-    xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device))
+    xgr.apply_token_bitmask_inplace(out, masks.result().to(out.device))
     return out

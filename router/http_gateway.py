@@ -27,19 +27,18 @@ from pdmesh.logger import get_logger
 from pdmesh.observability.metrics_server import split_host_port
 from pdmesh.router import metrics
 from pdmesh.router.core import Router
+from pdmesh.router.openai_answer import Answer
+from pdmesh.router.openai_logprobs import TokenTexts
 from pdmesh.router.openai_protocol import OpenAIRequest, parse
 from pdmesh.router.openai_responses import (
     ChunkWriter,
     ResponseHead,
     error_body,
-    full_body,
     model_card,
     models_body,
 )
-from pdmesh.router.tool_parsers.base import StreamDelta, ToolParser
 from pdmesh.router.tool_parsers.registry import pick_parser
 from pdmesh.serving.auth import ApiKeys
-from pdmesh.serving.convert import FINISH_FROM_PB
 from pdmesh.v1.generation_pb2 import GenerateResponse as Chunk
 
 log = get_logger(__name__)
@@ -122,8 +121,9 @@ class Gateway:
         self.router = router
         self.created = int(time.time())
         # The model's tool-call format, for tool_choice "auto".
-        template = router.validator.tokenizer.chat_template
-        self.tool_format = pick_parser(router.config.tool_call_parser, template)
+        tokenizer = router.validator.tokenizer
+        self.tool_format = pick_parser(router.config.tool_call_parser, tokenizer.chat_template)
+        self.token_texts = TokenTexts(tokenizer.decode)
 
     async def generate(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         """/v1/completions and /v1/chat/completions."""
@@ -132,29 +132,34 @@ class Gateway:
         try:
             body = await read_json(request)
             req = parse(body, chat=endpoint == CHAT)
-            # What reads tool calls out of the output (None: no tools, or tool_choice "none").
-            calls = req.tools.parser(self.tool_format) if req.tools is not None else None
+            tools = req.tools
+            if tools is not None:  # refused before any work when the model's format is unknown
+                tools.parser(self.tool_format)
             inp = await self.router.validator.validate(
                 req.spec, "chatcmpl-" if req.chat else "cmpl-"
             )
             record.prompt(len(inp.prompt))
             head = ResponseHead(inp.request_id, int(time.time()), self.router.model_name, req.chat)
+            answer = Answer(
+                req,
+                inp.prompt,
+                req.spec.prompt.text if req.spec.prompt.text is not None else "",
+                self.token_texts,
+                # What reads tool calls out of each choice (None: no tools, or "none").
+                lambda: tools.parser(self.tool_format) if tools is not None else None,
+            )
+            if req.echo and req.spec.prompt.text is None:  # token ids: their text is echoed
+                answer.echo_text = self.router.validator.tokenizer.decode(inp.prompt)
             async with aclosing(self.router.generate(inp)) as chunks:
                 # The first chunk comes before any header, so errors that happen before the
                 # first token (no worker, a refused submit) are still proper HTTP statuses.
                 first = await anext(chunks)
                 if req.stream:
-                    return await _stream(request, req, head, first, chunks, record, calls)
-                texts: list[str] = []
+                    return await _stream(request, req, head, first, chunks, record, answer)
                 async for chunk in _through_last(first, chunks, record):
-                    texts.append(chunk.text)
+                    answer.add(chunk)
                 record.done("200")
-                reason = FINISH_FROM_PB[chunk.finish_reason]
-                if calls is None:
-                    return web.json_response(full_body(head, "".join(texts), reason, chunk.usage))
-                content, found = calls.parse("".join(texts))
-                reason = _finish_reason(reason, bool(found))
-                return web.json_response(full_body(head, content, reason, chunk.usage, found))
+                return web.json_response(answer.body(head, chunk.usage))
         except asyncio.CancelledError:
             record.done(CLIENT_CLOSED)
             raise
@@ -197,20 +202,16 @@ class Gateway:
         return web.Response(body=body, headers={"Content-Type": content_type})
 
 
-def _finish_reason(reason: str | None, called: bool) -> str | None:
-    """OpenAI's "tool_calls" when the output ended in calls (a cut-off one stays "length")."""
-    return "tool_calls" if called and reason == "stop" else reason
-
-
 async def _through_last(
     first: Chunk, chunks: AsyncIterator[Chunk], record: metrics.RequestRecorder
 ) -> AsyncIterator[Chunk]:
-    """`first`, then the rest of `chunks` up to the one with the finish reason, counted."""
+    """`first`, then the rest of `chunks` up to the request's last (the one with its usage;
+    with n > 1 each choice's finish reason comes before it), counted."""
     chunk = first
     while True:
         record.tokens(len(chunk.token_ids))
         yield chunk
-        if chunk.finish_reason:
+        if chunk.HasField("usage"):
             return
         chunk = await anext(chunks)
 
@@ -222,26 +223,16 @@ async def _stream(
     first: Chunk,
     chunks: AsyncIterator[Chunk],
     record: metrics.RequestRecorder,
-    calls: ToolParser | None,
+    answer: Answer,
 ) -> web.StreamResponse:
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
     writer = ChunkWriter(head, req.include_usage)
     status = "200"
     try:
-        if req.chat:
-            await response.write(writer.role())
         async for chunk in _through_last(first, chunks, record):
-            if chunk.text and calls is None:
-                await response.write(writer.text(chunk.text, None))
-            elif chunk.text and calls is not None:
-                await _write_delta(response, writer, calls.feed(chunk.text))
-        reason = FINISH_FROM_PB[chunk.finish_reason]
-        if calls is not None:
-            await _write_delta(response, writer, calls.finish())
-            reason = _finish_reason(reason, calls.called)
-        # OpenAI ends with a chunk of its own carrying only the finish reason.
-        await response.write(writer.text("", reason))
+            for event in answer.events(chunk, writer):
+                await response.write(event)
         if req.include_usage:
             await response.write(writer.usage(chunk.usage))
     except ConnectionResetError:
@@ -255,13 +246,6 @@ async def _stream(
     await _write_quietly(response, ChunkWriter.DONE)
     record.done(status)
     return response
-
-
-async def _write_delta(response: web.StreamResponse, writer: ChunkWriter, d: StreamDelta) -> None:
-    if d.calls:
-        await response.write(writer.tool_calls(d.content, d.calls))
-    elif d.content:
-        await response.write(writer.text(d.content, None))
 
 
 async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:

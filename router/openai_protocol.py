@@ -17,7 +17,7 @@ from pdmesh.errors import InvalidRequest
 from pdmesh.router.openai_structured import structured_from_body
 from pdmesh.router.openai_tools import tool_use_from_body
 from pdmesh.router.tool_choice import ToolUse
-from pdmesh.sampling_params import is_int
+from pdmesh.sampling_params import MAX_LOGPROBS, is_int
 from pdmesh.validation import Prompt, RequestSpec
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -36,11 +36,7 @@ _SAMPLING_NUMBERS = (
 
 # Fields that change the output in ways pdmesh does not implement: (field, its neutral values).
 _UNSUPPORTED: tuple[tuple[str, tuple[Any, ...]], ...] = (
-    ("logprobs", (None, False)),
-    ("top_logprobs", (None, 0)),
-    ("echo", (None, False)),
     ("suffix", (None, "")),
-    ("best_of", (None, 1)),
     ("functions", (None, [])),  # deprecated by OpenAI for tools
 )
 
@@ -54,6 +50,10 @@ class OpenAIRequest:
     stream: bool
     include_usage: bool
     tools: ToolUse | None = None
+    # The alternatives to answer per token (chat: top_logprobs; completions: logprobs); None:
+    # no logprobs in the answer.
+    top_logprobs: int | None = None
+    echo: bool = False  # completions: the prompt (and its logprobs) before each choice's text
 
 
 def _is_bool(v: Any) -> bool:
@@ -79,9 +79,6 @@ def _boolean(body: dict[str, Any], name: str) -> bool:
 
 
 def _check_unsupported(body: dict[str, Any]) -> None:
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise InvalidRequest(f"n must be 1 (one choice per request), got {n!r}.", "n")
     for name, neutral in _UNSUPPORTED:
         v = body.get(name)
         # Typed comparison: logprobs=0 is a request for logprobs, not the neutral False.
@@ -130,6 +127,34 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     if body.get("skip_special_tokens") is not None:
         kwargs["skip_special_tokens"] = _boolean(body, "skip_special_tokens")
     return kwargs
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> tuple[int | None, bool]:
+    """(alternatives per token in the answer or None, echo); the matching SamplingParams
+    fields are set in `_sampling`. Chat asks with `logprobs: true` and `top_logprobs: k`,
+    completions with `logprobs: k` (and `echo` for the prompt's)."""
+    if not chat:
+        k = body.get("logprobs")
+        if k is not None and not (is_int(k) and 0 <= k <= MAX_LOGPROBS):
+            raise InvalidRequest(
+                f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or null, got {k!r:.50}.",
+                "logprobs",
+            )
+        return k, _boolean(body, "echo")
+    if body.get("echo") not in (None, False):
+        raise InvalidRequest("echo is for /v1/completions only.", "echo")
+    wanted = _boolean(body, "logprobs")
+    top = body.get("top_logprobs")
+    if top is None:
+        return (0 if wanted else None), False
+    if not (is_int(top) and 0 <= top <= MAX_LOGPROBS):
+        raise InvalidRequest(
+            f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}] or null, got {top!r:.50}.",
+            "top_logprobs",
+        )
+    if not wanted:
+        raise InvalidRequest("top_logprobs needs logprobs: true.", "top_logprobs")
+    return top, False
 
 
 def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -220,6 +245,14 @@ def parse(body: Any, chat: bool) -> OpenAIRequest:
         raise InvalidRequest("tools are for /v1/chat/completions only.", "tools")
     tools = tool_use_from_body(body) if chat else None
     sampling = _sampling(body)
+    top_logprobs, echo = _logprobs(body, chat)
+    if top_logprobs is not None:
+        sampling["logprobs"] = top_logprobs
+        if echo:
+            sampling["prompt_logprobs"] = top_logprobs
+    for name in ("n", "best_of"):  # SamplingParams checks them
+        if body.get(name) is not None:
+            sampling[name] = body[name]
     if tools is not None:
         tools.constrain(sampling)
     # max_completion_tokens replaces chat's deprecated max_tokens; either is accepted.
@@ -235,4 +268,4 @@ def parse(body: Any, chat: bool) -> OpenAIRequest:
         default_max_tokens=None if chat else COMPLETION_DEFAULT_MAX_TOKENS,
         sampling=sampling,
     )
-    return OpenAIRequest(chat, spec, stream, include_usage, tools)
+    return OpenAIRequest(chat, spec, stream, include_usage, tools, top_logprobs, echo)

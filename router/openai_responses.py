@@ -67,32 +67,32 @@ def tool_call_delta_body(delta: ToolCallDelta) -> dict[str, Any]:
     return {"index": delta.index, "id": delta.id, "type": "function", "function": function}
 
 
-def full_body(
+def choice_body(
     head: ResponseHead,
+    index: int,
     text: str | None,
     finish_reason: str | None,
-    usage: Usage,
     tool_calls: list[ToolCall] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A non-streamed text_completion or chat.completion (`text`: the message's content)."""
-    if head.chat:
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        if tool_calls:
-            message["tool_calls"] = [tool_call_body(c) for c in tool_calls]
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": message,
-            "logprobs": None,
-            "finish_reason": finish_reason,
-        }
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    """One choice of a non-streamed answer (`text`: a chat message's content)."""
+    if not head.chat:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = [tool_call_body(c) for c in tool_calls]
+    reason = finish_reason
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
+
+
+def full_body(head: ResponseHead, choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
+    """A non-streamed text_completion or chat.completion."""
     return {
         "id": head.id,
         "object": "chat.completion" if head.chat else "text_completion",
         "created": head.created,
         "model": head.model,
-        "choices": [choice],
+        "choices": choices,
         "usage": usage_body(usage),
     }
 
@@ -101,7 +101,8 @@ class ChunkWriter:
     """Serialises one stream's SSE events: `data: {json}\\n\\n`, then `data: [DONE]\\n\\n`.
 
     With include_usage every chunk carries `"usage": null` and a last chunk with empty choices
-    carries the totals, as OpenAI sends them."""
+    carries the totals, as OpenAI sends them. Each event is one choice's (`index`), with its
+    tokens' `logprobs` in the endpoint's shape when asked for."""
 
     DONE = b"data: [DONE]\n\n"
 
@@ -122,26 +123,39 @@ class ChunkWriter:
             body["usage"] = usage_body(usage) if usage is not None else None
         return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
 
-    def role(self) -> bytes:
-        """The chat stream's first chunk: the assistant role with empty content."""
+    def role(self, index: int = 0) -> bytes:
+        """A chat choice's first chunk: the assistant role with empty content."""
         delta = {"role": "assistant", "content": ""}
-        return self._event([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+        return self._event([choice])
 
-    def text(self, text: str, finish_reason: str | None) -> bytes:
+    def text(
+        self,
+        text: str,
+        finish_reason: str | None,
+        index: int = 0,
+        logprobs: dict[str, Any] | None = None,
+    ) -> bytes:
         if self.head.chat:
             delta = {"content": text} if text else {}
-            choice: dict[str, Any] = {"index": 0, "delta": delta}
+            choice: dict[str, Any] = {"index": index, "delta": delta}
         else:
-            choice = {"index": 0, "text": text}
-        choice["logprobs"] = None
+            choice = {"index": index, "text": text}
+        choice["logprobs"] = logprobs
         choice["finish_reason"] = finish_reason
         return self._event([choice])
 
-    def tool_calls(self, content: str, calls: list[ToolCallDelta]) -> bytes:
+    def tool_calls(
+        self,
+        content: str,
+        calls: list[ToolCallDelta],
+        index: int = 0,
+        logprobs: dict[str, Any] | None = None,
+    ) -> bytes:
         """A chat chunk with content and pieces of tool calls."""
         delta: dict[str, Any] = {"content": content} if content else {}
         delta["tool_calls"] = [tool_call_delta_body(d) for d in calls]
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
         return self._event([choice])
 
     def usage(self, usage: Usage) -> bytes:

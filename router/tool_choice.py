@@ -27,7 +27,7 @@ from pdmesh.sampling_params import StructuredOutputsParams
 
 NONE, AUTO, REQUIRED, FUNCTION = "none", "auto", "required", "function"
 MODES = (NONE, AUTO, REQUIRED)
-_CONSTRAINT = "structured_outputs."  # how a worker's refusal of a constraint begins
+_CONSTRAINT = "structured_outputs."  # the field a worker's refusal of a constraint names
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,8 @@ class ToolUse:
         """`exc`, or for a worker's refusal of the schema a forced choice put on the output,
         the same naming the tools (the worker knows it as structured_outputs)."""
         forced = self.choice in (REQUIRED, FUNCTION)
-        if forced and isinstance(exc, InvalidRequest) and str(exc).startswith(_CONSTRAINT):
+        field = exc.field if isinstance(exc, InvalidRequest) else None
+        if forced and field is not None and field.startswith(_CONSTRAINT):
             return InvalidRequest(f"the tools' parameters cannot be enforced: {exc}", "tools")
         return exc
 

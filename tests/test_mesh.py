@@ -180,6 +180,9 @@ def test_n_and_best_of_through_the_mesh(mesh: Mesh, default_llm: LLM) -> None:
     streams = asyncio.run(_generate(mesh.target, requests))
     after = mesh.stats(mesh.decode[0])
     assert after.remote_prefills - before.remote_prefills == len(shapes)  # once per request
+    # The choices shared the prompt's blocks; each partly filled last block was copied.
+    assert after.fork_blocks_shared > before.fork_blocks_shared
+    assert after.fork_blocks_copied > before.fork_blocks_copied
     for (prompt, shape), stream in zip(cases, streams, strict=True):
         params = SamplingParams(
             max_tokens=10, temperature=1.0, seed=21, ignore_eos=True, logprobs=1, **shape

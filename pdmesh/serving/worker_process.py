@@ -113,6 +113,8 @@ class WorkerProcess(ABC):
                 **{_PREFILL_FIELDS[where]: n for where, n in self.prefills.items()},
                 "expert_token_counts": e.expert_counts() or [],
                 **_eplb_fields(e),
+                "fork_blocks_shared": e.fork_stats().blocks_shared,
+                "fork_blocks_copied": e.fork_stats().blocks_copied,
             }
 
         fields = await self.loop.acall(read)

@@ -119,6 +119,9 @@ class ToolParser(ABC):
     """
 
     name: ClassVar[str] = ""
+    # Whether an answer that ended in calls says finish_reason "tool_calls" (OpenAI and vLLM
+    # keep "stop" for a function the request named in tool_choice).
+    finishes_as_tool_calls: ClassVar[bool] = True
 
     def __init__(self, max_calls: int | None = None) -> None:
         self.out = Emitter(max_calls)

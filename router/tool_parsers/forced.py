@@ -54,6 +54,8 @@ class NamedCall(ToolParser):
     as the arguments of a call whose name is known, so they stream (and are escaped) as any
     call's do, and the name goes out at once."""
 
+    finishes_as_tool_calls = False
+
     def __init__(self, function: str) -> None:
         super().__init__(max_calls=1)
         self._call = JsonCall(self.out)

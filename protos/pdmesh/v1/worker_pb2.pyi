@@ -88,7 +88,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("role", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "prefix_queried_tokens", "prefix_hit_tokens", "num_preemptions", "kv_bytes_received", "kv_bytes_sent", "kv_seconds", "kv_transfers", "kv_frames_dropped", "local_prefills", "remote_prefills", "prefill_fallbacks", "expert_token_counts", "block_size", "tensor_parallel_size", "steps_launched_ahead", "pipeline_parallel_size", "physical_expert_token_counts", "eplb_rebalances", "eplb_imbalance")
+    __slots__ = ("role", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "prefix_queried_tokens", "prefix_hit_tokens", "num_preemptions", "kv_bytes_received", "kv_bytes_sent", "kv_seconds", "kv_transfers", "kv_frames_dropped", "local_prefills", "remote_prefills", "prefill_fallbacks", "expert_token_counts", "block_size", "tensor_parallel_size", "steps_launched_ahead", "pipeline_parallel_size", "physical_expert_token_counts", "eplb_rebalances", "eplb_imbalance", "fork_blocks_shared", "fork_blocks_copied")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,8 @@ class WorkerStats(_message.Message):
     PHYSICAL_EXPERT_TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
     EPLB_REBALANCES_FIELD_NUMBER: _ClassVar[int]
     EPLB_IMBALANCE_FIELD_NUMBER: _ClassVar[int]
+    FORK_BLOCKS_SHARED_FIELD_NUMBER: _ClassVar[int]
+    FORK_BLOCKS_COPIED_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_running: int
     num_waiting: int
@@ -139,7 +141,9 @@ class WorkerStats(_message.Message):
     physical_expert_token_counts: _containers.RepeatedScalarFieldContainer[int]
     eplb_rebalances: int
     eplb_imbalance: float
-    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., kv_transfers: _Optional[int] = ..., kv_frames_dropped: _Optional[int] = ..., local_prefills: _Optional[int] = ..., remote_prefills: _Optional[int] = ..., prefill_fallbacks: _Optional[int] = ..., expert_token_counts: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., steps_launched_ahead: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., physical_expert_token_counts: _Optional[_Iterable[int]] = ..., eplb_rebalances: _Optional[int] = ..., eplb_imbalance: _Optional[float] = ...) -> None: ...
+    fork_blocks_shared: int
+    fork_blocks_copied: int
+    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., kv_transfers: _Optional[int] = ..., kv_frames_dropped: _Optional[int] = ..., local_prefills: _Optional[int] = ..., remote_prefills: _Optional[int] = ..., prefill_fallbacks: _Optional[int] = ..., expert_token_counts: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., steps_launched_ahead: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., physical_expert_token_counts: _Optional[_Iterable[int]] = ..., eplb_rebalances: _Optional[int] = ..., eplb_imbalance: _Optional[float] = ..., fork_blocks_shared: _Optional[int] = ..., fork_blocks_copied: _Optional[int] = ...) -> None: ...
 
 class KVTarget(_message.Message):
     __slots__ = ("transport", "transfer_id", "token", "first_block", "block_ids", "block_size", "endpoints", "timeout_ms", "trace_context")
