@@ -9,13 +9,20 @@ A request with several choices forks: each choice takes a reference to every blo
 prompt's sequence (`fork`). A block held by more than one sequence is never written: the
 first write into a shared, partly filled last block gives the writer a copy (copy on write),
 and the (source, copy) pair waits in `take_copies` for the step that must copy the KV first.
+
+With a host tier (`host`, engine/host_index.py), a cached block that is handed out again is
+first offered to it, and a prefix continues through it where the device cache has no block: such
+a block gets a fresh device block, and the copies wait in `take_host_copies` for the step that
+must run them (before anything writes those blocks).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence as Seq
+from collections.abc import Iterator
+from dataclasses import dataclass
 
+from pdmesh.engine.host_index import HostCopies, HostHit, HostIndex
 from pdmesh.engine.sequence import Sequence
 from pdmesh.prefix_hash import ROOT_HASH, hash_block, hash_chain
 
@@ -34,12 +41,43 @@ class Block:
         self.hash = self.parent_hash = self.token_ids = None
 
 
+@dataclass(frozen=True)
+class Prefix:
+    """A sequence's cached prefix, block by block: a device block id, or a block the host tier
+    holds (loaded into a fresh device block when the prefix is allocated)."""
+
+    blocks: tuple[int | HostHit, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __iter__(self) -> Iterator[int | HostHit]:
+        return iter(self.blocks)
+
+    @property
+    def device(self) -> list[int]:
+        return [b for b in self.blocks if isinstance(b, int)]
+
+    @property
+    def host(self) -> list[HostHit]:
+        return [b for b in self.blocks if isinstance(b, HostHit)]
+
+
+NO_PREFIX = Prefix()
+
+
 class BlockManager:
     """Protocol: `match_prefix` -> `can_allocate` -> `allocate`, then `cache_full_blocks` after each
     step that computed KV, and `free` when the sequence finishes or is preempted. The engine's
     scheduler is its only caller (engine/scheduler.py)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        host: HostIndex | None = None,
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of one token, got {num_blocks}x{block_size}")
         self.block_size = block_size
@@ -53,6 +91,7 @@ class BlockManager:
         self._copies: list[tuple[int, int]] = []  # (source, copy) blocks, for the next step
         self.num_forked_blocks = 0  # block references taken by forks (blocks shared)
         self.num_block_copies = 0  # copies on write
+        self.host = host if enable_prefix_caching else None
 
     # -- sizes --------------------------------------------------------------------------------
     @property
@@ -71,32 +110,36 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # -- prefix cache -------------------------------------------------------------------------
-    def match_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks holding a prefix of `seq`'s tokens, checked token by token.
+    def match_prefix(self, seq: Sequence) -> Prefix:
+        """Cached blocks holding a prefix of `seq`'s tokens, checked token by token: each from
+        the device cache, or else from the host tier.
 
         At least one token is left uncached so the step that finishes the prompt has a position
         to sample from. Takes no references: pass the result to `allocate`.
         """
         if not self.enable_prefix_caching:
-            return []
+            return NO_PREFIX
         bs = self.block_size
-        matched: list[int] = []
+        matched: list[int | HostHit] = []
         parent = ROOT_HASH
         for start in range(0, seq.num_tokens - 1 - bs + 1, bs):
             tokens = tuple(seq.token_ids[start : start + bs])
             h = hash_block(parent, tokens)
             block_id = self._cached.get(h)
-            if block_id is None:
+            if block_id is not None:
+                block = self.blocks[block_id]
+                if block.token_ids != tokens or block.parent_hash != parent:
+                    break  # a hash collision: never serve another prefix's KV
+                matched.append(block_id)
+            elif self.host is not None and self.host.lookup(h, parent, tokens):
+                matched.append(HostHit(h, parent, tokens))
+            else:
                 break
-            block = self.blocks[block_id]
-            if block.token_ids != tokens or block.parent_hash != parent:
-                break  # a hash collision: never serve another prefix's KV
-            matched.append(block_id)
             parent = h
-        return matched
+        return Prefix(tuple(matched))
 
     # -- allocation ---------------------------------------------------------------------------
-    def _new_blocks_needed(self, seq: Sequence, num_new_tokens: int, prefix: Seq[int]) -> int:
+    def _new_blocks_needed(self, seq: Sequence, num_new_tokens: int, prefix: Prefix) -> int:
         computed = len(prefix) * self.block_size if prefix else seq.num_computed_tokens
         held = len(prefix) if prefix else len(seq.block_table)
         return max(0, self.blocks_for(computed + num_new_tokens) - held)
@@ -115,20 +158,23 @@ class BlockManager:
     ) -> int:
         """Free blocks that `allocate(seq, num_new_tokens, write_from=write_from)` takes."""
         copy = self._shared_write(seq, write_from) is not None
-        return self._new_blocks_needed(seq, num_new_tokens, ()) + copy
+        return self._new_blocks_needed(seq, num_new_tokens, NO_PREFIX) + copy
 
     def can_allocate(
         self,
         seq: Sequence,
         num_new_tokens: int,
-        prefix: Seq[int] = (),
+        prefix: Prefix = NO_PREFIX,
         spare: int = 0,
         write_from: int | None = None,
     ) -> bool:
         """Whether `seq` can get slots for `num_new_tokens` more tokens (after taking `prefix`),
         leaving `spare` blocks free for others; `write_from`: see `allocate`."""
-        # Adopting a free cached block takes it out of the free pool too.
-        adopted_free = sum(1 for b in prefix if self.blocks[b].ref_count == 0)
+        # Adopting a free cached block takes it out of the free pool too, as does loading a
+        # block from the host tier.
+        adopted_free = sum(
+            1 for b in prefix.blocks if isinstance(b, HostHit) or self.blocks[b].ref_count == 0
+        )
         needed = self._new_blocks_needed(seq, num_new_tokens, prefix)
         if not prefix:
             needed += self._shared_write(seq, write_from) is not None
@@ -138,8 +184,9 @@ class BlockManager:
         self,
         seq: Sequence,
         num_new_tokens: int,
-        prefix: Seq[int] = (),
+        prefix: Prefix = NO_PREFIX,
         write_from: int | None = None,
+        offload: bool = True,
     ) -> None:
         """Give `seq` slots for `num_new_tokens` tokens past its computed ones.
 
@@ -147,7 +194,9 @@ class BlockManager:
         counts as computed. The step writes from position `write_from` (default: the computed
         count; a step launched before the previous one's tokens are read writes from
         `num_tokens`): a shared block there is copied first (`take_copies`). Call
-        `can_allocate` first: this raises if blocks run out.
+        `can_allocate` first: this raises if blocks run out. `offload`: whether cached blocks
+        handed out here go to the host tier (not when a KV receiver may write them before a step
+        could copy them out).
         """
         if not self.can_allocate(seq, num_new_tokens, prefix, write_from=write_from):
             raise RuntimeError(f"out of KV blocks allocating {num_new_tokens} tokens for {seq}")
@@ -155,30 +204,53 @@ class BlockManager:
         if shared is not None:
             source = seq.block_table[shared]
             self.blocks[source].ref_count -= 1  # others still hold it: never freed here
-            seq.block_table[shared] = copy = self._pop_free()
+            seq.block_table[shared] = copy = self._pop_free(offload)
             self._copies.append((source, copy))
             self.num_block_copies += 1
         if not seq.block_table:
             self.prefix_queried_tokens += seq.num_tokens
-            self.prefix_hit_tokens += len(prefix) * self.block_size
+            self.prefix_hit_tokens += len(prefix.device) * self.block_size
         if prefix:
             if seq.block_table:
                 raise RuntimeError(f"{seq} already holds blocks; a prefix can only start a table")
-            for block_id in prefix:
-                self._take(block_id)
-            seq.block_table = list(prefix)
-            seq.block_hashes = [self.blocks[b].hash for b in prefix]  # type: ignore[misc]
-            seq.num_computed_tokens = len(prefix) * self.block_size
-        for _ in range(self._new_blocks_needed(seq, num_new_tokens, ())):
-            seq.block_table.append(self._pop_free())
+            self._adopt(seq, prefix, offload)
+        for _ in range(self._new_blocks_needed(seq, num_new_tokens, NO_PREFIX)):
+            seq.block_table.append(self._pop_free(offload))
 
-    def _pop_free(self) -> int:
-        """The next free block, taken (ref count 1) and out of the prefix cache."""
+    def _adopt(self, seq: Sequence, prefix: Prefix, offload: bool) -> None:
+        """`seq`'s table becomes `prefix`: its device blocks taken first (a block popped for a
+        host hit may evict any free one), then a fresh block for each host hit, its load
+        recorded and the block published under the hit's hash."""
+        for block_id in prefix.device:
+            self._take(block_id)
+        hits = prefix.host
+        slots = iter(self.host.claim(hits) if self.host is not None and hits else ())
+        table = []
+        for b in prefix.blocks:
+            if isinstance(b, HostHit):
+                assert self.host is not None
+                block_id = self._pop_free(offload)
+                block = self.blocks[block_id]
+                block.hash, block.parent_hash, block.token_ids = b
+                self._cached.setdefault(b.hash, block_id)
+                self.host.load(next(slots), block_id)
+                b = block_id
+            table.append(b)
+        seq.block_table = table
+        seq.block_hashes = [self.blocks[b].hash for b in table]  # type: ignore[misc]
+        seq.num_computed_tokens = len(prefix) * self.block_size
+
+    def _pop_free(self, offload: bool = True) -> int:
+        """The next free block, taken (ref count 1) and out of the prefix cache (its KV offered
+        to the host tier first, with `offload`)."""
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None:  # evict its prefix entry: the KV will be overwritten
             if self._cached.get(block.hash) == block_id:
                 del self._cached[block.hash]
+                if offload and self.host is not None:
+                    assert block.parent_hash is not None and block.token_ids is not None
+                    self.host.offload(block_id, block.hash, block.parent_hash, block.token_ids)
             block.forget()
         block.ref_count = 1
         return block_id
@@ -199,6 +271,12 @@ class BlockManager:
         copies, self._copies = self._copies, []
         return copies
 
+    def take_host_copies(self) -> HostCopies:
+        """The host-tier copies recorded since the last call (none without a tier): the step
+        being scheduled runs them on every rank before its forward (and before `take_copies`'
+        copies)."""
+        return self.host.take_copies() if self.host is not None else HostCopies((), ())
+
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
@@ -213,6 +291,8 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
+                if self.host is not None and self.host.cancel_load(block_id):
+                    self._uncache(block)  # (a reservation given up) its KV never came
                 self._free[block_id] = None
             elif block.ref_count < 0:
                 raise RuntimeError(f"block {block_id} freed twice")
@@ -239,10 +319,16 @@ class BlockManager:
             parent = h
         seq.block_hashes += hashes
 
+    def _uncache(self, block: Block) -> None:
+        if block.hash is not None and self._cached.get(block.hash) == block.block_id:
+            del self._cached[block.hash]
+        block.forget()
+
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix held by a free block (used blocks keep theirs)."""
+        """Forget every cached prefix held by a free block (used blocks keep theirs), and the
+        host tier's."""
         for block_id in self._free:
             block = self.blocks[block_id]
-            if block.hash is not None:
-                self._cached.pop(block.hash, None)
-                block.forget()
+            self._uncache(block)
+        if self.host is not None:
+            self.host.clear()

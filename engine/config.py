@@ -62,6 +62,12 @@ class EngineConfig:
     kv_cache_memory_fraction: float | None = option(
         None, "KV cache share of the GPU's memory (default 0.9) or of free RAM (default 0.1)"
     )
+    kv_offload_gib: float = option(
+        0.0,
+        "host memory (GiB, over the worker's ranks) for KV blocks evicted from the device's "
+        "prefix cache, loaded back instead of recomputed (pinned on GPUs); 0: off (and without "
+        "prefix caching)",
+    )
     max_num_seqs: int = option(256, "requests running at once, at most")
     max_num_batched_tokens: int = option(2048, "per-step token budget (prefill chunks + decodes)")
     max_model_len: int | None = option(None, "prompt + output tokens (default: the model's)")
@@ -106,6 +112,9 @@ class EngineConfig:
         fraction = self.kv_cache_memory_fraction
         if fraction is not None and not (isinstance(fraction, int | float) and 0 < fraction <= 1):
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {fraction!r}.")
+        gib = self.kv_offload_gib
+        if not isinstance(gib, int | float) or isinstance(gib, bool) or gib < 0:
+            raise ValueError(f"kv_offload_gib must be a number of GiB >= 0, got {gib!r}.")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}.")
         if self.async_scheduling not in (None, True, False):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Collection
 
@@ -13,6 +14,7 @@ from pdmesh.engine.block_manager import BlockManager
 from pdmesh.engine.choices import Limits, check_choices, check_first_tokens, new_sequences
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.expert_balancer import CountEplb, EplbCounts, EplbStats
+from pdmesh.engine.host_index import HostIndex
 from pdmesh.engine.model_info import ModelInfo
 from pdmesh.engine.model_runner import ModelRunner
 from pdmesh.engine.outputs import (
@@ -96,8 +98,10 @@ class LLMEngine:
             )
             max_len = capacity
         self.max_model_len = max_len
+        pool = self.runner.host_pool
+        self.host_index = HostIndex(pool.num_slots) if pool is not None else None
         blocks = BlockManager(
-            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching, self.host_index
         )
         self.limits = Limits(max_len, config.block_size, blocks.num_blocks, config.max_num_seqs)
         self.scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens)
@@ -130,6 +134,10 @@ class LLMEngine:
             f"{max_len:,}",
             capacity / max_len,
         )
+        if pool is not None:
+            log.info(
+                "host KV tier: %d blocks (%.2f GiB a rank)", pool.num_slots, pool.nbytes / 2**30
+            )
 
     # -- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -388,7 +396,11 @@ class LLMEngine:
             self.tp_driver.shutdown()
 
     def stats(self) -> EngineStats:
-        return self.scheduler.stats()
+        stats, pool, bs = self.scheduler.stats(), self.runner.host_pool, self.config.block_size
+        if self.host_index is None or pool is None:
+            return stats
+        block_bytes = self.info.kv_block_bytes(bs, self.runner.dtype.itemsize)
+        return dataclasses.replace(stats, **self.host_index.figures(bs, block_bytes, pool.seconds))
 
     def fork_stats(self) -> ForkStats:
         """Blocks shared by requests' choices and copies on write, since start."""

@@ -82,6 +82,10 @@ class ModelInfo:
             if value and value % size:
                 raise ValueError(f"tensor_parallel_size {size} does not divide {name} {value}.")
 
+    def kv_block_bytes(self, block_size: int, itemsize: int) -> int:
+        """One block's KV over every layer and KV head (what all of a worker's ranks hold)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * block_size * itemsize
+
     @property
     def name(self) -> str:
         return getattr(self.hf_config, "_name_or_path", "") or self.folder.name

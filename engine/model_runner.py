@@ -17,6 +17,7 @@ from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.cuda_graphs import DecodeGraphs
 from pdmesh.engine.distributed import all_reduce_min
 from pdmesh.engine.expert_balancer import ExpertBalancer
+from pdmesh.engine.host_pool import HostPool, plan_slots
 from pdmesh.engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
 from pdmesh.engine.layers.moe import FusedMoE
 from pdmesh.engine.logprobs import TopLogprobs, prompt_logprobs, wanted_logprobs
@@ -125,6 +126,12 @@ class ModelRunner:
             num_blocks = all_reduce_min(num_blocks, world)
         self.kv_cache = KVCache(self.kv_spec, num_blocks, device)
         self.kv_cache.bind(attn_layers)
+        self.host_pool: HostPool | None = None  # the host tier (engine/host_pool.py)
+        if config.kv_offload_gib > 0 and config.enable_prefix_caching:
+            slots = plan_slots(self.kv_spec, config.kv_offload_gib, world.size)
+            if world.size > 1:  # every rank must hold the same slots
+                slots = all_reduce_min(slots, world)
+            self.host_pool = HostPool(self.kv_spec, slots, device)
         self.sampler = Sampler(config.seed)
         # Decode steps replay CUDA graphs. With tensor parallelism every rank captures the same
         # graphs, their all-reduces over symmetric memory (NCCL stays out of the graphs: its
@@ -179,6 +186,8 @@ class ModelRunner:
         # tables, logits indices: filled below.
         host = HostInputs([], [], [], [], [], [0], [], [], [])
         host.block_copies = [b for pair in batch.block_copies for b in pair]
+        host.offloads = [x for pair in batch.host_copies.offloads for x in pair]
+        host.loads = [x for pair in batch.host_copies.loads for x in pair]
         sample_seq_index: list[int] = []
         prompt_rows: list[tuple[int, int, int]] = []  # (sequence, position, flat index)
         forked_from = dict(batch.forks)
@@ -222,6 +231,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_logits(self, inputs: StepInputs) -> torch.Tensor | None:
         """The model over the flat batch; logits [S, V] of the rows to sample (None if none)."""
+        host = inputs.host
+        if self.host_pool is not None and (host.offloads or host.loads):
+            # Evicted blocks out before anything overwrites them, then host hits in.
+            self.host_pool.copy(self.kv_cache.data, host.offloads, host.loads)
         if inputs.block_copies is not None:  # before any layer writes this step's K/V
             self.kv_cache.copy_blocks(inputs.block_copies)
         meta, graphs = inputs.meta, None if self._saving else self.graphs

@@ -111,6 +111,14 @@ class EngineStats:
     prefix_hit_tokens: int
     num_preemptions: int
     steps_launched_ahead: int
+    # The host-memory KV tier (engine/host_index.py); zeros when it is off.
+    host_tier_blocks_total: int = 0  # slots
+    host_tier_blocks_used: int = 0
+    host_tier_hit_blocks: int = 0  # prompt blocks loaded from it instead of recomputed
+    host_tier_hit_tokens: int = 0
+    host_tier_offloaded_bytes: int = 0  # KV of every layer and head, over the worker's ranks
+    host_tier_loaded_bytes: int = 0
+    host_tier_copy_seconds: float = 0.0  # rank 0's copies, both ways (GPU: as far as finished)
 
 
 class ForkStats(NamedTuple):

@@ -19,11 +19,14 @@ from collections.abc import Collection
 from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
-from pdmesh.engine.block_manager import BlockManager
+from pdmesh.engine.block_manager import BlockManager, Prefix
+from pdmesh.engine.host_index import HostCopies
 from pdmesh.engine.outputs import EngineStats, ForkStats
 from pdmesh.engine.sequence import Sequence, SequenceStatus
 from pdmesh.kv_transfer.connector import ExternalBlocks
 from pdmesh.sampling_params import SamplingParams
+
+NO_HOST_COPIES = HostCopies((), ())
 
 
 class ScheduledBatch(NamedTuple):
@@ -37,6 +40,8 @@ class ScheduledBatch(NamedTuple):
     forks: tuple[tuple[int, int], ...] = ()
     # Copy on write: (source, copy) block pairs whose KV every rank copies before the step.
     block_copies: tuple[tuple[int, int], ...] = ()
+    # The host tier's copies, which every rank runs before those (engine/host_index.py).
+    host_copies: HostCopies = NO_HOST_COPIES
 
     @property
     def num_tokens(self) -> int:
@@ -157,7 +162,8 @@ class Scheduler:
             or not bm.can_allocate(seq, new_tokens, prefix, queued_blocks)
         ):
             return None
-        bm.allocate(seq, new_tokens, prefix)
+        # A KV receiver may write the blocks before any step could copy their old KV out.
+        bm.allocate(seq, new_tokens, prefix, offload=False)
         seq.num_cached_tokens = seq.num_computed_tokens
         seq.status = SequenceStatus.PREFILLING
         self._reserved[seq.request_id] = seq
@@ -270,7 +276,9 @@ class Scheduler:
             take(seq, n)
             budget -= n
         copies = tuple(bm.take_copies())
-        return ScheduledBatch(seqs, counts, preempted, tuple(forks), copies)
+        # An empty batch runs nothing: the host copies wait for the next step that runs.
+        host = bm.take_host_copies() if seqs else NO_HOST_COPIES
+        return ScheduledBatch(seqs, counts, preempted, tuple(forks), copies, host)
 
     def schedule_lookahead(
         self, prev: ScheduledBatch, sampled: Seq[int], max_model_len: int
@@ -313,7 +321,8 @@ class Scheduler:
             bm.allocate(seq, n, write_from=seq.num_tokens)
         self.num_lookaheads += 1
         copies = tuple(bm.take_copies())
-        return Lookahead(ScheduledBatch(seqs, [1] * len(seqs), [], (), copies), rows)
+        batch = ScheduledBatch(seqs, [1] * len(seqs), [], (), copies, bm.take_host_copies())
+        return Lookahead(batch, rows)
 
     def complete(self, batch: ScheduledBatch) -> None:
         """The step that ran `batch` is off the device: free the blocks of its sequences finished
@@ -329,11 +338,11 @@ class Scheduler:
                 seq.num_computed_tokens += n
                 self._blocks.cache_full_blocks(seq)
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
+    def _cached_prefix(self, seq: Sequence) -> Prefix:
         """The prefix cache's blocks for `seq`: none when it asks for its prompt's
         log-probabilities, which every prompt position's logits give (a hit costs a recompute)."""
         if seq.params.prompt_logprobs is not None:
-            return []
+            return Prefix()
         return self._blocks.match_prefix(seq)
 
     def _preempt(self, seq: Sequence) -> None:

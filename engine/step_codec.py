@@ -2,9 +2,9 @@
 payload, both over the host group; and the input ids over the model's group when they exist only
 on the device (a step launched before the step sampling them finished: async scheduling).
 
-Followers rebuild exactly the `StepInputs` rank 0 runs (its copies on write of KV blocks
-included), plus an optional int64 `extra` payload: the step's plan from the KV connector
-(`KVConnector.plan_step`, e.g. the prefill worker's pushes).
+Followers rebuild exactly the `StepInputs` rank 0 runs (its copies on write of KV blocks and its
+host-tier copies included), plus an optional int64 `extra` payload: the step's plan from the KV
+connector (`KVConnector.plan_step`, e.g. the prefill worker's pushes).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ _SIZES = (
     "prefill_width",
     "num_sampled",
     "num_copies",
+    "num_offloads",
+    "num_loads",
 )
 _FIELDS = ("op", *_SIZES, "extra", "ids_on_device")
 
@@ -45,6 +47,8 @@ def encode(op: int, host: HostInputs, extra: torch.Tensor | None) -> tuple[list[
         prefill_width,
         len(host.logits_indices),
         len(host.block_copies) // 2,
+        len(host.offloads) // 2,
+        len(host.loads) // 2,
         extra.numel() if extra is not None else 0,
         int(ids_on_device),
     ]
@@ -59,6 +63,8 @@ def encode(op: int, host: HostInputs, extra: torch.Tensor | None) -> tuple[list[
         *prefill_flat,
         *host.logits_indices,
         *host.block_copies,
+        *host.offloads,
+        *host.loads,
     ]
     payload = torch.tensor(values, dtype=torch.int64)
     if extra is not None:
@@ -82,15 +88,15 @@ def receive_header(group: ParallelGroup) -> dict[str, int]:
 def receive_step(
     h: dict[str, int], group: ParallelGroup, device: torch.device
 ) -> tuple[StepInputs, torch.Tensor | None]:
-    t, d, dw, p, pw, s, c = (h[name] for name in _SIZES)
+    t, d, dw, p, pw, s, c, o, ld = (h[name] for name in _SIZES)
     e = h["extra"]
     on_device = bool(h["ids_on_device"])
-    sizes = [0 if on_device else t, t, t, d * dw, d, p + 1, p, p * pw, s, 2 * c]
+    sizes = [0 if on_device else t, t, t, d * dw, d, p + 1, p, p * pw, s, 2 * c, 2 * o, 2 * ld]
     payload = broadcast_host(None, sum(sizes) + e, torch.int64, group)
     values = payload[: sum(sizes)].tolist()
     ends = list(itertools.accumulate(sizes))
     parts = [values[end - n : end] for n, end in zip(sizes, ends, strict=True)]
-    ids, pos, slots, dtab, dlen, cu, plen, ptab, logits_idx, copies = parts
+    ids, pos, slots, dtab, dlen, cu, plen, ptab, logits_idx, copies, offloads, loads = parts
     host = HostInputs(
         input_ids=ids,
         positions=pos,
@@ -102,6 +108,8 @@ def receive_step(
         prefill_tables=[ptab[i * pw : (i + 1) * pw] for i in range(p)],
         logits_indices=logits_idx,
         block_copies=copies,
+        offloads=offloads,
+        loads=loads,
     )
     device_ids = broadcast_device(None, t, torch.int64, group) if on_device else None
     inputs = host.to_device(device, list(range(s)), device_ids)

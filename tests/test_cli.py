@@ -128,7 +128,7 @@ def test_every_engine_option_is_a_flag_of_every_engine_command(command: str) -> 
 def test_engine_flags_keep_their_spelling() -> None:
     argv = ["prefill", "--model", "m", "--dtype", "float16", "--device", "cpu"]
     argv += ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "3"]
-    argv += ["--block-size", "32", "--kv-cache-tokens", "4096"]
+    argv += ["--block-size", "32", "--kv-cache-tokens", "4096", "--kv-offload-gib", "2.5"]
     argv += ["--kv-cache-memory-fraction", "0.5", "--max-num-seqs", "8"]
     argv += ["--max-num-batched-tokens", "512", "--max-model-len", "1024", "--no-prefix-caching"]
     argv += ["--enable-expert-parallel", "--seed", "7", "--enforce-eager", "--no-async-scheduling"]
@@ -151,6 +151,7 @@ def test_engine_flags_keep_their_spelling() -> None:
         "block_size": 32,
         "kv_cache_tokens": 4096,
         "kv_cache_memory_fraction": 0.5,
+        "kv_offload_gib": 2.5,
         "max_num_seqs": 8,
         "max_num_batched_tokens": 512,
         "max_model_len": 1024,

@@ -4,6 +4,7 @@ that re-place their experts between steps without changing a token."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from pdmesh.engine.eplb import (
     rebalance,
     tokens_per_rank,
 )
+from pdmesh.engine.outputs import EngineStats
 from pdmesh.kernels.moe import moe_experts_ref
 from pdmesh.observability.worker_collector import EplbFigures, WorkerSnapshot, worker_registry
 
@@ -254,8 +256,4 @@ def test_metrics_show_eplb_figures() -> None:
     assert b"pdmesh_eplb_imbalance{" not in off
 
 
-_ENGINE_ZEROS = dict.fromkeys(
-    ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free",
-     "prefix_queried_tokens", "prefix_hit_tokens", "num_preemptions", "steps_launched_ahead"),
-    0,
-)  # fmt: skip
+_ENGINE_ZEROS = dict.fromkeys((f.name for f in dataclasses.fields(EngineStats)), 0)

@@ -143,6 +143,33 @@ _ENGINE_FAMILIES: dict[str, tuple[type[Metric], str, str]] = {
         "Decode steps launched before the previous step's tokens were read (async "
         "scheduling: the host's work hidden behind the device's).",
     ),
+    "host_tier_blocks_total": (G, "pdmesh_host_kv_blocks_total", "Host KV tier: block slots."),
+    "host_tier_blocks_used": (G, "pdmesh_host_kv_blocks_used", "Host KV tier: slots in use."),
+    "host_tier_hit_blocks": (
+        C,
+        "pdmesh_host_kv_hit_blocks",
+        "Prompt blocks loaded from the host KV tier instead of recomputed.",
+    ),
+    "host_tier_hit_tokens": (
+        C,
+        "pdmesh_host_kv_hit_tokens",
+        "Prompt tokens loaded from the host KV tier instead of recomputed.",
+    ),
+    "host_tier_offloaded_bytes": (
+        C,
+        "pdmesh_host_kv_offloaded_bytes",
+        "KV bytes copied to the host tier as blocks left the device cache.",
+    ),
+    "host_tier_loaded_bytes": (
+        C,
+        "pdmesh_host_kv_loaded_bytes",
+        "KV bytes copied back from the host tier.",
+    ),
+    "host_tier_copy_seconds": (
+        C,
+        "pdmesh_host_kv_copy_seconds",
+        "Seconds rank 0 spent copying KV to and from the host tier.",
+    ),
 }
 
 
