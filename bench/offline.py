@@ -122,12 +122,14 @@ def run_vllm(python: Path, folder: str, work: Workload) -> dict[str, Any]:
             )
         )
         script = Path(__file__).with_name("vllm_peer.py")
-        # -P: bench/ stays off its path (bench/kernels.py would shadow a module vLLM imports).
+        # Neither bench/ (-P) nor the checkout (cwd) on its path: their `kernels` would shadow
+        # the package vLLM imports.
         done = subprocess.run(
             [str(python), "-P", str(script), str(job)],
             stdout=subprocess.PIPE,
             text=True,
             check=True,
+            cwd=tmp,
         )
     line = next(x for x in done.stdout.splitlines() if x.startswith(_PEER_TAG))
     return json.loads(line[len(_PEER_TAG) :])
