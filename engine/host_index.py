@@ -42,6 +42,10 @@ class _Entry(NamedTuple):
 
 
 class HostIndex:
+    """Protocol: `lookup` while matching a prefix, then `claim` and `load` for the hits a
+    sequence adopts; `offload` as cached blocks are handed out again; `take_copies` once per
+    step. The block manager is its only caller."""
+
     def __init__(self, num_slots: int) -> None:
         if num_slots < 1:
             raise ValueError(f"the host tier needs at least one slot, got {num_slots}")
@@ -54,10 +58,6 @@ class HostIndex:
         self.hit_blocks = 0  # blocks found here and loaded back instead of recomputed
         self.offloaded_blocks = 0
         self.evicted_blocks = 0  # entries dropped to make room
-
-    @property
-    def num_used_slots(self) -> int:
-        return len(self._entries)
 
     def figures(self, block_size: int, block_bytes: int, seconds: float) -> dict[str, float]:
         """The tier's `EngineStats` fields; `block_bytes`: a block's KV over the worker's
