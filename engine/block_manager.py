@@ -271,6 +271,11 @@ class BlockManager:
         copies, self._copies = self._copies, []
         return copies
 
+    def is_loading(self, seq: Sequence) -> bool:
+        """Whether a block of `seq` waits for its KV from the host tier (a pending load)."""
+        host = self.host
+        return host is not None and any(host.is_loading(b) for b in seq.block_table)
+
     def take_host_copies(self) -> HostCopies:
         """The host-tier copies recorded since the last call (none without a tier): the step
         being scheduled runs them on every rank before its forward (and before `take_copies`'

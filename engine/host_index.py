@@ -33,6 +33,9 @@ class HostCopies(NamedTuple):
 
     offloads: tuple[tuple[int, int], ...]  # (device block, host slot)
     loads: tuple[tuple[int, int], ...]  # (host slot, device block)
+    # No sequence of the step reads the loaded blocks: the loads may run beside its forward
+    # (the next step waits for them).
+    overlap: bool = False
 
 
 class _Entry(NamedTuple):
@@ -116,6 +119,10 @@ class HostIndex:
         """Drop the pending load into `block_id` (freed before any step ran it); whether there
         was one."""
         return self._loads.pop(block_id, None) is not None
+
+    def is_loading(self, block_id: int) -> bool:
+        """Whether a load into `block_id` waits in the pending copies."""
+        return block_id in self._loads
 
     def take_copies(self) -> HostCopies:
         """The copies recorded since the last call, for the step being scheduled (which runs

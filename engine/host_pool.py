@@ -4,9 +4,11 @@ device cache evicted, and the copies between them and the device cache.
 Every rank holds a pool of the same number of slots, each slot the KV of one block for the
 layers and heads this rank's cache holds; rank 0's index (engine/host_index.py) decides what goes
 where, and each step carries its copies to every rank (engine/step_codec.py). `copy` runs them
-before the step's forward. On a GPU the copies are queued on the current stream without a host
-sync (pinned memory): the host goes on building the next step while they run, and the forward
-queued after them sees their result; they do not overlap that forward.
+before the step's forward. On a GPU they are queued without a host sync (pinned memory): the
+host goes on building the next step meanwhile. Offloads, and loads a sequence of the step reads,
+run on the compute stream before the forward; loads no sequence of the step reads (`overlap`:
+their request sits the step out, see Scheduler) run on a stream of their own beside the forward,
+and the next step's work waits for them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ import torch
 
 from pdmesh.engine.distributed import host_to_device
 from pdmesh.engine.kv_cache import KVCacheSpec
+
+# Blocks staged on the device at once: bounds the copies' scratch memory (64 blocks of the
+# Llama-3.1-8B shape: 128 MiB) whatever a step moves.
+CHUNK = 64
 
 
 def plan_slots(spec: KVCacheSpec, gib: float, num_ranks: int) -> int:
@@ -39,31 +45,62 @@ class HostPool:
         self.data = torch.zeros(shape, dtype=spec.dtype, pin_memory=device.type == "cuda")
         self.seconds = 0.0  # spent copying, as far as measured (GPU: events read so far)
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._side: torch.cuda.Stream | None = None  # loads beside a forward (GPU)
+        self._loading: torch.cuda.Event | None = None  # the last of those, until waited for
 
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
-    def copy(self, cache: torch.Tensor, offloads: list[int], loads: list[int]) -> None:
-        """cache: [layers, 2, blocks, block_size, kv_heads, head_dim], this rank's KV cache.
-        offloads: (device block, slot) pairs, flat: each block's KV into its slot; then loads:
-        (slot, device block) pairs, flat: each slot's KV into its block."""
+    def copy(
+        self, cache: torch.Tensor, offloads: list[int], loads: list[int], overlap: bool = False
+    ) -> None:
+        """Called before every step's forward. cache: [layers, 2, blocks, block_size, kv_heads,
+        head_dim], this rank's KV cache. offloads: (device block, slot) pairs, flat: each
+        block's KV into its slot; then loads: (slot, device block) pairs, flat: each slot's KV
+        into its block, beside the forward with `overlap` (on a GPU)."""
+        side = self._side_stream(cache.device) if overlap and loads else None
+        if self._loading is not None:  # the last step's loads: before anything of this one
+            torch.cuda.current_stream().wait_event(self._loading)
+            self._loading = None
+        if not (offloads or loads):
+            return
         start = self._start(cache.device)
-        if offloads:
-            blocks = host_to_device(torch.tensor(offloads[0::2]), cache.device)
+        for at in range(0, len(offloads), 2 * CHUNK):
+            chunk = offloads[at : at + 2 * CHUNK]
+            blocks = host_to_device(torch.tensor(chunk[0::2]), cache.device)
             staged = cache[:, :, blocks].movedim(2, 0).contiguous()  # [C, layers, 2, ...]
-            for i, slot in enumerate(offloads[1::2]):
+            for i, slot in enumerate(chunk[1::2]):
                 self.data[slot].copy_(staged[i], non_blocking=True)
-        if loads:
-            slots = loads[0::2]
-            staged = torch.empty(
-                (len(slots), *self.data.shape[1:]), dtype=cache.dtype, device=cache.device
-            )
+        if side is None:
+            self._load(cache, loads)
+        else:
+            # After this step's offloads (a block loaded into may have just been evicted) and
+            # the steps before; nothing of this step reads or writes the blocks loaded into.
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._load(cache, loads)
+                self._loading = torch.cuda.Event(enable_timing=True)
+                self._loading.record()
+        self._stop(start, self._loading if side is not None else None)
+
+    def _load(self, cache: torch.Tensor, loads: list[int]) -> None:
+        for at in range(0, len(loads), 2 * CHUNK):
+            chunk = loads[at : at + 2 * CHUNK]
+            slots = chunk[0::2]
+            shape = (len(slots), *self.data.shape[1:])
+            staged = torch.empty(shape, dtype=cache.dtype, device=cache.device)
             for i, slot in enumerate(slots):
                 staged[i].copy_(self.data[slot], non_blocking=True)
-            blocks = host_to_device(torch.tensor(loads[1::2]), cache.device)
+            blocks = host_to_device(torch.tensor(chunk[1::2]), cache.device)
             cache[:, :, blocks] = staged.movedim(0, 2)
-        self._stop(start)
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream | None:
+        if device.type != "cuda":
+            return None  # copies on the CPU run as they are called
+        if self._side is None:
+            self._side = torch.cuda.Stream(device)
+        return self._side
 
     def _start(self, device: torch.device) -> float | torch.cuda.Event:
         if device.type != "cuda":
@@ -73,12 +110,14 @@ class HostPool:
         event.record()
         return event
 
-    def _stop(self, start: float | torch.cuda.Event) -> None:
+    def _stop(self, start: float | torch.cuda.Event, end: torch.cuda.Event | None) -> None:
+        """end: the event that ends the copies when they end on the side stream."""
         if isinstance(start, float):
             self.seconds += time.perf_counter() - start
             return
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
+        if end is None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
         self._timed.append((start, end))
 
     def _fold(self) -> None:

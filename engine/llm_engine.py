@@ -104,7 +104,12 @@ class LLMEngine:
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching, self.host_index
         )
         self.limits = Limits(max_len, config.block_size, blocks.num_blocks, config.max_num_seqs)
-        self.scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            blocks,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            overlap_loads=rank0.type == "cuda",  # copies beside a forward: a stream of their own
+        )
         self._requests: dict[str, Request] = {}
         self.grammars = Grammars(self.info.folder, self.info.vocab_size, self.info.eos_token_ids)
         # The last step could do nothing: queued requests wait for blocks that prompts being

@@ -188,6 +188,7 @@ class ModelRunner:
         host.block_copies = [b for pair in batch.block_copies for b in pair]
         host.offloads = [x for pair in batch.host_copies.offloads for x in pair]
         host.loads = [x for pair in batch.host_copies.loads for x in pair]
+        host.overlap_loads = batch.host_copies.overlap
         sample_seq_index: list[int] = []
         prompt_rows: list[tuple[int, int, int]] = []  # (sequence, position, flat index)
         forked_from = dict(batch.forks)
@@ -232,9 +233,9 @@ class ModelRunner:
     def forward_logits(self, inputs: StepInputs) -> torch.Tensor | None:
         """The model over the flat batch; logits [S, V] of the rows to sample (None if none)."""
         host = inputs.host
-        if self.host_pool is not None and (host.offloads or host.loads):
+        if self.host_pool is not None:
             # Evicted blocks out before anything overwrites them, then host hits in.
-            self.host_pool.copy(self.kv_cache.data, host.offloads, host.loads)
+            self.host_pool.copy(self.kv_cache.data, host.offloads, host.loads, host.overlap_loads)
         if inputs.block_copies is not None:  # before any layer writes this step's K/V
             self.kv_cache.copy_blocks(inputs.block_copies)
         meta, graphs = inputs.meta, None if self._saving else self.graphs

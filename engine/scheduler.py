@@ -73,9 +73,17 @@ class Scheduler:
     elsewhere: `reserve`, then `commit` when its KV is in, or `release` to prefill it here."""
 
     def __init__(
-        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        overlap_loads: bool = False,
     ) -> None:
+        """overlap_loads: a request admitted with blocks to load from the host tier sits out
+        the step that loads them (the loads run beside its forward) when that step has other
+        work, and runs from the next; else it runs in that step, after the loads."""
         self._blocks = block_manager
+        self.overlap_loads = overlap_loads
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -273,11 +281,16 @@ class Scheduler:
                 seq.num_cached_tokens = cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if self.overlap_loads and seqs and bm.is_loading(seq):
+                continue  # its prefix loads beside this step; it runs from the next one
             take(seq, n)
             budget -= n
         copies = tuple(bm.take_copies())
         # An empty batch runs nothing: the host copies wait for the next step that runs.
-        host = bm.take_host_copies() if seqs else NO_HOST_COPIES
+        host = NO_HOST_COPIES
+        if seqs:
+            overlap = self.overlap_loads and not any(bm.is_loading(s) for s in seqs)
+            host = bm.take_host_copies()._replace(overlap=overlap)
         return ScheduledBatch(seqs, counts, preempted, tuple(forks), copies, host)
 
     def schedule_lookahead(

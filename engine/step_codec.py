@@ -30,7 +30,7 @@ _SIZES = (
     "num_offloads",
     "num_loads",
 )
-_FIELDS = ("op", *_SIZES, "extra", "ids_on_device")
+_FIELDS = ("op", *_SIZES, "extra", "ids_on_device", "overlap_loads")
 
 
 def encode(op: int, host: HostInputs, extra: torch.Tensor | None) -> tuple[list[int], torch.Tensor]:
@@ -51,6 +51,7 @@ def encode(op: int, host: HostInputs, extra: torch.Tensor | None) -> tuple[list[
         len(host.loads) // 2,
         extra.numel() if extra is not None else 0,
         int(ids_on_device),
+        int(host.overlap_loads),
     ]
     values = [
         *host.input_ids,
@@ -76,7 +77,8 @@ def send(op: int, inputs: StepInputs, extra: torch.Tensor | None, group: Paralle
     header, payload = encode(op, inputs.host, extra)
     broadcast_ints(header, HEADER_LEN, group)
     broadcast_host(payload, payload.numel(), torch.int64, group)
-    if header[-1]:  # the ids: queued on the device after the step that samples them
+    if header[_FIELDS.index("ids_on_device")]:
+        # the ids: queued on the device after the step that samples them
         broadcast_device(inputs.input_ids, inputs.host.num_tokens, torch.int64, group)
 
 
@@ -110,6 +112,7 @@ def receive_step(
         block_copies=copies,
         offloads=offloads,
         loads=loads,
+        overlap_loads=bool(h["overlap_loads"]),
     )
     device_ids = broadcast_device(None, t, torch.int64, group) if on_device else None
     inputs = host.to_device(device, list(range(s)), device_ids)

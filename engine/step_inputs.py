@@ -53,6 +53,7 @@ class HostInputs:
     # slot) pairs, then [2L] (host slot, device block) pairs
     offloads: list[int] = field(default_factory=list)
     loads: list[int] = field(default_factory=list)
+    overlap_loads: bool = False  # no sequence of the step reads the loaded blocks
 
     @property
     def num_tokens(self) -> int:

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -20,7 +21,9 @@ from support import hf_greedy, load_hf, random_prompts
 from pdmesh import LLM, SamplingParams
 from pdmesh.engine.block_manager import BlockManager
 from pdmesh.engine.config import EngineConfig
-from pdmesh.engine.host_index import HostHit, HostIndex
+from pdmesh.engine.host_index import HostCopies, HostHit, HostIndex
+from pdmesh.engine.host_pool import CHUNK, HostPool
+from pdmesh.engine.kv_cache import KVCacheSpec
 from pdmesh.engine.sequence import Sequence
 from pdmesh.observability.worker_collector import WorkerSnapshot, worker_registry
 from pdmesh.v1.worker_pb2 import WorkerStats
@@ -93,6 +96,35 @@ def test_evicted_prefix_is_loaded_from_the_host_tier(tiny_model, recomputed) -> 
     assert f'pdmesh_host_kv_loaded_bytes_total{{role="decode"}} {4 * block_bytes}.0' in text
 
 
+def test_a_request_loading_its_prefix_sits_out_the_step_that_loads_it(
+    tiny_model, recomputed
+) -> None:
+    """With loads beside the forward (as on a GPU), a step that has other work loads the
+    prefix of a request it admits without running it: the running request is not held up, and
+    the loading one starts on the next step."""
+    folder = tiny_model("llama")
+    with LLM(
+        str(folder), kv_cache_tokens=160, block_size=BLOCK, kv_offload_gib=_gib_for(folder, 32)
+    ) as llm:
+        engine = llm.engine
+        engine.scheduler.overlap_loads = True
+        prefix, tail_a, filler, tail_b = random_prompts([64, 10, 140, 20], seed=11)
+        llm.generate([{"prompt_token_ids": prefix + tail_a}], GREEDY)
+        llm.generate([{"prompt_token_ids": filler}], GREEDY)
+        engine.add_request("busy", random_prompts([10], seed=2)[0], GREEDY)
+        assert [d.request_id for d in engine.step()] == ["busy"]
+        engine.add_request("again", prefix + tail_b, GREEDY)
+        assert [d.request_id for d in engine.step()] == ["busy"]  # "again" loads meanwhile
+        assert "again" in {d.request_id for d in engine.step()}
+        while engine.has_unfinished_requests():
+            engine.step()
+        out = engine.get_output("again")
+        stats = engine.stats()
+    assert out.num_cached_tokens == 64 and stats.host_tier_hit_tokens == 64
+    assert out.outputs[0].token_ids == recomputed[0]
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
 def test_host_tier_over_parallel_ranks(tiny_model, recomputed, layout: str) -> None:
     """Every rank copies its own heads (tensor parallel) or layers (pipeline) with each step."""
@@ -160,6 +192,19 @@ def test_a_decode_worker_serves_an_evicted_prefix_from_its_host_tier(tiny_model)
     assert got == hf_greedy(load_hf(folder), prefix + tail_b, 8, ignore_eos=True)
 
 
+def test_pool_round_trip_in_chunks() -> None:
+    """More blocks than one chunk of scratch, out to the host and back into other blocks."""
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.float32)
+    n = 2 * CHUNK + 3
+    cache = torch.randn(2, 2, 2 * n, 4, 2, 4)
+    pool = HostPool(spec, n, torch.device("cpu"))
+    slots = list(range(n))[::-1]
+    pool.copy(cache, [x for b, s in zip(range(n), slots, strict=True) for x in (b, s)], [])
+    pool.copy(cache, [], [x for s, b in zip(slots, range(n, 2 * n), strict=True) for x in (s, b)])
+    assert torch.equal(cache[:, :, n:], cache[:, :, :n])
+    assert pool.seconds > 0
+
+
 def test_host_slots_are_reused_least_recently_used_first() -> None:
     index = HostIndex(2)
     hits = [HostHit(h, 0, (h,)) for h in (1, 2, 3)]
@@ -171,10 +216,10 @@ def test_host_slots_are_reused_least_recently_used_first() -> None:
     (slot,) = index.claim([hits[0]])  # a hit makes block 1 the most recently used
     index.load(slot, 7)
     index.offload(5, *hits[2])  # evicts block 2, the least recently used
-    assert index.take_copies() == ((((5, 1),)), ((0, 7),))
+    assert index.take_copies() == HostCopies(((5, 1),), ((0, 7),))
     assert index.lookup(*hits[0]) and index.lookup(*hits[2]) and not index.lookup(*hits[1])
     index.offload(6, *hits[0])  # held already: no copy
-    assert index.take_copies() == ((), ())
+    assert index.take_copies() == HostCopies((), ())
     assert index.evicted_blocks == 1 and index.hit_blocks == 1
 
 
@@ -218,7 +263,7 @@ class HostTierMachine(RuleBasedStateMachine):
         self.n = 0
 
     def _run(self, seq: Sequence | None, n: int) -> None:
-        offloads, loads = self.bm.take_host_copies()
+        offloads, loads, _ = self.bm.take_host_copies()
         for block_id, slot in offloads:
             self.slots[slot] = list(self.kv[block_id])
         for slot, block_id in loads:

@@ -101,3 +101,29 @@ def test_host_tier_on_cuda_matches_transformers(tiny_model) -> None:
     stats = llm.engine.stats()
     assert stats.host_tier_hit_tokens > 64 and stats.host_tier_copy_seconds > 0
     assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+def test_host_tier_loads_beside_a_running_batch(tiny_model) -> None:
+    """A request whose prefix is in the host tier sits out the step that loads it (on a stream
+    of its own, beside that step's forward); both requests give transformers' tokens."""
+    folder = tiny_model("llama")
+    prefix, tail_a, filler, tail_b = random_prompts([64, 10, 140, 20], seed=11)
+    llm = LLM(str(folder), dtype="float32", kv_cache_tokens=160, kv_offload_gib=0.001)
+    engine = llm.engine
+    assert engine.scheduler.overlap_loads
+    short = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    for prompt in (prefix + tail_a, filler):
+        llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=4, temperature=0))
+    busy = random_prompts([10], seed=2)[0]
+    engine.add_request("busy", busy, short)
+    assert [d.request_id for d in engine.step()] == ["busy"]
+    engine.add_request("again", prefix + tail_b, short)
+    assert [d.request_id for d in engine.step()] == ["busy"]  # "again" loads meanwhile
+    while engine.has_unfinished_requests():
+        engine.step()
+    hf = load_hf(folder)
+    assert engine.get_output("again").num_cached_tokens == 64
+    for rid, prompt in (("busy", busy), ("again", prefix + tail_b)):
+        assert engine.get_output(rid).outputs[0].token_ids == hf_greedy(hf, prompt, 8, True)
+    assert engine.stats().host_tier_hit_tokens == 64
+    assert engine.runner.host_pool._side is not None  # the loads ran on a stream of their own
