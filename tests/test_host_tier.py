@@ -96,15 +96,20 @@ def test_evicted_prefix_is_loaded_from_the_host_tier(tiny_model, recomputed) -> 
     assert f'pdmesh_host_kv_loaded_bytes_total{{role="decode"}} {4 * block_bytes}.0' in text
 
 
+@pytest.mark.parametrize("tp", [1, 2])
 def test_a_request_loading_its_prefix_sits_out_the_step_that_loads_it(
-    tiny_model, recomputed
+    tiny_model, recomputed, tp: int
 ) -> None:
     """With loads beside the forward (as on a GPU), a step that has other work loads the
     prefix of a request it admits without running it: the running request is not held up, and
-    the loading one starts on the next step."""
+    the loading one starts on the next step (every rank told so with the step)."""
     folder = tiny_model("llama")
     with LLM(
-        str(folder), kv_cache_tokens=160, block_size=BLOCK, kv_offload_gib=_gib_for(folder, 32)
+        str(folder),
+        kv_cache_tokens=160,
+        block_size=BLOCK,
+        kv_offload_gib=_gib_for(folder, 32),
+        tensor_parallel_size=tp,
     ) as llm:
         engine = llm.engine
         engine.scheduler.overlap_loads = True
