@@ -13,7 +13,8 @@ and the (source, copy) pair waits in `take_copies` for the step that must copy t
 With a host tier (`host`, engine/host_index.py), a cached block that is handed out again is
 first offered to it, and a prefix continues through it where the device cache has no block: such
 a block gets a fresh device block, and the copies wait in `take_host_copies` for the step that
-must run them (before anything writes those blocks).
+must run them (before anything writes those blocks), or in `take_offloads` for a copy at once
+(blocks a KV receiver writes).
 """
 
 from __future__ import annotations
@@ -186,7 +187,6 @@ class BlockManager:
         num_new_tokens: int,
         prefix: Prefix = NO_PREFIX,
         write_from: int | None = None,
-        offload: bool = True,
     ) -> None:
         """Give `seq` slots for `num_new_tokens` tokens past its computed ones.
 
@@ -194,9 +194,7 @@ class BlockManager:
         counts as computed. The step writes from position `write_from` (default: the computed
         count; a step launched before the previous one's tokens are read writes from
         `num_tokens`): a shared block there is copied first (`take_copies`). Call
-        `can_allocate` first: this raises if blocks run out. `offload`: whether cached blocks
-        handed out here go to the host tier (not when a KV receiver may write them before a step
-        could copy them out).
+        `can_allocate` first: this raises if blocks run out.
         """
         if not self.can_allocate(seq, num_new_tokens, prefix, write_from=write_from):
             raise RuntimeError(f"out of KV blocks allocating {num_new_tokens} tokens for {seq}")
@@ -204,7 +202,7 @@ class BlockManager:
         if shared is not None:
             source = seq.block_table[shared]
             self.blocks[source].ref_count -= 1  # others still hold it: never freed here
-            seq.block_table[shared] = copy = self._pop_free(offload)
+            seq.block_table[shared] = copy = self._pop_free()
             self._copies.append((source, copy))
             self.num_block_copies += 1
         if not seq.block_table:
@@ -213,11 +211,11 @@ class BlockManager:
         if prefix:
             if seq.block_table:
                 raise RuntimeError(f"{seq} already holds blocks; a prefix can only start a table")
-            self._adopt(seq, prefix, offload)
+            self._adopt(seq, prefix)
         for _ in range(self._new_blocks_needed(seq, num_new_tokens, NO_PREFIX)):
-            seq.block_table.append(self._pop_free(offload))
+            seq.block_table.append(self._pop_free())
 
-    def _adopt(self, seq: Sequence, prefix: Prefix, offload: bool) -> None:
+    def _adopt(self, seq: Sequence, prefix: Prefix) -> None:
         """`seq`'s table becomes `prefix`: its device blocks taken first (a block popped for a
         host hit may evict any free one), then a fresh block for each host hit, its load
         recorded and the block published under the hit's hash."""
@@ -229,7 +227,7 @@ class BlockManager:
         for b in prefix.blocks:
             if isinstance(b, HostHit):
                 assert self.host is not None
-                block_id = self._pop_free(offload)
+                block_id = self._pop_free()
                 block = self.blocks[block_id]
                 block.hash, block.parent_hash, block.token_ids = b
                 self._cached.setdefault(b.hash, block_id)
@@ -240,15 +238,15 @@ class BlockManager:
         seq.block_hashes = [self.blocks[b].hash for b in table]  # type: ignore[misc]
         seq.num_computed_tokens = len(prefix) * self.block_size
 
-    def _pop_free(self, offload: bool = True) -> int:
+    def _pop_free(self) -> int:
         """The next free block, taken (ref count 1) and out of the prefix cache (its KV offered
-        to the host tier first, with `offload`)."""
+        to the host tier first)."""
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None:  # evict its prefix entry: the KV will be overwritten
             if self._cached.get(block.hash) == block_id:
                 del self._cached[block.hash]
-                if offload and self.host is not None:
+                if self.host is not None:
                     assert block.parent_hash is not None and block.token_ids is not None
                     self.host.offload(block_id, block.hash, block.parent_hash, block.token_ids)
             block.forget()
@@ -275,6 +273,11 @@ class BlockManager:
         """Whether a block of `seq` waits for its KV from the host tier (a pending load)."""
         host = self.host
         return host is not None and any(host.is_loading(b) for b in seq.block_table)
+
+    def take_offloads(self) -> tuple[tuple[int, int], ...]:
+        """The host tier's offloads recorded since the last step, for a copy now (see
+        `HostIndex.take_offloads`)."""
+        return self.host.take_offloads() if self.host is not None else ()
 
     def take_host_copies(self) -> HostCopies:
         """The host-tier copies recorded since the last call (none without a tier): the step

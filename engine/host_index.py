@@ -124,6 +124,14 @@ class HostIndex:
         """Whether a load into `block_id` waits in the pending copies."""
         return block_id in self._loads
 
+    def take_offloads(self) -> tuple[tuple[int, int], ...]:
+        """The offloads recorded since the last `take_copies`, to be run right now instead of
+        by the next step (their blocks are written by a KV receiver, not a step)."""
+        offloads = tuple(self._offloads)
+        self._offloads = []
+        self._pinned = set(self._loads.values())  # slots pending loads still read
+        return offloads
+
     def take_copies(self) -> HostCopies:
         """The copies recorded since the last call, for the step being scheduled (which runs
         them); their slots are unpinned."""

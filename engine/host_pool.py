@@ -19,10 +19,18 @@ import torch
 
 from pdmesh.engine.distributed import host_to_device
 from pdmesh.engine.kv_cache import KVCacheSpec
+from pdmesh.kv_transfer.connector import control_message
 
 # Blocks staged on the device at once: bounds the copies' scratch memory (64 blocks of the
 # Llama-3.1-8B shape: 128 MiB) whatever a step moves.
 CHUNK = 64
+
+
+@control_message
+class OffloadNow:
+    """Rank 0 asks a follower to copy these blocks to its host pool now (`offload_now`)."""
+
+    pairs: tuple[int, ...]  # (device block, slot), flat
 
 
 def plan_slots(spec: KVCacheSpec, gib: float, num_ranks: int) -> int:
@@ -66,12 +74,7 @@ class HostPool:
         if not (offloads or loads):
             return
         start = self._start(cache.device)
-        for at in range(0, len(offloads), 2 * CHUNK):
-            chunk = offloads[at : at + 2 * CHUNK]
-            blocks = host_to_device(torch.tensor(chunk[0::2]), cache.device)
-            staged = cache[:, :, blocks].movedim(2, 0).contiguous()  # [C, layers, 2, ...]
-            for i, slot in enumerate(chunk[1::2]):
-                self.data[slot].copy_(staged[i], non_blocking=True)
+        self._offload(cache, offloads)
         if side is None:
             self._load(cache, loads)
         else:
@@ -83,6 +86,23 @@ class HostPool:
                 self._loading = torch.cuda.Event(enable_timing=True)
                 self._loading.record()
         self._stop(start, self._loading if side is not None else None)
+
+    def offload_now(self, cache: torch.Tensor, offloads: list[int]) -> None:
+        """`copy`'s offloads, done on return (on a GPU the host waits for the stream): for
+        blocks a KV receiver, not a step, writes next."""
+        start = self._start(cache.device)
+        self._offload(cache, offloads)
+        self._stop(start, None)
+        if cache.is_cuda:
+            torch.cuda.current_stream(cache.device).synchronize()
+
+    def _offload(self, cache: torch.Tensor, offloads: list[int]) -> None:
+        for at in range(0, len(offloads), 2 * CHUNK):
+            chunk = offloads[at : at + 2 * CHUNK]
+            blocks = host_to_device(torch.tensor(chunk[0::2]), cache.device)
+            staged = cache[:, :, blocks].movedim(2, 0).contiguous()  # [C, layers, 2, ...]
+            for i, slot in enumerate(chunk[1::2]):
+                self.data[slot].copy_(staged[i], non_blocking=True)
 
     def _load(self, cache: torch.Tensor, loads: list[int]) -> None:
         for at in range(0, len(loads), 2 * CHUNK):

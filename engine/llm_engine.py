@@ -218,6 +218,7 @@ class LLMEngine:
         reservation = self.scheduler.reserve(request.seq)
         if reservation is not None:
             self._requests[request_id] = request
+            self.runner.offload_now(self.scheduler.take_offloads())
         return reservation
 
     def cached_prefix_tokens(self, prompt: list[int]) -> int:

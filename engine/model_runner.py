@@ -17,7 +17,7 @@ from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.cuda_graphs import DecodeGraphs
 from pdmesh.engine.distributed import all_reduce_min
 from pdmesh.engine.expert_balancer import ExpertBalancer
-from pdmesh.engine.host_pool import HostPool, plan_slots
+from pdmesh.engine.host_pool import HostPool, OffloadNow, plan_slots
 from pdmesh.engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
 from pdmesh.engine.layers.moe import FusedMoE
 from pdmesh.engine.logprobs import TopLogprobs, prompt_logprobs, wanted_logprobs
@@ -252,6 +252,16 @@ class ModelRunner:
         if not inputs.logits_indices.numel():
             return None
         return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    def offload_now(self, pairs: tuple[tuple[int, int], ...]) -> None:
+        """Copy these (evicted block, host slot) pairs to the host tier on every rank before
+        returning (between steps)."""
+        if not pairs or self.host_pool is None:
+            return
+        flat = [x for pair in pairs for x in pair]
+        if self.followers is not None:
+            self.followers.call(OffloadNow(tuple(flat)))
+        self.host_pool.offload_now(self.kv_cache.data, flat)
 
     @property
     def has_planner(self) -> bool:

@@ -170,12 +170,16 @@ class Scheduler:
             or not bm.can_allocate(seq, new_tokens, prefix, queued_blocks)
         ):
             return None
-        # A KV receiver may write the blocks before any step could copy their old KV out.
-        bm.allocate(seq, new_tokens, prefix, offload=False)
+        bm.allocate(seq, new_tokens, prefix)
         seq.num_cached_tokens = seq.num_computed_tokens
         seq.status = SequenceStatus.PREFILLING
         self._reserved[seq.request_id] = seq
         return ExternalBlocks(len(prefix), seq.block_table[len(prefix) :], new_tokens)
+
+    def take_offloads(self) -> tuple[tuple[int, int], ...]:
+        """After `reserve`: the (block, host slot) copies of cached blocks it took, which must
+        be run now (a KV receiver, not a step, writes those blocks next)."""
+        return self._blocks.take_offloads()
 
     def _seq_slots_taken(self) -> int:
         return len(self.running) + sum(s.num_seqs for s in self._reserved.values())

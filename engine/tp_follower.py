@@ -22,6 +22,7 @@ from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.distributed import broadcast_bytes, destroy, gather_bytes
 from pdmesh.engine.executor.base import FollowerSpec
 from pdmesh.engine.expert_balancer import CountEplb
+from pdmesh.engine.host_pool import OffloadNow
 from pdmesh.engine.llm_engine import resolve_max_model_len
 from pdmesh.engine.model_info import ModelInfo
 from pdmesh.engine.model_runner import ModelRunner
@@ -89,6 +90,9 @@ def _control(runner: ModelRunner, connector: KVConnector | None, message: object
             return ExpertCounts(tuple(runner.expert_counts() or ()))
         if isinstance(message, CountEplb) and runner.balancer is not None:
             return runner.balancer.counts()
+        if isinstance(message, OffloadNow) and runner.host_pool is not None:
+            runner.host_pool.offload_now(runner.kv_cache.data, list(message.pairs))
+            return None
         if connector is None:
             raise RuntimeError(f"control message {message!r} needs a KV connector")
         return connector.handle(message)

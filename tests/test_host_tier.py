@@ -130,6 +130,36 @@ def test_a_request_loading_its_prefix_sits_out_the_step_that_loads_it(
     assert stats.kv_blocks_free == stats.kv_blocks_total
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_blocks_a_reservation_takes_are_offloaded_at_once(tiny_model, recomputed, tp) -> None:
+    """A prompt prefilled elsewhere takes the cached prefix's blocks: they reach the host tier
+    before the reservation is handed out (a KV receiver writes them next), on every rank."""
+    folder = tiny_model("llama")
+    with LLM(
+        str(folder),
+        kv_cache_tokens=160,
+        block_size=BLOCK,
+        kv_offload_gib=_gib_for(folder, 32),
+        tensor_parallel_size=tp,
+    ) as llm:
+        engine = llm.engine
+        prefix, tail_a, filler, tail_b = random_prompts([64, 10, 140, 20], seed=11)
+        llm.generate([{"prompt_token_ids": prefix + tail_a}], GREEDY)
+        before = engine.stats().host_tier_offloaded_bytes
+        assert engine.reserve_prefill("remote", filler, GREEDY) is not None
+        assert engine.stats().host_tier_offloaded_bytes > before
+        for block_id in engine.scheduler._reserved["remote"].block_table:
+            engine.runner.kv_cache.data[:, :, block_id] = 7.0  # what the remote KV overwrote
+        engine.release_prefill("remote")  # its prefill failed: prefilled here instead
+        while engine.has_unfinished_requests():
+            engine.step()
+        out = llm.generate([{"prompt_token_ids": prefix + tail_b}], GREEDY)[0]
+        stats = engine.stats()
+    assert out.num_cached_tokens == 64 and stats.host_tier_hit_tokens == 64
+    assert out.outputs[0].token_ids == recomputed[0]
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
 def test_host_tier_over_parallel_ranks(tiny_model, recomputed, layout: str) -> None:
     """Every rank copies its own heads (tensor parallel) or layers (pipeline) with each step."""
@@ -295,12 +325,15 @@ class HostTierMachine(RuleBasedStateMachine):
 
     @rule(tokens=st.lists(st.integers(0, 1), min_size=1, max_size=24))
     def reserve_and_give_up(self, tokens: list[int]) -> None:
-        """A remote prefill's reservation (no offload), freed before any step ran."""
+        """A remote prefill's reservation (the cached blocks it takes copied out at once), given
+        up before any step ran."""
         seq = self._new(tokens)
         prefix = self.bm.match_prefix(seq)
         n = seq.num_tokens - len(prefix) * B
         if self.bm.can_allocate(seq, n, prefix):
-            self.bm.allocate(seq, n, prefix, offload=False)
+            self.bm.allocate(seq, n, prefix)
+            for block_id, slot in self.bm.take_offloads():
+                self.slots[slot] = list(self.kv[block_id])
             for block_id in seq.block_table[len(prefix) :]:
                 self.kv[block_id] = [-1] * B  # what a half-received transfer left there
             self.bm.free(seq)

@@ -127,3 +127,22 @@ def test_host_tier_loads_beside_a_running_batch(tiny_model) -> None:
         assert engine.get_output(rid).outputs[0].token_ids == hf_greedy(hf, prompt, 8, True)
     assert engine.stats().host_tier_hit_tokens == 64
     assert engine.runner.host_pool._side is not None  # the loads ran on a stream of their own
+
+
+def test_host_tier_offloads_a_reservations_blocks_at_once(tiny_model) -> None:
+    """Blocks a remote prefill's reservation takes are in host memory when it is handed out."""
+    folder = tiny_model("llama")
+    prefix, tail_a, filler, tail_b = random_prompts([64, 10, 140, 20], seed=11)
+    llm = LLM(str(folder), dtype="float32", kv_cache_tokens=160, kv_offload_gib=0.001)
+    engine = llm.engine
+    short = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prefix + tail_a}], short)
+    assert engine.reserve_prefill("remote", filler, short) is not None
+    for block_id in engine.scheduler._reserved["remote"].block_table:
+        engine.runner.kv_cache.data[:, :, block_id] = 7.0  # what the remote KV overwrote
+    engine.release_prefill("remote")
+    while engine.has_unfinished_requests():
+        engine.step()
+    out = llm.generate([{"prompt_token_ids": prefix + tail_b}], short)[0]
+    assert out.num_cached_tokens == 64
+    assert out.outputs[0].token_ids == hf_greedy(load_hf(folder), prefix + tail_b, 8, True)
