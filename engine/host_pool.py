@@ -87,9 +87,19 @@ class HostPool:
                 self._loading.record()
         self._stop(start, self._loading if side is not None else None)
 
+    @property
+    def loading(self) -> bool:
+        """Loads run beside a step that the next step has not waited for yet (GPU)."""
+        return self._loading is not None
+
     def offload_now(self, cache: torch.Tensor, offloads: list[int]) -> None:
         """`copy`'s offloads, done on return (on a GPU the host waits for the stream): for
-        blocks a KV receiver, not a step, writes next."""
+        blocks a KV receiver, not a step, writes next. Loads still running beside a step are
+        waited for too: a block one writes into may have been freed and reserved since."""
+        if self._loading is not None:
+            self._loading.synchronize()
+        if not offloads:
+            return
         start = self._start(cache.device)
         self._offload(cache, offloads)
         self._stop(start, None)

@@ -255,8 +255,8 @@ class ModelRunner:
 
     def offload_now(self, pairs: tuple[tuple[int, int], ...]) -> None:
         """Copy these (evicted block, host slot) pairs to the host tier on every rank before
-        returning (between steps)."""
-        if not pairs or self.host_pool is None:
+        returning (between steps), and finish the loads still running beside a step."""
+        if self.host_pool is None or not (pairs or self.host_pool.loading):
             return
         flat = [x for pair in pairs for x in pair]
         if self.followers is not None:
