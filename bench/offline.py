@@ -164,7 +164,7 @@ def run_offline_bench(args: argparse.Namespace) -> int:
     )
     if args.peer == "vllm" and not args.skip_peer:
         python = vllm_python(Path(args.peer_venv).expanduser())
-        peer = run_vllm(python, llm.engine.info.folder, work)
+        peer = run_vllm(python, str(llm.engine.info.folder), work)
         same = sum(a == b for a, b in zip(outputs, peer["token_ids"], strict=True))
         result.update(
             vllm_version=peer["version"],
