@@ -16,6 +16,7 @@ import argparse
 import json
 import platform
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -121,11 +122,13 @@ def run_vllm(python: Path, folder: str, work: Workload) -> dict[str, Any]:
                 }
             )
         )
-        script = Path(__file__).with_name("vllm_peer.py")
-        # Neither bench/ (-P) nor the checkout (cwd) on its path: their `kernels` would shadow
-        # the package vLLM imports.
+        # Run from a copy in the temporary folder: neither bench/ nor the checkout may be on
+        # its path (their `kernels` would shadow the package vLLM imports), and python's -P
+        # would reach vLLM's spawned engine processes, which then fail to start.
+        script = Path(tmp) / "vllm_peer.py"
+        shutil.copyfile(Path(__file__).with_name("vllm_peer.py"), script)
         done = subprocess.run(
-            [str(python), "-P", str(script), str(job)],
+            [str(python), str(script), str(job)],
             stdout=subprocess.PIPE,
             text=True,
             check=True,
