@@ -130,11 +130,15 @@ def run_vllm(python: Path, folder: str, work: Workload) -> dict[str, Any]:
         done = subprocess.run(
             [str(python), str(script), str(job)],
             stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             text=True,
-            check=True,
             cwd=tmp,
         )
-    line = next(x for x in done.stdout.splitlines() if x.startswith(_PEER_TAG))
+    lines = done.stdout.splitlines()
+    if done.returncode != 0:
+        tail = "\n".join(lines[-200:])
+        raise RuntimeError(f"vLLM's run failed (exit {done.returncode}):\n{tail}")
+    line = next(x for x in lines if x.startswith(_PEER_TAG))
     return json.loads(line[len(_PEER_TAG) :])
 
 
