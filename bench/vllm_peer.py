@@ -1,10 +1,10 @@
 """vLLM's CPU build as the offline bench's peer: a script run by path in a venv of its own.
 
 It imports nothing of pdmesh (vLLM's venv has none). It reads a JSON job from the file named on
-its command line — {"model", "prompts", "output_lens", "max_model_len"} — runs the prompts as
-one `LLM.generate` call (greedy, ignore_eos, each its own max_tokens) after a warm-up, and
-prints one JSON line: {"seconds", "output_tokens", "token_ids", "version"}. vLLM starts its engine
-in a spawned process, hence the main guard.
+its command line — {"model", "prompts", "output_lens", "max_model_len", "memory_fraction"} —
+runs the prompts as one `LLM.generate` call (greedy, ignore_eos, each its own max_tokens) after
+a warm-up, and prints one JSON line: {"seconds", "output_tokens", "token_ids", "version"}. vLLM
+starts its engine in a spawned process, hence the main guard.
 """
 
 from __future__ import annotations
@@ -20,8 +20,15 @@ def main() -> None:
     import vllm
     from vllm import LLM, SamplingParams
 
-    # As a new user would start it: vLLM's defaults but for the dtype and the length.
-    llm = LLM(job["model"], dtype="float32", max_model_len=job["max_model_len"], seed=0)
+    # vLLM's defaults but for the dtype, the length and its share of memory: on the CPU it
+    # claims 92% of the machine by default and refuses to start when less is free.
+    llm = LLM(
+        job["model"],
+        dtype="float32",
+        max_model_len=job["max_model_len"],
+        seed=0,
+        gpu_memory_utilization=job["memory_fraction"],
+    )
     prompts = [{"prompt_token_ids": p} for p in job["prompts"]]
 
     def params(n: int) -> SamplingParams:
