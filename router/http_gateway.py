@@ -140,16 +140,19 @@ class Gateway:
             )
             record.prompt(len(inp.prompt))
             head = ResponseHead(inp.request_id, int(time.time()), self.router.model_name, req.chat)
+            echo_text = ""
+            if req.echo:  # the prompt as given; token ids as their text
+                echo_text = req.spec.prompt.text
+                if echo_text is None:
+                    echo_text = self.router.validator.tokenizer.decode(inp.prompt)
             answer = Answer(
                 req,
                 inp.prompt,
-                req.spec.prompt.text if req.spec.prompt.text is not None else "",
+                echo_text,
                 self.token_texts,
                 # What reads tool calls out of each choice (None: no tools, or "none").
                 lambda: tools.parser(self.tool_format) if tools is not None else None,
             )
-            if req.echo and req.spec.prompt.text is None:  # token ids: their text is echoed
-                answer.echo_text = self.router.validator.tokenizer.decode(inp.prompt)
             async with aclosing(self.router.generate(inp)) as chunks:
                 # The first chunk comes before any header, so errors that happen before the
                 # first token (no worker, a refused submit) are still proper HTTP statuses.

@@ -60,7 +60,7 @@ class Answer:
     ) -> None:
         self.req = req
         self.prompt_ids = list(prompt_ids)
-        self.echo_text = echo_text if req.echo else ""
+        self.echo_text = echo_text  # with req.echo: before each choice's text
         self.texts = texts
         self.parser = parser
         self.choices: dict[int, _Choice] = {}

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -40,6 +41,12 @@ def _gib_for(folder: Path, slots: int, ranks: int = 1) -> float:
     return (slots + 0.5) * block_bytes / 2**30
 
 
+def _tiered(folder: Path, **options: Any) -> LLM:
+    """The tiny model in a 160-token device cache over a 32-block host tier."""
+    base = dict(kv_cache_tokens=160, block_size=BLOCK, kv_offload_gib=_gib_for(folder, 32))
+    return LLM(str(folder), **{**base, **options})
+
+
 def _run_evicting(llm: LLM) -> tuple[list[int], list[list[int]], int]:
     """A prompt, a longer unrelated one that takes every device block (evicting the first's
     prefix), then the first's 64-token prefix with another tail, greedy and with two seeded
@@ -70,9 +77,7 @@ def recomputed(tiny_model) -> list[list[int]]:
 
 def test_evicted_prefix_is_loaded_from_the_host_tier(tiny_model, recomputed) -> None:
     folder = tiny_model("llama")
-    with LLM(
-        str(folder), kv_cache_tokens=160, block_size=BLOCK, kv_offload_gib=_gib_for(folder, 32)
-    ) as llm:
+    with _tiered(folder) as llm:
         prompt, tokens, cached = _run_evicting(llm)
         stats = llm.engine.stats()
         block_bytes = llm.engine.runner.kv_spec.bytes_per_block
@@ -104,13 +109,7 @@ def test_a_request_loading_its_prefix_sits_out_the_step_that_loads_it(
     prefix of a request it admits without running it: the running request is not held up, and
     the loading one starts on the next step (every rank told so with the step)."""
     folder = tiny_model("llama")
-    with LLM(
-        str(folder),
-        kv_cache_tokens=160,
-        block_size=BLOCK,
-        kv_offload_gib=_gib_for(folder, 32),
-        tensor_parallel_size=tp,
-    ) as llm:
+    with _tiered(folder, tensor_parallel_size=tp) as llm:
         engine = llm.engine
         engine.scheduler.overlap_loads = True
         prefix, tail_a, filler, tail_b = random_prompts([64, 10, 140, 20], seed=11)
@@ -135,13 +134,7 @@ def test_blocks_a_reservation_takes_are_offloaded_at_once(tiny_model, recomputed
     """A prompt prefilled elsewhere takes the cached prefix's blocks: they reach the host tier
     before the reservation is handed out (a KV receiver writes them next), on every rank."""
     folder = tiny_model("llama")
-    with LLM(
-        str(folder),
-        kv_cache_tokens=160,
-        block_size=BLOCK,
-        kv_offload_gib=_gib_for(folder, 32),
-        tensor_parallel_size=tp,
-    ) as llm:
+    with _tiered(folder, tensor_parallel_size=tp) as llm:
         engine = llm.engine
         prefix, tail_a, filler, tail_b = random_prompts([64, 10, 140, 20], seed=11)
         llm.generate([{"prompt_token_ids": prefix + tail_a}], GREEDY)
@@ -165,13 +158,7 @@ def test_host_tier_over_parallel_ranks(tiny_model, recomputed, layout: str) -> N
     """Every rank copies its own heads (tensor parallel) or layers (pipeline) with each step."""
     folder = tiny_model("llama")
     ranks = {"tensor_parallel_size": 2} if layout == "tp2" else {"pipeline_parallel_size": 2}
-    with LLM(
-        str(folder),
-        kv_cache_tokens=160,
-        block_size=BLOCK,
-        kv_offload_gib=_gib_for(folder, 32),
-        **ranks,
-    ) as llm:
+    with _tiered(folder, **ranks) as llm:
         _, tokens, cached = _run_evicting(llm)
         stats = llm.engine.stats()
     assert cached == 64 and stats.host_tier_hit_tokens == 64

@@ -113,8 +113,7 @@ class WorkerProcess(ABC):
                 **{_PREFILL_FIELDS[where]: n for where, n in self.prefills.items()},
                 "expert_token_counts": e.expert_counts() or [],
                 **_eplb_fields(e),
-                "fork_blocks_shared": e.fork_stats().blocks_shared,
-                "fork_blocks_copied": e.fork_stats().blocks_copied,
+                **_fork_fields(e),
             }
 
         fields = await self.loop.acall(read)
@@ -146,6 +145,11 @@ def _eplb_fields(engine: LLMEngine) -> dict[str, Any]:
         "eplb_rebalances": s.rebalances,
         "eplb_imbalance": s.imbalance,
     }
+
+
+def _fork_fields(engine: LLMEngine) -> dict[str, int]:
+    forks = engine.fork_stats()
+    return {"fork_blocks_shared": forks.blocks_shared, "fork_blocks_copied": forks.blocks_copied}
 
 
 _PREFILL_FIELDS = {
