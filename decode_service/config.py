@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pdmesh.engine.config import EngineConfig
+from pdmesh.serving.store_link import StoreOptions
 from pdmesh.serving.tls import TLSConfig
 
 PREFILL_FAILURE_POLICIES = ("recompute", "fail")
@@ -24,7 +25,8 @@ class DecodeConfig:
     frames may trail the prefill's reply. max_waiting_requests: requests that wait for KV
     blocks beyond this are refused with RESOURCE_EXHAUSTED. metrics_bind: host:port of the
     Prometheus `/metrics` endpoint (None: no endpoint). tls: certificate and CA for the gRPC
-    server and the calls to prefill workers (None: plaintext)."""
+    server and the calls to prefill workers and the KV store (None: plaintext). kvstore: the
+    KV store to read prompts it prefills through and publish them to (None: none)."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     bind: str = "127.0.0.1:50061"
@@ -38,6 +40,7 @@ class DecodeConfig:
     metrics_bind: str | None = None
     max_waiting_requests: int = 1024
     tls: TLSConfig | None = None
+    kvstore: StoreOptions | None = None
 
     def __post_init__(self) -> None:
         if self.prefill_failure_policy not in PREFILL_FAILURE_POLICIES:

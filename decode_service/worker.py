@@ -31,6 +31,7 @@ from pdmesh.kv_transfer.receive_connector import IncomingTransfer, ReceiveConnec
 from pdmesh.kv_transfer.target import KVTarget
 from pdmesh.logger import get_logger
 from pdmesh.observability import tracing
+from pdmesh.serving.store_link import Fetched
 from pdmesh.serving.worker_process import WorkerProcess
 
 log = get_logger(__name__)
@@ -42,7 +43,7 @@ class DecodeWorker(WorkerProcess):
     def __init__(
         self, config: DecodeConfig, connector: ReceiveConnector, engine: LLMEngine
     ) -> None:
-        super().__init__(engine, connector, self._on_tick)
+        super().__init__(engine, connector, self._on_tick, config.kvstore, config.tls)
         self.config = config
         self.kv = connector  # receivers per tensor-parallel rank and transport
         self.prefills = {"local": 0, "remote": 0, "fallback": 0}  # prompts prefilled, by where
@@ -55,6 +56,9 @@ class DecodeWorker(WorkerProcess):
         self._subscribers: dict[str, asyncio.Queue[list[Delta]]] = {}
         self._owner: dict[str, str] = {}  # request id -> subscriber id
         self._remote: dict[str, asyncio.Task[None]] = {}
+        # Engine thread: prompts prefilled here, to publish to the KV store once computed, with
+        # how many of their leading blocks the store holds already.
+        self._to_publish: dict[str, tuple[list[int], int]] = {}
         self._prefill = PrefillClient(config.tls)
         self.metrics = DecodeMetrics(self.metrics_snapshot)
         self.traces = DecodeTraces()
@@ -116,7 +120,11 @@ class DecodeWorker(WorkerProcess):
         try:
             if sub.params.structured_outputs is not None:  # compiled off the engine thread
                 await asyncio.to_thread(self.engine.grammars.compile, sub.params.structured_outputs)
-            plan = await self.loop.acall(lambda e: self._admit(e, sub))
+            fetched = None
+            if self.store is not None and self._prefills_here(sub):
+                with tracing.use(span):
+                    fetched = await self.store.read_through(sub.prompt)
+            plan = await self.loop.acall(lambda e: self._admit(e, sub, fetched))
         except BaseException as exc:
             self._owner.pop(sub.request_id, None)
             self.traces.refused(sub.request_id, exc)
@@ -189,8 +197,20 @@ class DecodeWorker(WorkerProcess):
         if self.kv.followers is not None:
             self.loop.call(lambda e: self.kv.end_followers(transfer, None))  # fire and forget
 
+    @staticmethod
+    def _prefills_here(sub: Submission) -> bool:
+        """Whether the prompt is computed here (no prefill worker, or a resumed request whose
+        sampling state grew with its output: see `_admit`)."""
+        return not sub.prefill_address or (
+            sub.num_output_tokens_sent > 0 and sub.params.depends_on_output
+        )
+
     # -- engine thread ----------------------------------------------------------------------------
-    def _admit(self, engine: LLMEngine, sub: Submission) -> ExternalBlocks | None:
+    def _admit(
+        self, engine: LLMEngine, sub: Submission, fetched: Fetched | None = None
+    ) -> ExternalBlocks | None:
+        # Fetched blocks join the prefix cache first, whatever happens to the request.
+        known = self.store.settle(engine, sub.prompt, fetched) if self.store is not None else 0
         waiting = engine.num_waiting_for_blocks()
         if waiting >= self.config.max_waiting_requests:
             raise Overloaded(
@@ -205,14 +225,15 @@ class DecodeWorker(WorkerProcess):
         # A resumed request whose sampling state grew with its output (a seed's stream, a
         # grammar's matcher, penalties) is prefilled here, where add_request replays that
         # output; a prefill worker would sample its next token as if nothing had been output.
-        stateful_resume = sent > 0 and sub.params.depends_on_output
-        if sub.prefill_address and not stateful_resume:
+        if not self._prefills_here(sub):
             plan = self.kv.reserve(
                 engine, sub.request_id, sub.prompt, sub.params, sent, sub.disagg_min_tokens
             )
         if plan is None:
             engine.add_request(sub.request_id, sub.prompt, sub.params, num_output_tokens=sent)
             self.prefills["local"] += 1
+            if self.store is not None:
+                self._to_publish[sub.request_id] = (list(sub.prompt), known)
         else:
             clock.disaggregated = True
             self.prefills["remote"] += 1
@@ -280,6 +301,7 @@ class DecodeWorker(WorkerProcess):
                 else:
                     clock.first_token_ns = now
                     metrics.first_token(now - clock.arrival_ns, len(d.token_ids))
+                    self._publish(rid)
                 clock.last_token_ns = now
             # A finish reason ends a choice (`index`); the request ends with its last choice.
             if not d.request_finished:
@@ -300,10 +322,17 @@ class DecodeWorker(WorkerProcess):
         if out and self._aio is not None:
             self._aio.call_soon_threadsafe(self._dispatch, out)
 
+    def _publish(self, rid: str) -> None:
+        """A prompt prefilled here has its first token: its blocks go to the KV store."""
+        entry = self._to_publish.pop(rid, None)
+        if entry is not None and self.store is not None:
+            self.store.published(self.engine, *entry)
+
     def _finished(self, d: StepDelta, now: int) -> list[Delta]:
         """The last deltas of a request whose every choice has ended: its usage and timings on
         the last one. A ranked request (best_of > n) sends its n best choices whole here."""
         rid = d.request_id
+        self._to_publish.pop(rid, None)
         result = self.engine.get_output(rid)
         self.engine.release(rid)
         self._deadlines.pop(rid, None)

@@ -327,6 +327,66 @@ class BlockManager:
             parent = h
         seq.block_hashes += hashes
 
+    # -- blocks filled from outside (a KV store) ----------------------------------------------
+    def hold_free(self, n: int) -> list[int] | None:
+        """Take `n` free blocks for KV written from outside (no sequence holds them), or None
+        when fewer than `n` are free. Cached ones among them are evicted (offered to the host
+        tier: `take_offloads`). Then `publish_held` or `release_held` them."""
+        if n < 1 or n > len(self._free):
+            return None
+        return [self._pop_free() for _ in range(n)]
+
+    def publish_held(self, token_ids: list[int], first_block: int, block_ids: list[int]) -> int:
+        """Held blocks now hold the KV of full blocks first_block, first_block + 1, ... of
+        `token_ids`: each joins the prefix cache under its chained hash (unless another block
+        holds that prefix already) and is freed, so `match_prefix` finds it. Returns how many
+        joined."""
+        bs = self.block_size
+        end = first_block + len(block_ids)
+        hashes = hash_chain(ROOT_HASH, token_ids[: end * bs], bs)
+        joined = 0
+        for i, block_id in enumerate(block_ids, first_block):
+            block = self.blocks[block_id]
+            h = hashes[i]
+            if self.enable_prefix_caching and h not in self._cached:
+                block.hash, block.token_ids = h, tuple(token_ids[i * bs : (i + 1) * bs])
+                block.parent_hash = hashes[i - 1] if i else ROOT_HASH
+                self._cached[h] = block_id
+                joined += 1
+        self._release(block_ids)
+        return joined
+
+    def release_held(self, block_ids: list[int]) -> None:
+        """Held blocks whose KV did not come: freed, in no prefix cache."""
+        self._release(block_ids)
+
+    def _release(self, block_ids: list[int]) -> None:
+        for block_id in reversed(block_ids):  # a chain's tail is evicted before its head
+            block = self.blocks[block_id]
+            if block.ref_count != 1 or block_id in self._free:
+                raise RuntimeError(f"block {block_id} is not held")
+            block.ref_count = 0
+            self._free[block_id] = None
+
+    def cached_blocks(self, token_ids: list[int]) -> list[int]:
+        """The device blocks holding the leading full blocks of `token_ids` now (tokens and
+        parents checked), up to the first one the device cache lacks."""
+        bs = self.block_size
+        found: list[int] = []
+        parent = ROOT_HASH
+        for start in range(0, len(token_ids) - bs + 1, bs):
+            tokens = tuple(token_ids[start : start + bs])
+            h = hash_block(parent, tokens)
+            block_id = self._cached.get(h)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.token_ids != tokens or block.parent_hash != parent:
+                break
+            found.append(block_id)
+            parent = h
+        return found
+
     def _uncache(self, block: Block) -> None:
         if block.hash is not None and self._cached.get(block.hash) == block.block_id:
             del self._cached[block.hash]

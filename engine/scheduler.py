@@ -176,6 +176,18 @@ class Scheduler:
         self._reserved[seq.request_id] = seq
         return ExternalBlocks(len(prefix), seq.block_table[len(prefix) :], new_tokens)
 
+    def hold_free(self, n: int) -> list[int] | None:
+        """`n` free blocks for KV written from outside (BlockManager.hold_free), unless that
+        would take blocks the waiting sequences need now (None)."""
+        queued_blocks, beyond = self._waiting_demand()
+        if beyond or self._blocks.num_free_blocks - n < queued_blocks:
+            return None
+        return self._blocks.hold_free(n)
+
+    @property
+    def blocks(self) -> BlockManager:
+        return self._blocks
+
     def take_offloads(self) -> tuple[tuple[int, int], ...]:
         """After `reserve`: the (block, host slot) copies of cached blocks it took, which must
         be run now (a KV receiver, not a step, writes those blocks next)."""

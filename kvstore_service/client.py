@@ -54,6 +54,7 @@ class ClientStats:
     fetches: int = 0  # every block written into the caller's receivers
     fetched_blocks: int = 0
     fetch_misses: int = 0  # a fetch that failed: the caller computes those blocks
+    token_mismatches: int = 0  # fetches whose reply named other tokens (misses too)
     publishes: int = 0  # pushed, or nothing the store wanted
     published_blocks: int = 0
     publishes_dropped: int = 0  # queue full, client closed, store marked down, or failed
@@ -65,8 +66,9 @@ class KVStoreClient:
     """Callers may rely on: no method raises for anything the store or the network does, and
     none waits longer than its timeout (`timeout_s` for lookups and Put offers, `fetch_timeout_s`
     for fetches; a publish's push has the store's put timeout); `lookup` returns the leading
-    blocks held (0 on any failure); `fetch` returns True only when the store pushed every block
-    and, given the receivers' futures as `written`, each of them resolved, and on False it has
+    blocks held (0 on any failure); `fetch` returns True only when the store pushed every block,
+    its reply names exactly the tokens asked for (a store serving other blocks is a miss) and,
+    given the receivers' futures as `written`, each of them resolved, and on False it has
     cancelled them, so no frame of that transfer is written any more and the blocks may be
     reused; `publish` never blocks, may be called from any thread, and returns False when it
     dropped the work (the queue of `max_pending` offers is full, the store is marked down, the
@@ -187,6 +189,12 @@ class KVStoreClient:
             )
             if reply.num_blocks != num_blocks:
                 raise _garbage(f"{reply.num_blocks} blocks pushed of the {num_blocks} asked for")
+            bs = self.geometry.block_size
+            end = (first_block + num_blocks) * bs
+            if list(reply.token_ids) != list(token_ids[first_block * bs : end]):
+                # Not the blocks asked for: whatever it wrote into the receivers is not used.
+                self._count(token_mismatches=1)
+                raise _garbage("blocks of other tokens")
             if written:
                 waits = [asyncio.wrap_future(f) for f in written]
                 await asyncio.wait_for(asyncio.gather(*waits), deadline - time.monotonic())
@@ -325,6 +333,29 @@ class KVStoreClient:
                 self._backoff,
             )
         self._backoff = min(RETRY_MAX_S, self._backoff * 2)
+
+
+async def store_geometry(
+    target: str,
+    *,
+    timeout_s: float = 0.5,
+    tls: TLSConfig | None = None,
+    api_key: str | None = None,
+) -> StoreGeometry | None:
+    """The geometry the store at `target` serves (set by its first Put), or None: none yet, or
+    no answer. For a process that does not know the model's KV (the router) before it builds
+    a client to look prompts up."""
+    ch = channel(target, tls)
+    try:
+        stats = await kvstore_pb2_grpc.KVStoreStub(ch).GetStats(
+            kvstore_pb2.KVStoreStatsRequest(), timeout=timeout_s, metadata=bearer_metadata(api_key)
+        )
+        return StoreGeometry.from_pb(stats.geometry) if stats.HasField("geometry") else None
+    except Exception as e:  # down, refusing, or a geometry that does not make sense
+        log.debug("KV store %s has no geometry to give: %s", target, e)
+        return None
+    finally:
+        await ch.close()
 
 
 class _CallerError(ValueError):

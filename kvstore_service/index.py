@@ -79,6 +79,7 @@ class Pinned:
 
     slots: list[int]
     _entries: list[_Entry] = field(repr=False)
+    tokens: bytes = field(default=b"", repr=False)  # the blocks' own tokens (uint32 each)
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,8 @@ class BlockIndex:
                 entry.pins += 1
             if blocks:
                 self._touch(blocks[-1].key)
-            return Pinned([e.slot for e in entries], entries)
+            tokens = b"".join(e.tokens for e in entries)
+            return Pinned([e.slot for e in entries], entries, tokens)
 
     def unpin(self, pinned: Pinned) -> None:
         with self._lock:

@@ -19,6 +19,7 @@ Every call names blocks by tokens; the store computes the keys (no hash travels)
 from __future__ import annotations
 
 import time
+from array import array
 from concurrent.futures import Future
 
 from pdmesh.errors import InvalidRequest
@@ -121,12 +122,16 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             limit = self.store.config.get_timeout_s
             timeout = min(limit, request.timeout_ms / 1000) if request.timeout_ms else limit
             first, count = request.first_block, request.num_blocks
-            sent = await self.store.get(geometry, request.token_ids, first, count, target, timeout)
+            served = await self.store.get(
+                geometry, request.token_ids, first, count, target, timeout
+            )
+            sent = served.transfer
             self.metrics.transferred(OUT, sent.seconds)
             return kvstore_pb2.KVGetReply(
                 num_blocks=request.num_blocks,
                 bytes=sent.bytes,
                 send_ns=int(sent.seconds * 1e9),
+                token_ids=array("I", served.tokens),
             )
         except Exception as e:
             error = e

@@ -39,6 +39,14 @@ class Looked:
 
 
 @dataclass(frozen=True)
+class Served:
+    """A Get's answer: the push's figures and the served blocks' own tokens (uint32 each)."""
+
+    transfer: TransferStats
+    tokens: bytes
+
+
+@dataclass(frozen=True)
 class PutDone:
     stored: int  # blocks new to the store (the others were held already, or orphaned)
     transfer: TransferStats
@@ -184,7 +192,7 @@ class KVStore:
         num_blocks: int,
         target: FetchTarget,
         timeout_s: float,
-    ) -> TransferStats:
+    ) -> Served:
         """Push blocks [first_block, first_block + num_blocks) of `token_ids` into `target`."""
         try:
             pool, index = self._serving(geometry, adopt=False)
@@ -210,7 +218,7 @@ class KVStore:
             c.gets += 1
             c.blocks_served += num_blocks
             c.bytes_out += stats.bytes
-        return stats
+        return Served(stats, pinned.tokens)
 
     async def _push(
         self,

@@ -75,7 +75,7 @@ def add_up(sub: Any) -> None:
     u.add_argument(
         "--kvstore",
         action="store_true",
-        help="start a KV store too (`pdmesh kvstore`; the workers do not use it yet)",
+        help="start a KV store too (`pdmesh kvstore`), which every worker and the router use",
     )
     u.add_argument("--kvstore-capacity-gib", type=float, default=2.0, help="its --capacity-gib")
     u.add_argument(
@@ -114,8 +114,42 @@ def _service(sub: Any, name: str, help: str, port: int, func: Any) -> argparse.A
 def _worker(sub: Any, name: str, port: int, func: Any) -> argparse.ArgumentParser:
     p = _service(sub, name, f"run a {name} worker", port, func)
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics; 0: off")
+    p.add_argument(
+        "--kvstore",
+        default=None,
+        metavar="HOST:PORT",
+        help="a KV store (`pdmesh kvstore`): prompts read through it, computed blocks published",
+    )
+    p.add_argument("--kvstore-timeout", type=float, default=0.5, help="its lookups' limit (s)")
+    p.add_argument(
+        "--kvstore-fetch-timeout", type=float, default=5.0, help="its fetches' limit (s)"
+    )
+    p.add_argument(
+        "--kvstore-advertise",
+        default=None,
+        metavar="HOST",
+        help="the host the store pushes fetched blocks to (default: the bind host)",
+    )
     engine_args(p)
     return p
+
+
+def _store_options(args: argparse.Namespace, data_host: str) -> Any:
+    """The worker's StoreOptions (--kvstore ...), or None without --kvstore."""
+    if not args.kvstore:
+        return None
+    from pdmesh.serving.store_link import StoreOptions
+
+    try:
+        return StoreOptions(
+            args.kvstore,
+            args.kvstore_timeout,
+            args.kvstore_fetch_timeout,
+            data_host,
+            args.kvstore_advertise,
+        )
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def add_services(sub: Any) -> None:
@@ -126,6 +160,12 @@ def add_services(sub: Any) -> None:
     r.add_argument("--served-model-name", default=None)
     r.add_argument("--model", default=None, help="for the tokenizer and model info")
     r.add_argument("--max-model-len", type=int, default=None)
+    r.add_argument(
+        "--kvstore",
+        default=None,
+        metavar="HOST:PORT",
+        help="a KV store: the kv policy counts the prefix blocks it holds as cheaper than a miss",
+    )
     r.add_argument(
         "--max-failovers",
         type=int,
@@ -305,6 +345,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
         kv_bind=f"tcp://{args.kv_host or args.host}:{args.kv_port}",
         kv_timeout_s=args.kv_timeout,
         prefill_timeout_s=args.prefill_timeout,
+        kvstore=_store_options(args, args.kv_host or args.host),
     )
 
 
@@ -323,7 +364,13 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     from pdmesh.prefill_service.config import PrefillConfig
     from pdmesh.prefill_service.server import serve
 
-    return _serve_worker(PrefillConfig, serve, args, kv_send_timeout_s=args.kv_send_timeout)
+    return _serve_worker(
+        PrefillConfig,
+        serve,
+        args,
+        kv_send_timeout_s=args.kv_send_timeout,
+        kvstore=_store_options(args, args.host),
+    )
 
 
 def cmd_kvstore(args: argparse.Namespace) -> int:

@@ -161,8 +161,10 @@ def _engine(options: dict[str, Any], layout: dict[str, int], devices: range | No
     return engine_argv(options)
 
 
-def _router(args: argparse.Namespace, prefill: list[str], decode: list[str]) -> ProcessSpec:
-    argv = ["router", "--host", args.host, "--port", str(args.port)]
+def _router(
+    args: argparse.Namespace, prefill: list[str], decode: list[str], store: list[str]
+) -> ProcessSpec:
+    argv = ["router", "--host", args.host, "--port", str(args.port), *store]
     argv += ["--http-port", str(args.http_port), "--prefill", ",".join(prefill)]
     argv += ["--decode", ",".join(decode), "--policy", args.policy]
     argv += ["--disagg-min-tokens", str(args.disagg_min_tokens)]
@@ -208,22 +210,24 @@ def plan_mesh(args: argparse.Namespace) -> list[ProcessSpec]:
     decode_flags += ["--prefill-timeout", str(args.prefill_timeout)]
     gpus = GpuPlacement(args.device)
     specs: list[ProcessSpec] = [_kvstore(args)] if args.kvstore else []
+    # Every worker reads through the store and publishes to it; the router counts its hits.
+    store = ["--kvstore", specs[0].address] if args.kvstore else []
     prefill: dict[str, range | None] = {}  # address -> GPUs
     for i in range(0 if args.colocated else args.prefill):
         layout = _layout(args, "prefill")
         devices = gpus.take(math.prod(layout.values()))
-        flags = [*_engine(options, layout, devices), *tls]
+        flags = [*_engine(options, layout, devices), *tls, *store]
         specs.append(_worker("prefill", i, args.host, flags))
         prefill[specs[-1].address] = devices
     decode: list[str] = []
     for i in range(args.decode):
         layout = _layout(args, "decode")
         devices = gpus.take(math.prod(layout.values()))
-        flags = [*decode_flags, *_engine(options, layout, devices), *tls]
+        flags = [*decode_flags, *_engine(options, layout, devices), *tls, *store]
         flags += pair_transports(args.kv_transport, prefill, devices)
         specs.append(_worker("decode", i, args.host, flags))
         decode.append(specs[-1].address)
-    return [*specs, _router(args, list(prefill), decode)]
+    return [*specs, _router(args, list(prefill), decode, store)]
 
 
 def wait_for_workers(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdmesh.engine.config import EngineConfig
+from pdmesh.serving.store_link import StoreOptions
 from pdmesh.serving.tls import TLSConfig
 
 
@@ -13,13 +14,15 @@ class PrefillConfig:
     """bind: gRPC host:port. kv_send_timeout_s: how long pushing one prompt's KV may take (over
     the transport the decode worker names: any that moves this worker's cache). metrics_bind:
     host:port of the Prometheus `/metrics` endpoint (None: no endpoint). tls: certificate and
-    CA of the gRPC server (None: plaintext)."""
+    CA of the gRPC server and of calls to the KV store (None: plaintext). kvstore: the KV store
+    to read prompts through and publish them to (None: none)."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     bind: str = "127.0.0.1:50071"
     kv_send_timeout_s: float = 30.0
     metrics_bind: str | None = None
     tls: TLSConfig | None = None
+    kvstore: StoreOptions | None = None
 
     def __post_init__(self) -> None:
         if self.kv_send_timeout_s <= 0:

@@ -24,6 +24,7 @@ from pdmesh.prefill_service.config import PrefillConfig
 from pdmesh.prefill_service.metrics import PrefillMetrics
 from pdmesh.prefill_service.tracing import record_prefill
 from pdmesh.sampling_params import SamplingParams
+from pdmesh.serving.store_link import Fetched
 from pdmesh.serving.worker_process import WorkerProcess
 
 log = get_logger(__name__)
@@ -68,6 +69,8 @@ class _Pending:
     # Engine thread: each sequence's first token and its logprobs, by delta index.
     firsts: dict[int, tuple[int, PositionLogprobs | None]] = field(default_factory=dict)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # With a KV store: the prompt, and how many of its leading blocks the store holds already.
+    publish: tuple[list[int], int] | None = None
 
 
 class PrefillWorker(WorkerProcess):
@@ -76,7 +79,7 @@ class PrefillWorker(WorkerProcess):
     role = "prefill"
 
     def __init__(self, config: PrefillConfig, connector: PushConnector, engine: LLMEngine) -> None:
-        super().__init__(engine, connector)
+        super().__init__(engine, connector, store=config.kvstore, tls=config.tls)
         self.config = config
         self.kv = connector
         self.prefills = {"remote": 0}
@@ -135,7 +138,10 @@ class PrefillWorker(WorkerProcess):
         if params.structured_outputs is not None:  # compiled here, not on the engine thread
             await asyncio.to_thread(self.engine.grammars.compile, params.structured_outputs)
         try:
-            await self.loop.acall(lambda e: self._begin(e, task, params, pending))
+            fetched = None
+            if self.store is not None:
+                fetched = await self.store.read_through(task.prompt)
+            await self.loop.acall(lambda e: self._begin(e, task, params, pending, fetched))
             job = pending.job
             assert job is not None
             prefilled = await pending.done
@@ -175,8 +181,16 @@ class PrefillWorker(WorkerProcess):
 
     # -- engine thread ----------------------------------------------------------------------------
     def _begin(
-        self, engine: LLMEngine, task: PrefillTask, params: SamplingParams, pending: _Pending
+        self,
+        engine: LLMEngine,
+        task: PrefillTask,
+        params: SamplingParams,
+        pending: _Pending,
+        fetched: Fetched | None = None,
     ) -> None:
+        if self.store is not None:  # fetched blocks join the prefix cache, whatever comes next
+            known = self.store.settle(engine, task.prompt, fetched)
+            pending.publish = (list(task.prompt), known)
         job = self.kv.start(task.request_id, task.target)
         try:
             engine.add_request(task.request_id, task.prompt, params)
@@ -207,6 +221,10 @@ class PrefillWorker(WorkerProcess):
                 continue
             self._pending.pop(rid, None)
             self.kv.forget(rid)
+            publish = pending.publish if pending is not None else None
+            # Computed (not aborted): its blocks are still in the device cache.
+            if publish is not None and self.store is not None and d.finish_reason != "abort":
+                self.store.published(self.engine, *publish)
             out = self.engine.get_output(rid)
             self.engine.release(rid)
             if pending is not None and pending.firsts and self._aio is not None:

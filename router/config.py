@@ -19,7 +19,8 @@ class RouterConfig:
     workers; public_client_auth: clients of the public API must present a certificate signed by
     `tls.ca` too. api_keys: keys the public API (gRPC and HTTP) requires (none: open).
     tool_call_parser: the model's tool-call format for tool_choice "auto" (router/tool_parsers;
-    None: the one its chat template asks for)."""
+    None: the one its chat template asks for). kvstore: HOST:PORT of a KV store whose held
+    prefixes the 'kv' policy counts as cheaper than a miss (None: none)."""
 
     model: str | None = None
     prefill: tuple[str, ...] = ()
@@ -38,6 +39,7 @@ class RouterConfig:
     public_client_auth: bool = False
     api_keys: ApiKeys = field(default_factory=ApiKeys)
     tool_call_parser: str | None = None
+    kvstore: str | None = None
 
     def __post_init__(self) -> None:
         if not self.decode:

@@ -29,6 +29,7 @@ from pdmesh.router.decode_link import DecodeLink, DeltaQueue, LinkLost
 from pdmesh.router.policies import PromptInfo, create_policy
 from pdmesh.router.registry import Worker, WorkerRegistry
 from pdmesh.router.request_telemetry import RequestTelemetry
+from pdmesh.router.store_hits import StoreHits
 from pdmesh.router.stream_pacing import StreamPacer
 from pdmesh.serving.convert import sampling_to_pb
 from pdmesh.v1 import generation_pb2 as gen_pb
@@ -150,6 +151,7 @@ class Dispatcher:
         self.config = config
         self.registry = registry
         self.policy = create_policy(config.policy, config.overlap_weight, config.disagg_min_tokens)
+        self.store = StoreHits(config.kvstore, config.tls) if config.kvstore else None
         router_id = f"router-{uuid.uuid4().hex[:8]}"
         self.links = {w.address: DecodeLink(w, router_id) for w in registry.by_role("decode")}
         self._background: set[asyncio.Task[Any]] = set()
@@ -162,6 +164,8 @@ class Dispatcher:
     async def close(self) -> None:
         for link in self.links.values():
             await link.close()
+        if self.store is not None:
+            await self.store.close()
 
     def decode_ready(self) -> list[Worker]:
         """Decode workers in rotation whose token stream to this router is open."""
@@ -184,7 +188,8 @@ class Dispatcher:
         if sent and params.prompt_logprobs is not None:  # sent with the first token already
             params = dataclasses.replace(params, prompt_logprobs=None)
         bs = self.block_size
-        prompt = PromptInfo(len(prompt_ids), hash_prefix_blocks(prompt_ids, bs), bs)
+        held = await self.store.blocks(prompt_ids) if self.store is not None else 0
+        prompt = PromptInfo(len(prompt_ids), hash_prefix_blocks(prompt_ids, bs), bs, held)
         refused: set[str] = set()  # queue full
         unreachable: set[str] = set()
         failures = 0  # Submits that failed for want of a worker (a worker may fail twice)

@@ -23,6 +23,7 @@ class Mesh:
     http: str | None  # the gateway's base URL
     prefill: list[str] = field(default_factory=list)
     decode: list[str] = field(default_factory=list)
+    kvstore: list[str] = field(default_factory=list)
     pids: dict[str, int] = field(default_factory=dict)
     output: list[str] = field(default_factory=list)
 

@@ -39,6 +39,7 @@ class WorkerSnapshot:
     expert_token_counts: Sequence[int] = ()
     prefills: Mapping[str, int] = field(default_factory=dict)  # by mode: local, remote, fallback
     eplb: EplbFigures | None = None  # None: EPLB off
+    store: Mapping[str, float] | None = None  # StoreLink.figures(); None: no KV store
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,11 @@ class WorkerCollector:
         yield experts
         yield prefills
         yield from _eplb_families(self.role, s.eplb if s is not None else None)
+        for key, (kind, name, doc) in _STORE_FAMILIES.items():
+            family = kind(name, doc, labels=["role"])
+            if s is not None and s.store is not None:
+                family.add_metric([self.role], s.store[key])
+            yield family
 
 
 def _eplb_families(role: str, e: EplbFigures | None) -> Iterator[Metric]:
@@ -169,6 +175,42 @@ _ENGINE_FAMILIES: dict[str, tuple[type[Metric], str, str]] = {
         C,
         "pdmesh_host_kv_copy_seconds",
         "Seconds rank 0 spent copying KV to and from the host tier.",
+    ),
+}
+
+
+# StoreLink.figures() key -> (family, metric name, help), labelled by role (--kvstore).
+_STORE_FAMILIES: dict[str, tuple[type[Metric], str, str]] = {
+    "store_lookups": (C, "pdmesh_store_lookups", "KV store: prompts looked up before computing."),
+    "store_lookup_blocks": (
+        C,
+        "pdmesh_store_lookup_blocks",
+        "KV store: full prompt blocks looked up (the hit rate's denominator).",
+    ),
+    "store_hit_blocks": (
+        C,
+        "pdmesh_store_hit_blocks",
+        "KV store: prompt blocks fetched from the store instead of computed.",
+    ),
+    "store_hit_tokens": (C, "pdmesh_store_hit_tokens", "KV store: prompt tokens fetched."),
+    "store_fetch_failures": (
+        C,
+        "pdmesh_store_fetch_failures",
+        "KV store: fetches that failed, stalled or named other tokens (computed instead).",
+    ),
+    "store_fetched_bytes": (C, "pdmesh_store_fetched_bytes", "KV store: bytes fetched."),
+    "store_fetch_seconds": (C, "pdmesh_store_fetch_seconds", "KV store: seconds fetching."),
+    "store_published_blocks": (
+        C,
+        "pdmesh_store_published_blocks",
+        "KV store: computed blocks pushed to the store (write-behind).",
+    ),
+    "store_published_bytes": (C, "pdmesh_store_published_bytes", "KV store: bytes pushed."),
+    "store_publish_seconds": (C, "pdmesh_store_publish_seconds", "KV store: seconds pushing."),
+    "store_hit_rate": (
+        G,
+        "pdmesh_store_hit_rate",
+        "KV store: blocks fetched / blocks looked up since start.",
     ),
 }
 

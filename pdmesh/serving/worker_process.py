@@ -24,6 +24,7 @@ from pdmesh.observability.worker_collector import EplbFigures, TransferTotals, W
 from pdmesh.serving.engine_loop import EngineLoop
 from pdmesh.serving.grpc_server import ServiceSpec, build_server
 from pdmesh.serving.runner import serve_until_stopped
+from pdmesh.serving.store_link import StoreLink, StoreOptions
 from pdmesh.serving.tls import TLSConfig
 
 log = get_logger(__name__)
@@ -43,10 +44,15 @@ class WorkerProcess(ABC):
         engine: LLMEngine,
         connector: KVConnector,
         on_tick: Callable[[LLMEngine], None] | None = None,
+        store: StoreOptions | None = None,
+        tls: TLSConfig | None = None,
     ) -> None:
-        """on_tick: run between steps and when idle, on the engine thread."""
+        """on_tick: run between steps and when idle, on the engine thread. store: the KV store
+        to read through and write behind (serving/store_link.py), reached with `tls`."""
         self.engine = engine
         self.connector = connector
+        self._store_options, self._store_tls = store, tls
+        self.store: StoreLink | None = None  # made by `start`, on the event loop
         self.geometry = connector.geometry  # bound when the engine was built
         self.loop = EngineLoop(engine, self._on_engine_deltas, on_tick, self._on_fatal)
         if engine.tp_driver is not None:  # a dead rank stops the engine from any thread
@@ -58,8 +64,13 @@ class WorkerProcess(ABC):
         self._aio = aio_loop
         self.stopped = asyncio.Event()
         self.loop.start()
+        if self._store_options is not None:
+            opts, tls = self._store_options, self._store_tls
+            self.store = StoreLink(opts, self.engine, self.loop, self.geometry, tls)
 
     async def close(self) -> None:
+        if self.store is not None:
+            await self.store.close()
         self.loop.stop()
         self.connector.close()
         self.engine.close()
@@ -96,6 +107,7 @@ class WorkerProcess(ABC):
             expert_token_counts=self.engine.runner.expert_counts() or (),
             prefills=dict(self.prefills),
             eplb=_eplb_figures(self.engine),
+            store=self.store.figures() if self.store is not None else None,
         )
 
     async def report(self) -> dict[str, Any]:
@@ -120,6 +132,7 @@ class WorkerProcess(ABC):
         return {
             "role": self.role,
             **fields,
+            **(self.store.figures() if self.store is not None else {}),
             "block_size": self.geometry.block_size,
             "tensor_parallel_size": self.engine.config.tensor_parallel_size,
             "pipeline_parallel_size": self.engine.config.pipeline_parallel_size,

@@ -7,16 +7,27 @@ from dataclasses import dataclass
 
 from pdmesh.router.registry import Worker
 
+# What a prompt block the KV store holds costs a worker that lacks it, against computing it (1):
+# a transfer of its KV instead of its prefill.
+STORE_HIT_COST = 0.2
+
 
 @dataclass(frozen=True)
 class PromptInfo:
     num_tokens: int
     block_hashes: list[int]  # hash chain of the prompt's full blocks
     block_size: int
+    store_blocks: int = 0  # leading full blocks a KV store holds (router --kvstore)
 
     @property
     def num_blocks(self) -> int:
         return -(-self.num_tokens // self.block_size)
+
+    def split(self, cached: int) -> tuple[int, int]:
+        """For a worker holding the first `cached` blocks: (blocks it would fetch from the KV
+        store, blocks it would compute)."""
+        fetched = max(0, self.store_blocks - cached)
+        return fetched, self.num_blocks - cached - fetched
 
 
 @dataclass(frozen=True)
@@ -42,6 +53,7 @@ class DispatchPolicy(ABC):
 
     def local_prefill(self, prompt: PromptInfo, decode: Worker) -> bool:
         """Whether the decode worker's likely-uncached part of the prompt is short enough to
-        prefill there (the worker checks again against its real cache)."""
-        cached = decode.index.match(prompt.block_hashes) * prompt.block_size
-        return prompt.num_tokens - cached < self.disagg_min_tokens
+        prefill there (the worker checks again against its real cache). Blocks the KV store
+        holds count as cached: the worker fetches them instead."""
+        held = max(decode.index.match(prompt.block_hashes), prompt.store_blocks)
+        return prompt.num_tokens - held * prompt.block_size < self.disagg_min_tokens

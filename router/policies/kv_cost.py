@@ -1,13 +1,15 @@
 """Dynamo-style KV-aware dispatch.
 
-Prefill: cost(P) = prefix-miss blocks on P x overlap_weight + blocks P is busy with; the lowest
-cost wins, so a prompt goes where its prefix is cached unless that worker is swamped. Decode:
-the worker with the least KV in use (its last stats plus what was sent since).
+Prefill: cost(P) = (prefix-miss blocks on P + STORE_HIT_COST x blocks P would fetch from the KV
+store) x overlap_weight + blocks P is busy with; the lowest cost wins, so a prompt goes where its
+prefix is cached unless that worker is swamped, and a prefix the store holds (router --kvstore)
+is cheaper than a miss everywhere. Decode: the worker with the least KV in use (its last stats
+plus what was sent since).
 """
 
 from __future__ import annotations
 
-from pdmesh.router.policies.base import Decision, DispatchPolicy, PromptInfo
+from pdmesh.router.policies.base import STORE_HIT_COST, Decision, DispatchPolicy, PromptInfo
 from pdmesh.router.policies.registry import register_policy
 from pdmesh.router.registry import Worker
 
@@ -20,15 +22,16 @@ class KVCostPolicy(DispatchPolicy):
             return Decision(d, None, f"decode {d.address}: least KV usage; prefill locally")
 
         def cost(w: Worker) -> tuple[float, str]:
-            miss = prompt.num_blocks - w.index.match(prompt.block_hashes)
-            return miss * self.overlap_weight + w.inflight_blocks + w.load.kv_blocks_used, w.address
+            fetched, miss = prompt.split(w.index.match(prompt.block_hashes))
+            work = (miss + fetched * STORE_HIT_COST) * self.overlap_weight
+            return work + w.inflight_blocks + w.load.kv_blocks_used, w.address
 
         p = min(prefill, key=cost)
-        miss = prompt.num_blocks - p.index.match(prompt.block_hashes)
+        fetched, miss = prompt.split(p.index.match(prompt.block_hashes))
         return Decision(
             d,
             p,
             f"decode {d.address}: least KV usage; prefill {p.address}: cost {cost(p)[0]:.0f} "
-            f"({miss} of {prompt.num_blocks} blocks uncached)",
+            f"({miss} of {prompt.num_blocks} blocks uncached, {fetched} in the KV store)",
             miss,
         )

@@ -86,14 +86,16 @@ class KVGetRequest(_message.Message):
     def __init__(self, geometry: _Optional[_Union[KVGeometry, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., transfer_id: _Optional[str] = ..., token: _Optional[bytes] = ..., endpoints: _Optional[_Iterable[_Union[_worker_pb2.KVEndpoint, _Mapping]]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class KVGetReply(_message.Message):
-    __slots__ = ("num_blocks", "bytes", "send_ns")
+    __slots__ = ("num_blocks", "bytes", "send_ns", "token_ids")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SEND_NS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     bytes: int
     send_ns: int
-    def __init__(self, num_blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., send_ns: _Optional[int] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., send_ns: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVStoreStatsRequest(_message.Message):
     __slots__ = ()
