@@ -37,13 +37,21 @@ def store_stats(address: str) -> kvstore_pb2.KVStoreStats:
         )
 
 
-def test_a_decode_worker_reuses_a_prefix_another_computed(tiny_model) -> None:
-    """`pdmesh up --kvstore` hands the store to both decode workers; round robin sends the second
-    turn to the worker that never saw the first, which fetches the shared prefix."""
+@pytest.mark.parametrize(
+    "role, layout",
+    [
+        ("decode", ["--prefill", "0", "--decode", "2"]),
+        # Every prompt to a prefill worker; the decode worker holds the prefix after the first
+        # turn, so the second worker computes (and pushes) only the tail, fetching the prefix.
+        ("prefill", ["--prefill", "2", "--decode", "1", "--disagg-min-tokens", "0"]),
+    ],
+)
+def test_a_worker_reuses_a_prefix_another_computed(tiny_model, role, layout) -> None:
+    """`pdmesh up --kvstore` hands the store to every worker; round robin sends the second turn
+    to the worker of `role` that never saw the first, which fetches the shared prefix."""
     folder = tiny_model("llama")
     mesh = start_mesh(
-        "--model", str(folder), "--kvstore", "--prefill", "0", "--decode", "2",
-        "--policy", "round_robin",
+        "--model", str(folder), "--kvstore", "--policy", "round_robin", *layout
     )  # fmt: skip
     prefix, tail_a, tail_b = random_prompts([4 * BLOCK, 10, 12], seed=21)
     try:
@@ -51,17 +59,18 @@ def test_a_decode_worker_reuses_a_prefix_another_computed(tiny_model) -> None:
         (store,) = mesh.kvstore
         wait_until(lambda: store_stats(store).blocks_held >= 4, 10, "the prefix published")
         (got,) = asyncio.run(greedy_tokens(mesh.target, [prefix + tail_b], 8))
-        a, b = sorted((mesh.stats(d) for d in mesh.decode), key=lambda s: s.store_hit_blocks)
+        workers = getattr(mesh, role)
+        a, b = sorted((mesh.stats(w) for w in workers), key=lambda s: s.store_hit_blocks)
         held = store_stats(store)
     finally:
         mesh.stop()
+    hf = load_hf(folder)
+    assert first == hf_greedy(hf, prefix + tail_a, 8, ignore_eos=True)
+    assert got == hf_greedy(hf, prefix + tail_b, 8, ignore_eos=True)
     assert b.store_hit_blocks == 4 and b.store_hit_tokens == 4 * BLOCK
     assert b.store_fetched_bytes > 0 and b.store_fetch_seconds > 0 and b.store_hit_rate > 0
     assert a.store_hit_blocks == 0 and a.store_published_blocks == 4
     assert held.hit_blocks >= 4 and held.blocks_served == 4
-    hf = load_hf(folder)
-    assert first == hf_greedy(hf, prefix + tail_a, 8, ignore_eos=True)
-    assert got == hf_greedy(hf, prefix + tail_b, 8, ignore_eos=True)
 
 
 class FaultyStore(KVStoreServicer):
