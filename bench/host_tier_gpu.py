@@ -8,7 +8,8 @@ tiny shape on the CPU, a dry run of the script). In one process:
 - ceiling: one pinned host buffer copied to the device as one copy (`copy_(non_blocking)`),
   timed with CUDA events, median of several;
 - load bandwidth: the engine's own load path (`HostPool._load`: the slots' KV staged on the
-  device, then scattered into cache blocks) over the same bytes, timed the same way;
+  device, then scattered into cache blocks) over the same bytes, timed the same way; and its
+  offload path (`HostPool._offload`, blocks gathered, then copied to their slots) likewise;
 - TTFT: `LLM.generate` of a prompt of `--prefix-tokens` random tokens with max_tokens=1, once
   computed from scratch (fresh prompts) and once with its prefix in the host tier (two other
   prompts of the same length evicted it from the device cache first). The figures are medians
@@ -62,9 +63,10 @@ def copy_ceiling(nbytes: int, device: torch.device, repeats: int) -> float:
     return nbytes / _median_s(lambda: dev.copy_(host, non_blocking=True), repeats, device)
 
 
-def load_bandwidth(llm: Any, num_blocks: int, repeats: int) -> tuple[float, int]:
+def load_bandwidth(llm: Any, num_blocks: int, repeats: int) -> tuple[float, int, float]:
     """Bytes per second of the host tier's load path moving `num_blocks` slots into as many
-    cache blocks (random KV); and the bytes moved."""
+    cache blocks (random KV); the bytes moved; bytes per second of its offload path (blocks
+    to slots)."""
     runner = llm.engine.runner
     pool, cache = runner.host_pool, runner.kv_cache.data
     n = min(num_blocks, pool.num_slots, runner.num_blocks)
@@ -73,9 +75,12 @@ def load_bandwidth(llm: Any, num_blocks: int, repeats: int) -> tuple[float, int]
     loads = [x for slot, block in zip(range(n), blocks, strict=True) for x in (slot, block)]
     nbytes = pool.data[:n].numel() * pool.data.element_size()
     seconds = _median_s(lambda: pool._load(cache, loads), repeats, cache.device)
+    # The other direction, as a hit's step runs it first for the cached blocks it evicts.
+    offloads = [x for slot, block in zip(range(n), blocks, strict=True) for x in (block, slot)]
+    out_seconds = _median_s(lambda: pool._offload(cache, offloads), repeats, cache.device)
     runner.kv_cache.data.zero_()  # nothing cached refers to those blocks' old KV any more
     llm.engine.scheduler.reset_prefix_cache()
-    return nbytes / seconds, nbytes
+    return nbytes / seconds, nbytes, nbytes / out_seconds
 
 
 def _ttft(llm: Any, prompt: list[int]) -> tuple[float, int]:
@@ -146,7 +151,7 @@ def main() -> None:
     )
     device = llm.engine.runner.kv_cache.data.device
     vocab = llm.engine.info.vocab_size
-    load_bps, load_bytes = load_bandwidth(llm, args.load_blocks, args.repeats)
+    load_bps, load_bytes, offload_bps = load_bandwidth(llm, args.load_blocks, args.repeats)
     ceiling_bps = copy_ceiling(load_bytes, device, args.repeats)
     figures = ttfts(llm, tokens, vocab, args.repeats)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -159,12 +164,14 @@ def main() -> None:
         "load_GBps": load_bps / 1e9,
         "ceiling_GBps": ceiling_bps / 1e9,
         "load_over_ceiling": load_bps / ceiling_bps,
+        "offload_GBps": offload_bps / 1e9,
         **figures,
     }
     print(json.dumps(report, indent=2))
     print(
         f"\n{name}: host-tier load {load_bps / 1e9:.1f} GB/s of a {ceiling_bps / 1e9:.1f} GB/s "
-        f"pinned H2D ceiling ({load_bps / ceiling_bps:.2f}); TTFT of a {tokens}-token prefix: "
+        f"pinned H2D ceiling ({load_bps / ceiling_bps:.2f}), offload {offload_bps / 1e9:.1f} GB/s; "
+        f"TTFT of a {tokens}-token prefix: "
         f"recompute {figures['recompute_ttft_s'] * 1000:.0f} ms, host tier "
         f"{figures['host_tier_ttft_s'] * 1000:.0f} ms ({figures['speedup']:.1f}x)"
     )
