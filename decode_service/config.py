@@ -24,7 +24,9 @@ class DecodeConfig:
     frames may trail the prefill's reply. max_waiting_requests: requests that wait for KV
     blocks beyond this are refused with RESOURCE_EXHAUSTED. metrics_bind: host:port of the
     Prometheus `/metrics` endpoint (None: no endpoint). tls: certificate and CA for the gRPC
-    server and the calls to prefill workers (None: plaintext)."""
+    server and the calls to prefill workers (None: plaintext). drain_on_sigterm: SIGTERM first
+    drains the worker (its running requests move to other decode workers, see drain.py), then
+    it exits; a request not pulled within kv_timeout_s is recomputed elsewhere."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     bind: str = "127.0.0.1:50061"
@@ -38,6 +40,7 @@ class DecodeConfig:
     metrics_bind: str | None = None
     max_waiting_requests: int = 1024
     tls: TLSConfig | None = None
+    drain_on_sigterm: bool = False
 
     def __post_init__(self) -> None:
         if self.prefill_failure_policy not in PREFILL_FAILURE_POLICIES:

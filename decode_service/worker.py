@@ -11,9 +11,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from typing import Any
 
 from pdmesh.decode_service.config import DecodeConfig
+from pdmesh.decode_service.drain import Drainer
 from pdmesh.decode_service.metrics import DecodeMetrics
+from pdmesh.decode_service.migration_in import Arrivals
+from pdmesh.decode_service.migration_metrics import MigrationMetrics
 from pdmesh.decode_service.prefill_client import PrefillClient
 from pdmesh.decode_service.tracing import DecodeTraces
 from pdmesh.decode_service.types import Delta, RequestClock, Submission, Timings, Usage
@@ -58,12 +62,23 @@ class DecodeWorker(WorkerProcess):
         self._prefill = PrefillClient(config.tls)
         self.metrics = DecodeMetrics(self.metrics_snapshot)
         self.traces = DecodeTraces()
+        # Live migration: handing running requests over when draining, continuing others'.
+        migrations = MigrationMetrics()
+        self.metrics.registry.register(migrations)
+        self.drainer = Drainer(self, migrations, config.kv_timeout_s)
+        self.arrivals = Arrivals(self, migrations)
 
     async def close(self) -> None:
         for task in list(self._remote.values()):
             task.cancel()
         await super().close()
         await self._prefill.close()
+        await self.arrivals.close()
+        self.drainer.close()
+
+    async def report(self) -> dict[str, Any]:
+        fields = await super().report()
+        return {**fields, **self.drainer.metrics.stats_fields(), "draining": self.drainer.draining}
 
     def banner(self) -> str:
         planes = ", ".join(f"{name} at {a}" for name, a in self.kv.addresses.items())
@@ -105,6 +120,7 @@ class DecodeWorker(WorkerProcess):
     # -- requests (event loop) ------------------------------------------------------------------
     async def submit(self, sub: Submission) -> None:
         self.check_serving()
+        self.drainer.check_admitting()
         if sub.subscriber_id not in self._subscribers:
             raise FailedPrecondition(
                 f"subscriber {sub.subscriber_id!r} has no open Subscribe stream; subscribe first"
@@ -135,6 +151,8 @@ class DecodeWorker(WorkerProcess):
         return await self.loop.acall(lambda e: sum(self._abort_one(e, rid) for rid in request_ids))
 
     async def _remote_prefill(self, sub: Submission, plan: ExternalBlocks) -> None:
+        if sub.migrate_from is not None:  # the KV comes from a draining decode worker
+            return await self.arrivals.pull(sub, plan)
         rid = sub.request_id
         timeout = self.config.prefill_timeout_s
         if sub.deadline is not None:
@@ -206,14 +224,16 @@ class DecodeWorker(WorkerProcess):
         # grammar's matcher, penalties) is prefilled here, where add_request replays that
         # output; a prefill worker would sample its next token as if nothing had been output.
         stateful_resume = sent > 0 and sub.params.depends_on_output
-        if sub.prefill_address and not stateful_resume:
+        if sub.migrate_from is not None:
+            plan = self.arrivals.reserve(engine, sub)
+        elif sub.prefill_address and not stateful_resume:
             plan = self.kv.reserve(
                 engine, sub.request_id, sub.prompt, sub.params, sent, sub.disagg_min_tokens
             )
         if plan is None:
             engine.add_request(sub.request_id, sub.prompt, sub.params, num_output_tokens=sent)
             self.prefills["local"] += 1
-        else:
+        elif sub.migrate_from is None:
             clock.disaggregated = True
             self.prefills["remote"] += 1
         self._clocks[sub.request_id] = clock
