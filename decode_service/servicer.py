@@ -64,6 +64,7 @@ def delta_to_pb(d: Delta) -> worker_pb2.RequestDelta:
         index=d.index,
     )
     if d.moved is not None:
+        pb.moved.SetInParent()  # present even with no handle
         pb.moved.handle = d.moved
     if d.logprobs is not None:
         pb.logprobs.extend(logprobs_to_pb(p) for p in d.logprobs)

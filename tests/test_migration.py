@@ -15,10 +15,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from service_support import Service, router_workers, wait_until, wait_workers
 
 from pdmesh import LLM, SamplingParams
@@ -28,6 +32,8 @@ from pdmesh.v1 import generation_pb2 as gen_pb
 from pdmesh.v1 import generation_pb2_grpc
 
 pytestmark = pytest.mark.timeout(150)
+
+ROOT = Path(__file__).resolve().parent.parent
 
 MAX_TOKENS = 400
 GREEDY = dict(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
@@ -57,38 +63,55 @@ def folder(tiny_model, tmp_path_factory) -> str:
     return str(copy)
 
 
-class Pair:
-    """A router and two decode workers (no prefill pool): `source` is drained, `target` takes
-    its requests."""
+class Mesh:
+    """A router and three decode workers (no prefill pool): `a` drains on SIGTERM, `b` takes
+    its requests and is drained in turn with `pdmesh drain`, towards `bad`, whose KV data plane
+    is advertised where nothing listens (every push to it fails after its 2 s --kv-timeout)."""
 
-    def __init__(self, folder: str, logs: Path, source_flags: list[str], target_flags: list[str]):
+    def __init__(self, folder: str, logs: Path):
         engine = ["--model", folder, "--kv-cache-tokens", "8192"]
-        self.source = Service(
-            "decode", ["--port", str(free_port()), *engine, *source_flags], logs / "source.log"
-        )
-        self.target = Service(
-            "decode", ["--port", str(free_port()), *engine, *target_flags], logs / "target.log"
-        )
-        decode = f"{self.source.address},{self.target.address}"
+        dead = ["--kv-advertise", f"127.0.0.1:{free_port()}", "--kv-timeout", "2"]
+
+        def decode(name: str, *flags: str) -> Service:
+            argv = ["--port", str(free_port()), *engine, *flags]
+            return Service("decode", argv, logs / f"{name}.log")
+
+        self.a = decode("a", "--drain-on-sigterm")
+        self.b_metrics = free_port()
+        self.b = decode("b", "--metrics-port", str(self.b_metrics))
+        self.bad = decode("bad", *dead)
+        addresses = ",".join(s.address for s in (self.a, self.b, self.bad))
         self.router = Service(
             "router",
-            ["--port", str(free_port()), "--http-port", "0", "--decode", decode, "--model", folder],
+            [
+                "--port",
+                str(free_port()),
+                "--http-port",
+                "0",
+                "--decode",
+                addresses,
+                "--model",
+                folder,
+            ],
             logs / "router.log",
         )
-        self.services = [self.source, self.target, self.router]
+        self.services = [self.a, self.b, self.bad, self.router]
 
-    def __enter__(self) -> Pair:
+    def start(self) -> Mesh:
         for s in self.services:
             s.start()
         for s in self.services:
             s.wait_serving()
-        wait_workers(self.router.address, 0, 2)
+        wait_workers(self.router.address, 0, 3)
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        for s in self.services:
-            if s.proc is not None and s.proc.poll() is None:
-                os.kill(s.proc.pid, signal.SIGCONT)  # a frozen worker must hear the stop
+    def stop(self) -> None:
+        running = [s for s in self.services if s.proc is not None and s.proc.poll() is None]
+        for s in running:  # all at once: each stop waits for its process
+            assert s.proc is not None
+            s.proc.terminate()
+            os.kill(s.proc.pid, signal.SIGCONT)  # a frozen worker must hear it
+        for s in running:
             s.stop()
 
     def freeze(self, s: Service) -> None:
@@ -101,6 +124,15 @@ class Pair:
 
     def workers_in_rotation(self, n: int) -> None:
         wait_until(lambda: router_workers(self.router.address) == (0, n), 15, f"{n} in rotation")
+
+
+@pytest.fixture(scope="module")
+def mesh(folder: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    m = Mesh(folder, tmp_path_factory.mktemp("logs"))
+    try:
+        yield m.start()
+    finally:
+        m.stop()
 
 
 def _prompts(n: int) -> list[list[int]]:
@@ -123,14 +155,16 @@ def _reference_params(kind: dict) -> SamplingParams:
     return SamplingParams(**kind)
 
 
-async def _streams_moved(pair: Pair, prompts: list[list[int]], kinds: list[dict], drain) -> list:
-    """Run the requests on `pair.source` alone (the target frozen, out of the rotation), then
-    with every stream under way: the source frozen, the target back, `drain()` and the source
-    thawed. The streams' responses."""
+async def _streams_moved(
+    mesh: Mesh, source: Service, target: Service, prompts: list, kinds: list, drain: Any
+) -> list[list[gen_pb.GenerateResponse]]:
+    """Run the requests on `source` alone (`target` frozen, out of the rotation, as any other
+    decode worker is by then), then with every stream under way: `source` frozen, `target`
+    back, `drain()` (which thaws `source`). The streams' responses."""
     streams: list[list[gen_pb.GenerateResponse]] = [[] for _ in prompts]
-    pair.freeze(pair.target)
-    pair.workers_in_rotation(1)
-    async with grpc.aio.insecure_channel(pair.router.address) as ch:
+    mesh.freeze(target)
+    mesh.workers_in_rotation(1)
+    async with grpc.aio.insecure_channel(mesh.router.address) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
 
         async def one(i: int) -> None:
@@ -140,12 +174,12 @@ async def _streams_moved(pair: Pair, prompts: list[list[int]], kinds: list[dict]
         tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
         while min(sum(len(r.token_ids) for r in s) for s in streams) < 5:
             await asyncio.sleep(0.002)
-        pair.freeze(pair.source)
+        mesh.freeze(source)
         for s in streams:  # every stream is still running on the source
             assert sum(len(r.token_ids) for r in s) < MAX_TOKENS
-        await asyncio.to_thread(pair.workers_in_rotation, 0)
-        pair.thaw(pair.target)
-        await asyncio.to_thread(pair.workers_in_rotation, 1)
+        await asyncio.to_thread(mesh.workers_in_rotation, 0)
+        mesh.thaw(target)
+        await asyncio.to_thread(mesh.workers_in_rotation, 1)
         await asyncio.to_thread(drain)
         await asyncio.gather(*tasks)
     return streams
@@ -167,54 +201,85 @@ def _check_outputs(folder: str, streams: list, prompts: list, kinds: list) -> No
         )
 
 
-def test_sigterm_migrates_eight_streams_with_their_kv(folder: str, tmp_path: Path) -> None:
+def test_sigterm_migrates_eight_streams_with_their_kv(mesh: Mesh, folder: str) -> None:
     prompts = _prompts(8)
     kinds = [GREEDY, SEEDED, GREEDY, SEEDED, GREEDY, SEEDED, SHAPED, GRAMMAR]
-    with Pair(folder, tmp_path, ["--drain-on-sigterm"], []) as pair:
-        source = pair.source.proc
-        assert source is not None
+    mesh.freeze(mesh.bad)  # out of the rotation for this test
+    mesh.workers_in_rotation(2)
+    a = mesh.a.proc
+    assert a is not None
 
-        def drain() -> None:
-            source.send_signal(signal.SIGTERM)  # handled once thawed
-            pair.thaw(pair.source)
+    def drain() -> None:
+        a.send_signal(signal.SIGTERM)  # handled once thawed
+        mesh.thaw(mesh.a)
 
-        streams = asyncio.run(_streams_moved(pair, prompts, kinds, drain))
-        assert source.wait(30) == 0  # the drained worker exits cleanly
-        log = pair.source.log.read_text()
-        assert not [line for line in log.splitlines() if line.startswith("ERROR")], log[-3000:]
-        target = pair.target.stats()
-        # Every request continued with its KV: nothing prefilled or recomputed on the target.
-        assert (target.migrations_in, target.migration_fallbacks) == (8, 0)
-        assert target.local_prefills == target.remote_prefills == 0
-        assert target.migration_bytes_received > 0
-        wait_until(lambda: pair.target.stats().kv_blocks_used == 0, 5, "no block held")
+    streams = asyncio.run(_streams_moved(mesh, mesh.a, mesh.b, prompts, kinds, drain))
+    assert a.wait(30) == 0  # the drained worker exits cleanly
+    log = mesh.a.log.read_text()
+    assert not [line for line in log.splitlines() if line.startswith("ERROR")], log[-3000:]
+    b = mesh.b.stats()
+    # Every request continued with its KV: nothing prefilled or recomputed on the target.
+    assert (b.migrations_in, b.migration_fallbacks) == (8, 0)
+    assert b.local_prefills == b.remote_prefills == 0
+    assert b.migration_bytes_received > 0
+    wait_until(lambda: mesh.b.stats().kv_blocks_used == 0, 5, "no block held")
+    with urllib.request.urlopen(f"http://127.0.0.1:{mesh.b_metrics}/metrics", timeout=5) as r:
+        samples = {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(r.read().decode())
+            for sample in family.samples
+        }
+    inbound = (("direction", "in"),)
+    assert samples["pdmesh_migrations_total", (*inbound, ("result", "migrated"))] == 8
+    assert samples["pdmesh_migration_bytes_total", inbound] == b.migration_bytes_received
+    assert samples["pdmesh_migration_duration_seconds_count", inbound] == 8
     _check_outputs(folder, streams, prompts, kinds)
 
 
-def test_failed_push_falls_back_to_recompute(folder: str, tmp_path: Path) -> None:
+def test_failed_push_falls_back_to_recompute(mesh: Mesh, folder: str) -> None:
+    mesh.a.stop()  # drained by the test above, or stopped here when this one runs alone
     prompts = _prompts(3)
     kinds = [GREEDY, SEEDED, SHAPED]
-    # The target's KV data plane is advertised where nothing listens: every push fails.
-    dead = ["--kv-advertise", f"127.0.0.1:{free_port()}", "--kv-timeout", "2"]
-    with Pair(folder, tmp_path, [], dead) as pair:
-        drained: list[subprocess.CompletedProcess[str]] = []
+    drained: list[subprocess.CompletedProcess[str]] = []
 
-        def drain() -> None:
-            cmd = [sys.executable, "-m", "pdmesh.cli", "drain", pair.source.address]
-            pair.thaw(pair.source)
-            drained.append(subprocess.run(cmd, capture_output=True, text=True, timeout=60))
+    def drain() -> None:
+        cmd = [sys.executable, "-m", "pdmesh.cli", "drain", mesh.b.address]
+        mesh.thaw(mesh.b)
+        drained.append(subprocess.run(cmd, capture_output=True, text=True, timeout=60))
 
-        streams = asyncio.run(_streams_moved(pair, prompts, kinds, drain))
-        (done,) = drained
-        assert done.returncode == 0, done.stderr
-        assert "0 requests migrated with their KV, 3 recomputed" in done.stdout
-        # `pdmesh drain` leaves the worker up, idle and out of the rotation.
-        assert not pair.source.serving()
-        source = pair.source.stats()
-        assert source.draining and source.kv_blocks_used == 0
-        assert (source.migrations_out, source.migration_fallbacks) == (0, 3)
-        target = pair.target.stats()
-        assert (target.migrations_in, target.migration_fallbacks) == (0, 3)
-        wait_until(lambda: pair.target.stats().kv_blocks_used == 0, 5, "no block held")
-        assert router_workers(pair.router.address) == (0, 1)
+    streams = asyncio.run(_streams_moved(mesh, mesh.b, mesh.bad, prompts, kinds, drain))
+    (done,) = drained
+    assert done.returncode == 0, done.stderr
+    assert "0 requests migrated with their KV, 3 recomputed" in done.stdout
+    # `pdmesh drain` leaves the worker up, idle and out of the rotation.
+    assert not mesh.b.serving()
+    b = mesh.b.stats()
+    assert b.draining and b.kv_blocks_used == 0
+    assert (b.migrations_out, b.migration_fallbacks) == (0, 3)
+    bad = mesh.bad.stats()
+    assert (bad.migrations_in, bad.migration_fallbacks) == (0, 3)
+    wait_until(lambda: mesh.bad.stats().kv_blocks_used == 0, 5, "no block held")
+    assert router_workers(mesh.router.address) == (0, 1)
     _check_outputs(folder, streams, prompts, kinds)
+
+
+def test_kubernetes_decode_pods_drain_before_they_stop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode StatefulSet's preStop hook is a real `pdmesh drain` command line, its SIGTERM
+    drains too, and the grace period outlasts the hook's timeout."""
+    import yaml
+
+    from pdmesh.cli import build_parser
+    from pdmesh.drain import cmd_drain
+
+    docs = list(yaml.safe_load_all((ROOT / "deploy/k8s/decode.yaml").read_text()))
+    (sts,) = [d for d in docs if d["kind"] == "StatefulSet"]
+    pod = sts["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "pdmesh"
+    args = build_parser().parse_args(command[1:])
+    assert args.func is cmd_drain and args.target.endswith(":50061")
+    assert pod["terminationGracePeriodSeconds"] > args.timeout
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    monkeypatch.setenv("PDMESH_DRAIN_ON_SIGTERM", env["PDMESH_DRAIN_ON_SIGTERM"])
+    assert build_parser().parse_args(["decode"]).drain_on_sigterm is True
