@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 import pytest
+from otlp_receiver import OTLPReceiver
 from prometheus_client.parser import text_string_to_metric_families
 from service_support import Service, router_workers, wait_until, wait_workers
 
@@ -48,6 +49,8 @@ SHAPED = dict(
     frequency_penalty=0.3,
     logprobs=2,
 )
+# Several choices do not move with their KV: each is recomputed elsewhere, as after a lost worker.
+CHOICES = dict(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, n=2)
 GRAMMAR = dict(max_tokens=MAX_TOKENS, temperature=0, min_tokens=MAX_TOKENS)
 REGEX = "(t1t2t3)+"
 
@@ -69,12 +72,17 @@ class Mesh:
     is advertised where nothing listens (every push to it fails after its 2 s --kv-timeout)."""
 
     def __init__(self, folder: str, logs: Path):
+        self.spans = OTLPReceiver()
+        otel = {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{self.spans.endpoint}",
+            "OTEL_BSP_SCHEDULE_DELAY": "100",
+        }
         engine = ["--model", folder, "--kv-cache-tokens", "8192"]
         dead = ["--kv-advertise", f"127.0.0.1:{free_port()}", "--kv-timeout", "2"]
 
         def decode(name: str, *flags: str) -> Service:
             argv = ["--port", str(free_port()), *engine, *flags]
-            return Service("decode", argv, logs / f"{name}.log")
+            return Service("decode", argv, logs / f"{name}.log", env=otel)
 
         self.a = decode("a", "--drain-on-sigterm")
         self.b_metrics = free_port()
@@ -94,6 +102,7 @@ class Mesh:
                 folder,
             ],
             logs / "router.log",
+            env=otel,
         )
         self.services = [self.a, self.b, self.bad, self.router]
 
@@ -113,6 +122,7 @@ class Mesh:
             os.kill(s.proc.pid, signal.SIGCONT)  # a frozen worker must hear it
         for s in running:
             s.stop()
+        self.spans.stop()
 
     def freeze(self, s: Service) -> None:
         assert s.proc is not None
@@ -189,15 +199,17 @@ def _check_outputs(folder: str, streams: list, prompts: list, kinds: list) -> No
     reference = LLM(folder, kv_cache_tokens=8192)
     for stream, prompt, kind in zip(streams, prompts, kinds, strict=True):
         expected = reference.generate([{"prompt_token_ids": prompt}], _reference_params(kind))[0]
-        assert [t for r in stream for t in r.token_ids] == expected.outputs[0].token_ids
-        assert "".join(r.text for r in stream) == expected.outputs[0].text
+        for choice in expected.outputs:
+            chunks = [r for r in stream if r.index == choice.index]
+            assert [t for r in chunks for t in r.token_ids] == choice.token_ids
+            assert "".join(r.text for r in chunks) == choice.text
+            assert chunks[-1].finish_reason == gen_pb.FINISH_REASON_LENGTH
         if kind is SHAPED:  # every token streamed has its logprobs once, across the move
             assert sum(len(r.logprobs) for r in stream) == MAX_TOKENS
-        last = stream[-1]
-        assert last.finish_reason == gen_pb.FINISH_REASON_LENGTH
-        assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (
+        usage = stream[-1].usage
+        assert (usage.prompt_tokens, usage.completion_tokens) == (
             len(prompt),
-            MAX_TOKENS,
+            MAX_TOKENS * len(expected.outputs),
         )
 
 
@@ -233,13 +245,26 @@ def test_sigterm_migrates_eight_streams_with_their_kv(mesh: Mesh, folder: str) -
     assert samples["pdmesh_migrations_total", (*inbound, ("result", "migrated"))] == 8
     assert samples["pdmesh_migration_bytes_total", inbound] == b.migration_bytes_received
     assert samples["pdmesh_migration_duration_seconds_count", inbound] == 8
+
+    # A span per migration on each side, the sending one in the receiving one's trace.
+    def named(name: str) -> list:
+        return [s for s in list(mesh.spans.spans) if s.name == name]
+
+    wait_until(lambda: len(named("decode.migrate_in")) == 8, 10, "migrate_in spans")
+    ins = named("decode.migrate_in")
+    outs = {s.trace_id: s for s in named("decode.migrate_out")}  # exported as `a` exited
+    assert len(outs) == 8
+    for span in ins:
+        assert span.attributes["pdmesh.migration.result"] == "migrated"
+        out = outs[span.trace_id]
+        assert out.attributes["pdmesh.kv.bytes"] == span.attributes["pdmesh.kv.bytes"] > 0
     _check_outputs(folder, streams, prompts, kinds)
 
 
 def test_failed_push_falls_back_to_recompute(mesh: Mesh, folder: str) -> None:
     mesh.a.stop()  # drained by the test above, or stopped here when this one runs alone
-    prompts = _prompts(3)
-    kinds = [GREEDY, SEEDED, SHAPED]
+    prompts = _prompts(4)
+    kinds = [GREEDY, SEEDED, SHAPED, CHOICES]
     drained: list[subprocess.CompletedProcess[str]] = []
 
     def drain() -> None:
@@ -250,12 +275,12 @@ def test_failed_push_falls_back_to_recompute(mesh: Mesh, folder: str) -> None:
     streams = asyncio.run(_streams_moved(mesh, mesh.b, mesh.bad, prompts, kinds, drain))
     (done,) = drained
     assert done.returncode == 0, done.stderr
-    assert "0 requests migrated with their KV, 3 recomputed" in done.stdout
+    assert "0 requests migrated with their KV, 4 recomputed" in done.stdout
     # `pdmesh drain` leaves the worker up, idle and out of the rotation.
     assert not mesh.b.serving()
     b = mesh.b.stats()
     assert b.draining and b.kv_blocks_used == 0
-    assert (b.migrations_out, b.migration_fallbacks) == (0, 3)
+    assert (b.migrations_out, b.migration_fallbacks) == (0, 4)
     bad = mesh.bad.stats()
     assert (bad.migrations_in, bad.migration_fallbacks) == (0, 3)
     wait_until(lambda: mesh.bad.stats().kv_blocks_used == 0, 5, "no block held")
