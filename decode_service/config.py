@@ -26,7 +26,10 @@ class DecodeConfig:
     blocks beyond this are refused with RESOURCE_EXHAUSTED. metrics_bind: host:port of the
     Prometheus `/metrics` endpoint (None: no endpoint). tls: certificate and CA for the gRPC
     server and the calls to prefill workers and the KV store (None: plaintext). kvstore: the
-    KV store to read prompts it prefills through and publish them to (None: none)."""
+    KV store to read prompts it prefills through and publish them to (None: none).
+    drain_on_sigterm: SIGTERM first drains the worker (its running requests move to other
+    decode workers, see drain.py), then it exits; a request not pulled within kv_timeout_s is
+    recomputed elsewhere."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     bind: str = "127.0.0.1:50061"
@@ -41,6 +44,7 @@ class DecodeConfig:
     max_waiting_requests: int = 1024
     tls: TLSConfig | None = None
     kvstore: StoreOptions | None = None
+    drain_on_sigterm: bool = False
 
     def __post_init__(self) -> None:
         if self.prefill_failure_policy not in PREFILL_FAILURE_POLICIES:

@@ -36,4 +36,5 @@ async def serve(config: DecodeConfig, on_ready: Callable[[int], None] | None = N
             SERVICE, worker_pb2_grpc.add_DecodeWorkerServicer_to_server, DecodeServicer(worker)
         ),
         on_ready,
+        on_sigterm=(lambda worker: worker.drainer.drain) if config.drain_on_sigterm else None,
     )

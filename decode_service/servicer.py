@@ -7,9 +7,10 @@ import time
 
 import grpc
 
-from pdmesh.decode_service.types import Delta, Submission
+from pdmesh.decode_service.types import Delta, MigrateFrom, Submission
 from pdmesh.decode_service.worker import DecodeWorker
 from pdmesh.errors import InvalidRequest
+from pdmesh.kv_transfer.target import KVTarget
 from pdmesh.serving.convert import (
     FINISH_TO_PB,
     logprobs_to_pb,
@@ -33,7 +34,22 @@ def submission_from_pb(req: worker_pb2.DecodeRequest) -> Submission:
         deadline=req.deadline_unix_ms / 1000 if req.deadline_unix_ms > 0 else None,
         arrival_ns=req.arrival_unix_ns or time.time_ns(),
         num_output_tokens_sent=req.num_output_tokens_sent,
+        migrate_from=_migrate_from(req),
     )
+
+
+def _migrate_from(req: worker_pb2.DecodeRequest) -> MigrateFrom | None:
+    if not req.HasField("migrate_from"):
+        return None
+    source = req.migrate_from
+    if not source.address or not source.handle:
+        raise InvalidRequest("migrate_from needs an address and a handle.", "migrate_from")
+    if req.num_output_tokens_sent < 1:
+        raise InvalidRequest(
+            "a migrating request has output: num_output_tokens_sent must be >= 1.",
+            "num_output_tokens_sent",
+        )
+    return MigrateFrom(source.address, source.handle)
 
 
 def delta_to_pb(d: Delta) -> worker_pb2.RequestDelta:
@@ -47,6 +63,9 @@ def delta_to_pb(d: Delta) -> worker_pb2.RequestDelta:
         error_message=d.error_message,
         index=d.index,
     )
+    if d.moved is not None:
+        pb.moved.SetInParent()  # present even with no handle
+        pb.moved.handle = d.moved
     if d.logprobs is not None:
         pb.logprobs.extend(logprobs_to_pb(p) for p in d.logprobs)
     if d.prompt_logprobs is not None:
@@ -86,3 +105,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def GetStats(self, request, context):
         return worker_pb2.WorkerStats(**await self.worker.report())
+
+    async def Drain(self, request, context):
+        report = await self.worker.drainer.drain()
+        return worker_pb2.DrainReply(migrated=report.migrated, recomputed=report.recomputed)
+
+    async def Migrate(self, request, context):
+        target = None
+        if request.HasField("kv_target"):
+            target = KVTarget.from_pb(request.kv_target, self.worker.config.kv_timeout_s)
+        nbytes = await self.worker.drainer.migrate(request.handle, target, list(request.token_ids))
+        return worker_pb2.MigrateReply(kv_bytes=nbytes)

@@ -60,6 +60,13 @@ class DecodeTraces:
         if entry is not None:
             tracing.end_span(entry.span, error=error)
 
+    def moved(self, request_id: str, handle: str) -> None:
+        """The request left this worker (it drains): with its KV (a handle) or to be recomputed."""
+        entry = self._open.pop(request_id, None)
+        if entry is not None:
+            entry.span.set_attribute("pdmesh.moved", "migrate" if handle else "recompute")
+            tracing.end_span(entry.span)
+
     def finished(self, d: Delta) -> None:
         """The request's last delta: record its phases and close its span (event loop)."""
         entry = self._open.pop(d.request_id, None) if self._open else None

@@ -12,6 +12,14 @@ Position = dict[int, Any]
 
 
 @dataclass(frozen=True)
+class MigrateFrom:
+    """A running request a draining decode worker hands over (live migration)."""
+
+    address: str  # that worker's gRPC address
+    handle: str  # what it named the request in its `Delta.moved`
+
+
+@dataclass(frozen=True)
 class Submission:
     request_id: str
     subscriber_id: str
@@ -23,6 +31,8 @@ class Submission:
     arrival_ns: int  # unix ns, when the router received the request
     # The prompt's last tokens are output a lost decode worker already streamed (a failover).
     num_output_tokens_sent: int = 0
+    # Pull the KV of every token but the last from a draining worker (None: compute it).
+    migrate_from: MigrateFrom | None = None
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,9 @@ class Delta:
     logprobs: list[Position] | None = None  # one per token, when asked for
     prompt_logprobs: list[Position | None] | None = None  # with the first token, when asked
     index: int = 0  # the choice (n > 1)
+    # The request leaves this worker (it drains): its handle for `Migrate`, or "" when there is
+    # nothing to pull (the next worker computes it). The request's last delta here.
+    moved: str | None = None
 
     @property
     def ends_request(self) -> bool:

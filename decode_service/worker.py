@@ -11,9 +11,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from typing import Any
 
 from pdmesh.decode_service.config import DecodeConfig
+from pdmesh.decode_service.drain import Drainer
 from pdmesh.decode_service.metrics import DecodeMetrics
+from pdmesh.decode_service.migration_in import Arrivals
+from pdmesh.decode_service.migration_metrics import MigrationMetrics
 from pdmesh.decode_service.prefill_client import PrefillClient
 from pdmesh.decode_service.tracing import DecodeTraces
 from pdmesh.decode_service.types import Delta, RequestClock, Submission, Timings, Usage
@@ -62,12 +66,23 @@ class DecodeWorker(WorkerProcess):
         self._prefill = PrefillClient(config.tls)
         self.metrics = DecodeMetrics(self.metrics_snapshot)
         self.traces = DecodeTraces()
+        # Live migration: handing running requests over when draining, continuing others'.
+        migrations = MigrationMetrics()
+        self.metrics.registry.register(migrations)
+        self.drainer = Drainer(self, migrations, config.kv_timeout_s)
+        self.arrivals = Arrivals(self, migrations)
 
     async def close(self) -> None:
         for task in list(self._remote.values()):
             task.cancel()
         await super().close()
         await self._prefill.close()
+        await self.arrivals.close()
+        self.drainer.close()
+
+    async def report(self) -> dict[str, Any]:
+        fields = await super().report()
+        return {**fields, **self.drainer.metrics.stats_fields(), "draining": self.drainer.draining}
 
     def banner(self) -> str:
         planes = ", ".join(f"{name} at {a}" for name, a in self.kv.addresses.items())
@@ -109,6 +124,7 @@ class DecodeWorker(WorkerProcess):
     # -- requests (event loop) ------------------------------------------------------------------
     async def submit(self, sub: Submission) -> None:
         self.check_serving()
+        self.drainer.check_admitting()
         if sub.subscriber_id not in self._subscribers:
             raise FailedPrecondition(
                 f"subscriber {sub.subscriber_id!r} has no open Subscribe stream; subscribe first"
@@ -143,6 +159,8 @@ class DecodeWorker(WorkerProcess):
         return await self.loop.acall(lambda e: sum(self._abort_one(e, rid) for rid in request_ids))
 
     async def _remote_prefill(self, sub: Submission, plan: ExternalBlocks) -> None:
+        if sub.migrate_from is not None:  # the KV comes from a draining decode worker
+            return await self.arrivals.pull(sub, plan)
         rid = sub.request_id
         timeout = self.config.prefill_timeout_s
         if sub.deadline is not None:
@@ -201,6 +219,8 @@ class DecodeWorker(WorkerProcess):
     def _prefills_here(sub: Submission) -> bool:
         """Whether the prompt is computed here (no prefill worker, or a resumed request whose
         sampling state grew with its output: see `_admit`)."""
+        if sub.migrate_from is not None:  # its KV comes from the worker it leaves
+            return False
         return not sub.prefill_address or (
             sub.num_output_tokens_sent > 0 and sub.params.depends_on_output
         )
@@ -225,7 +245,9 @@ class DecodeWorker(WorkerProcess):
         # A resumed request whose sampling state grew with its output (a seed's stream, a
         # grammar's matcher, penalties) is prefilled here, where add_request replays that
         # output; a prefill worker would sample its next token as if nothing had been output.
-        if not self._prefills_here(sub):
+        if sub.migrate_from is not None:
+            plan = self.arrivals.reserve(engine, sub)
+        elif not self._prefills_here(sub):
             plan = self.kv.reserve(
                 engine, sub.request_id, sub.prompt, sub.params, sent, sub.disagg_min_tokens
             )
@@ -234,7 +256,7 @@ class DecodeWorker(WorkerProcess):
             self.prefills["local"] += 1
             if self.store is not None:
                 self._to_publish[sub.request_id] = (list(sub.prompt), known)
-        else:
+        elif sub.migrate_from is None:
             clock.disaggregated = True
             self.prefills["remote"] += 1
         self._clocks[sub.request_id] = clock

@@ -255,13 +255,18 @@ class BlockManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` (holding nothing) shares every block of `parent`, and its published hashes."""
+        self.share(parent, child)
+        self.num_forked_blocks += len(parent.block_table)
+
+    def share(self, parent: Sequence, child: Sequence) -> None:
+        """`child` (holding nothing) takes a reference to every block of `parent` (and its
+        published hashes): the blocks stay allocated, their KV intact, until `free(child)`."""
         if child.block_table:
             raise RuntimeError(f"{child} already holds blocks; only an empty one can fork")
         for block_id in parent.block_table:
             self._take(block_id)
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
-        self.num_forked_blocks += len(parent.block_table)
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The (source, copy) block pairs allocated since the last call: the next step copies

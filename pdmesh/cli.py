@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pdmesh import commands, healthcheck
+from pdmesh import commands, drain, healthcheck
 from pdmesh.bench import command as bench_command
 from pdmesh.flags import env_defaults
 
@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_services(sub)
     bench_command.add_bench(sub)
     healthcheck.add_healthcheck(sub)
+    drain.add_drain(sub)
     env_defaults(parser)
     return parser
 

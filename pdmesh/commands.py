@@ -197,6 +197,12 @@ def add_services(sub: Any) -> None:
     )
     d.add_argument("--prefill-failure-policy", default="recompute", help="recompute | fail")
     d.add_argument("--kv-timeout", type=float, default=30.0)
+    d.add_argument(
+        "--drain-on-sigterm",
+        action="store_true",
+        help="on SIGTERM move running requests to other decode workers with their KV (live "
+        "migration), then exit (the Kubernetes preStop hook's counterpart)",
+    )
     _reliability_args(d)
 
     p = _worker(sub, "prefill", 50071, cmd_prefill)
@@ -346,6 +352,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
         kv_timeout_s=args.kv_timeout,
         prefill_timeout_s=args.prefill_timeout,
         kvstore=_store_options(args, args.kv_host or args.host),
+        drain_on_sigterm=args.drain_on_sigterm,
     )
 
 

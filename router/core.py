@@ -27,6 +27,7 @@ from pdmesh.router.request_telemetry import RequestTelemetry
 from pdmesh.router.stream_pacing import StreamPacer
 from pdmesh.text.tokenizer import Tokenizer
 from pdmesh.v1 import generation_pb2 as gen_pb
+from pdmesh.v1 import worker_pb2
 from pdmesh.validation import Validator, ValidRequest
 
 log = get_logger(__name__)
@@ -61,6 +62,18 @@ class Failover:
             len(self.sent),
             gone.detail,
         )
+
+    def drained(
+        self, address: str, handle: str, telemetry: RequestTelemetry
+    ) -> worker_pb2.MigrateFrom | None:
+        """The request's decode worker drains and handed it over (not a failure: no failover
+        is spent): that worker is avoided from now on. Where the next one pulls the request's
+        KV from, or None when it computes it (no handle, or nothing sent yet)."""
+        self.lost.add(address)
+        telemetry.failover("migrated" if handle else "drained")
+        if not handle or not self.sent:
+            return None
+        return worker_pb2.MigrateFrom(address=address, handle=handle)
 
 
 class Router:
@@ -122,9 +135,12 @@ class Router:
         if single:
             sent[0] = failover.sent  # extended in place as tokens go out
         ended: set[int] = set()
+        migrate_from = None  # after a drained worker handed the request over
         while True:
             tokens = sent[0] if single else []
-            attempt = await self.dispatcher.submit(inp, tokens, failover.lost, telemetry)
+            attempt = await self.dispatcher.submit(
+                inp, tokens, failover.lost, telemetry, migrate_from
+            )
             try:
                 async for chunk in attempt.relay(self.pacer):
                     sent[chunk.index] += chunk.token_ids
@@ -133,9 +149,14 @@ class Router:
                     yield chunk
             finally:
                 self.dispatcher.end(attempt)
-            if attempt.lost is None:
+            if attempt.moved is not None:
+                address = attempt.decode.address
+                migrate_from = failover.drained(address, attempt.moved, telemetry)
+            elif attempt.lost is None:
                 return
-            failover.worker_lost(attempt.lost, telemetry)
+            else:
+                migrate_from = None
+                failover.worker_lost(attempt.lost, telemetry)
             if single or not any(sent.values()):
                 continue
             run = functools.partial(self._run_choice, failover, telemetry)

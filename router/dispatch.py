@@ -57,7 +57,7 @@ _STATUS_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
 class Attempt:
     """One submission of a request to a decode worker, and the load the router booked for it
     (booked when made). `finished`: its last chunk was relayed; `lost`: its worker's stream
-    broke first."""
+    broke first; `moved`: its worker handed it over (it drains; see router/migration.py)."""
 
     request_id: str  # the client's
     wire_id: str  # the request's id on the decode worker
@@ -69,6 +69,7 @@ class Attempt:
     queue: DeltaQueue = field(init=False)
     finished: bool = False
     lost: LinkLost | None = None
+    moved: str | None = None  # the worker's migration handle ("": nothing to pull)
 
     def __post_init__(self) -> None:
         self.queue = self.link.register(self.wire_id)
@@ -86,14 +87,15 @@ class Attempt:
         """Chunks of whatever piled up on the queue since the last one (under load it first
         waits out the pacer's interval, so tokens gather rather than go one message per step;
         see stream_pacing.py). Ends after the chunk with the finish reason (`finished`), or when
-        the worker's stream broke (`lost`); a request that failed on its worker raises the
+        the worker's stream broke (`lost`) or the worker handed the request over (`moved`,
+        after every token it sent); a request that failed on its worker raises the
         `pdmesh.errors` class of the worker's status. This is the router's per-token path."""
         loop = asyncio.get_running_loop()
         sent_at: float | None = None  # when the last message went out
         while True:
             if sent_at is not None and (wait := sent_at + pacer.interval() - loop.time()) > 0:
                 await asyncio.sleep(wait)
-            chunks, lost = _merge(self.request_id, await self.queue.take_all())
+            chunks, lost, moved = _merge(self.request_id, await self.queue.take_all())
             for chunk in chunks:
                 self.first_tokens()
                 self.finished = chunk.HasField("usage")  # the request's last chunk
@@ -105,20 +107,26 @@ class Attempt:
             if lost is not None:
                 self.lost = lost
                 return
+            if moved is not None:
+                self.moved = moved
+                return
 
 
 def _merge(
     request_id: str, items: list[Any]
-) -> tuple[list[gen_pb.GenerateResponse], LinkLost | None]:
+) -> tuple[list[gen_pb.GenerateResponse], LinkLost | None, str | None]:
     """Chunks of a request's pending deltas, one per run of deltas of the same choice (one
     chunk when n is 1), usage and timings on the request's last; and the LinkLost marker if its
-    worker's stream broke after them."""
+    worker's stream broke after them, or the migration handle if its worker handed it over."""
     chunks: list[gen_pb.GenerateResponse] = []
     texts: list[list[str]] = []
-    lost = None
+    lost = moved = None
     for item in items:
         if item.__class__ is LinkLost:
             lost = item
+            break
+        if item.HasField("moved"):
+            moved = item.moved.handle
             break
         if item.error_code:
             status = _STATUS_NAMES.get(item.error_code, "UNKNOWN")
@@ -141,7 +149,7 @@ def _merge(
                 break
     for chunk, parts in zip(chunks, texts, strict=True):
         chunk.text = "".join(parts)
-    return chunks, lost
+    return chunks, lost, moved
 
 
 class Dispatcher:
@@ -178,11 +186,17 @@ class Dispatcher:
         return sizes[0] if sizes else DEFAULT_BLOCK_SIZE
 
     async def submit(
-        self, inp: ValidRequest, sent: list[int], lost: set[str], telemetry: RequestTelemetry
+        self,
+        inp: ValidRequest,
+        sent: list[int],
+        lost: set[str],
+        telemetry: RequestTelemetry,
+        migrate_from: worker_pb2.MigrateFrom | None = None,
     ) -> Attempt:
         """Submit `inp` with the tokens already `sent` to the client appended to its prompt
-        (they count as output), avoiding the decode workers in `lost`. Overloaded when every
-        decode worker's queue is full, Unavailable when none is there to take it."""
+        (they count as output), avoiding the decode workers in `lost`; `migrate_from`: the
+        chosen worker pulls its KV from a draining one. Overloaded when every decode worker's
+        queue is full, Unavailable when none is there to take it."""
         prompt_ids = inp.prompt + sent if sent else inp.prompt
         params = inp.params
         if sent and params.prompt_logprobs is not None:  # sent with the first token already
@@ -205,12 +219,13 @@ class Dispatcher:
             self._submits += 1
             resumed = bool(sent) or bool(refused or unreachable)
             d = decision.decode
+            prefill = decision.prefill if migrate_from is None else None  # the KV exists
             attempt = Attempt(
                 inp.request_id,
                 f"{inp.request_id}~{self._submits}" if resumed else inp.request_id,
                 self.links[d.address],
                 d,
-                decision.prefill,
+                prefill,
                 prompt.num_blocks,
                 decision.prefill_miss_blocks,
             )
@@ -219,11 +234,12 @@ class Dispatcher:
                 subscriber_id=attempt.link.subscriber_id,
                 prompt_token_ids=prompt_ids,
                 sampling=sampling_to_pb(params),
-                prefill_address=decision.prefill.address if decision.prefill is not None else "",
+                prefill_address=prefill.address if prefill is not None else "",
                 disagg_min_tokens=self.config.disagg_min_tokens,
                 deadline_unix_ms=int(inp.deadline * 1000) if inp.deadline else 0,
                 arrival_unix_ns=time.time_ns(),
                 num_output_tokens_sent=len(sent),
+                migrate_from=migrate_from,
             )
             try:
                 with telemetry.active():
@@ -244,8 +260,8 @@ class Dispatcher:
                 detail = e.details() or "decode worker refused"
                 raise from_status(code.name, detail, field) from None
             d.index.insert(prompt.block_hashes)
-            if decision.prefill is not None:
-                decision.prefill.index.insert(prompt.block_hashes)
+            if prefill is not None:
+                prefill.index.insert(prompt.block_hashes)
             return attempt
 
     async def _candidates(self, avoid: set[str], refused: set[str]) -> list[Worker]:
@@ -270,7 +286,9 @@ class Dispatcher:
         attempt.link.unregister(attempt.wire_id)
         attempt.decode.inflight_blocks -= attempt.blocks
         attempt.first_tokens()
-        if not attempt.finished:  # the client left, or the worker was lost or refused it
+        # Not when the client left, or the worker was lost or refused it; a request its worker
+        # handed over has ended there (an Abort now could free KV another worker pulls).
+        if not attempt.finished and attempt.moved is None:
             task = asyncio.get_running_loop().create_task(
                 _abort(attempt.decode.stub, attempt.wire_id)
             )

@@ -35,6 +35,8 @@ TRACED_METHODS = (
     "/pdmesh.v1.Generation/Tokenize",
     "/pdmesh.v1.DecodeWorker/Submit",
     "/pdmesh.v1.DecodeWorker/Abort",
+    "/pdmesh.v1.DecodeWorker/Drain",
+    "/pdmesh.v1.DecodeWorker/Migrate",
     "/pdmesh.v1.PrefillWorker/Prefill",
     "/pdmesh.v1.KVStore/Lookup",
     "/pdmesh.v1.KVStore/Put",

@@ -20,12 +20,32 @@ async def serve_until_stopped(
     on_stop: Callable[[], Awaitable[None]],
     stop: asyncio.Event | None = None,
     grace_s: float = 2.0,
+    on_sigterm: Callable[[], Awaitable[object]] | None = None,
 ) -> None:
-    """Mark SERVING, wait for a signal (or `stop`), then NOT_SERVING, stop, clean up."""
+    """Mark SERVING, wait for a signal (or `stop`), then NOT_SERVING, stop, clean up. With
+    `on_sigterm`, SIGTERM goes NOT_SERVING and awaits it (a drain) before stopping; SIGINT
+    stops at once."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    if on_sigterm is None:
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+    else:
+        tasks: list[asyncio.Task[None]] = []
+
+        async def drain_then_stop() -> None:
+            try:
+                await health.set(False)
+                await on_sigterm()
+            except Exception:
+                log.exception("draining on SIGTERM failed; stopping")
+            stop.set()
+
+        def sigterm() -> None:
+            if not tasks:  # a second SIGTERM while draining changes nothing
+                tasks.append(loop.create_task(drain_then_stop()))
+
+        loop.add_signal_handler(signal.SIGTERM, sigterm)
     await health.set(True)
     await stop.wait()
     # A second SIGTERM (a supervisor's own, after the first) must not kill the shutdown under

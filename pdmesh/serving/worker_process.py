@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from pdmesh.engine.llm_engine import LLMEngine
@@ -22,7 +22,7 @@ from pdmesh.observability import tracing
 from pdmesh.observability.metrics_server import MetricsServer
 from pdmesh.observability.worker_collector import EplbFigures, TransferTotals, WorkerSnapshot
 from pdmesh.serving.engine_loop import EngineLoop
-from pdmesh.serving.grpc_server import ServiceSpec, build_server
+from pdmesh.serving.grpc_server import Health, ServiceSpec, build_server
 from pdmesh.serving.runner import serve_until_stopped
 from pdmesh.serving.store_link import StoreLink, StoreOptions
 from pdmesh.serving.tls import TLSConfig
@@ -59,6 +59,7 @@ class WorkerProcess(ABC):
             engine.tp_driver.on_rank_death = self.loop.fail
         self.fatal: BaseException | None = None
         self._aio: asyncio.AbstractEventLoop | None = None
+        self.health: Health | None = None  # the server's health service, once it serves
 
     def start(self, aio_loop: asyncio.AbstractEventLoop) -> None:
         self._aio = aio_loop
@@ -207,9 +208,11 @@ async def serve_worker(
     make_worker: Callable[[LLMEngine], W],
     service: Callable[[W], ServiceSpec],
     on_ready: Callable[[int], None] | None = None,
+    on_sigterm: Callable[[W], Callable[[], Awaitable[object]]] | None = None,
 ) -> None:
     """Build the engine (off the event loop) with `connector`, the worker, its metrics
-    endpoint and its gRPC server; serve until a signal or the worker's `stopped`."""
+    endpoint and its gRPC server; serve until a signal or the worker's `stopped`. `on_sigterm`:
+    what SIGTERM awaits (NOT_SERVING already) before the worker stops, e.g. a drain."""
     tracing.setup(f"pdmesh-{role}")
     try:
         engine = await asyncio.to_thread(LLMEngine, config.engine, connector)
@@ -221,6 +224,7 @@ async def serve_worker(
     bind = config.metrics_bind
     metrics = MetricsServer(bind, worker.metrics.registry) if bind else None
     server, health, port = build_server(config.bind, [service(worker)], tls=config.tls)
+    worker.health = health
     await server.start()
     log.info("%s worker on port %d%s", role, port, worker.banner())
     if on_ready is not None:
@@ -232,4 +236,5 @@ async def serve_worker(
             metrics.stop()
         tracing.shutdown()
 
-    await serve_until_stopped(server, health, stop, worker.stopped)
+    before_stop = on_sigterm(worker) if on_sigterm is not None else None
+    await serve_until_stopped(server, health, stop, worker.stopped, on_sigterm=before_stop)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdmesh.v1 import generation_pb2 as pdmesh_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdmesh/v1/worker.proto\x12\tpdmesh.v1\x1a\x1apdmesh/v1/generation.proto\"\x88\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rsubscriber_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x05 \x01(\t\x12\x19\n\x11\x64isagg_min_tokens\x18\x06 \x01(\r\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x07 \x01(\x03\x12\x17\n\x0f\x61rrival_unix_ns\x18\x08 \x01(\x04\x12\x1e\n\x16num_output_tokens_sent\x18\t \x01(\r\"\r\n\x0bSubmitReply\")\n\x10SubscribeRequest\x12\x15\n\rsubscriber_id\x18\x01 \x01(\t\"5\n\nStepUpdate\x12\'\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x17.pdmesh.v1.RequestDelta\"\xd8\x02\n\x0cRequestDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.pdmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.pdmesh.v1.Usage\x12#\n\x07timings\x18\x06 \x01(\x0b\x32\x12.pdmesh.v1.Timings\x12\x12\n\nerror_code\x18\x07 \x01(\x05\x12\x15\n\rerror_message\x18\x08 \x01(\t\x12-\n\x08logprobs\x18\t \x03(\x0b\x32\x1b.pdmesh.v1.PositionLogprobs\x12\x34\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1b.pdmesh.v1.PositionLogprobs\x12\r\n\x05index\x18\x0b \x01(\r\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x1d\n\nAbortReply\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xd4\t\n\x0bWorkerStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x1d\n\x15prefix_queried_tokens\x18\x07 \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\x08 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x19\n\x11kv_bytes_received\x18\n \x01(\x04\x12\x15\n\rkv_bytes_sent\x18\x0b \x01(\x04\x12\x12\n\nkv_seconds\x18\x0c \x01(\x01\x12\x14\n\x0ckv_transfers\x18\r \x01(\x04\x12\x19\n\x11kv_frames_dropped\x18\x0e \x01(\x04\x12\x16\n\x0elocal_prefills\x18\x0f \x01(\x04\x12\x17\n\x0fremote_prefills\x18\x10 \x01(\x04\x12\x19\n\x11prefill_fallbacks\x18\x11 \x01(\x04\x12\x1b\n\x13\x65xpert_token_counts\x18\x12 \x03(\x04\x12\x12\n\nblock_size\x18\x13 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x14 \x01(\r\x12\x1c\n\x14steps_launched_ahead\x18\x15 \x01(\x04\x12\x1e\n\x16pipeline_parallel_size\x18\x16 \x01(\r\x12$\n\x1cphysical_expert_token_counts\x18\x17 \x03(\x04\x12\x17\n\x0f\x65plb_rebalances\x18\x18 \x01(\x04\x12\x16\n\x0e\x65plb_imbalance\x18\x19 \x01(\x01\x12\x1a\n\x12\x66ork_blocks_shared\x18\x1a \x01(\x04\x12\x1a\n\x12\x66ork_blocks_copied\x18\x1b \x01(\x04\x12\x1e\n\x16host_tier_blocks_total\x18\x1c \x01(\x04\x12\x1d\n\x15host_tier_blocks_used\x18\x1d \x01(\x04\x12\x1c\n\x14host_tier_hit_blocks\x18\x1e \x01(\x04\x12\x1c\n\x14host_tier_hit_tokens\x18\x1f \x01(\x04\x12!\n\x19host_tier_offloaded_bytes\x18  \x01(\x04\x12\x1e\n\x16host_tier_loaded_bytes\x18! \x01(\x04\x12\x1e\n\x16host_tier_copy_seconds\x18\" \x01(\x01\x12\x15\n\rstore_lookups\x18\x32 \x01(\x04\x12\x1b\n\x13store_lookup_blocks\x18\x33 \x01(\x04\x12\x18\n\x10store_hit_blocks\x18\x34 \x01(\x04\x12\x18\n\x10store_hit_tokens\x18\x35 \x01(\x04\x12\x1c\n\x14store_fetch_failures\x18\x36 \x01(\x04\x12\x1b\n\x13store_fetched_bytes\x18\x37 \x01(\x04\x12\x1b\n\x13store_fetch_seconds\x18\x38 \x01(\x01\x12\x1e\n\x16store_published_blocks\x18\x39 \x01(\x04\x12\x1d\n\x15store_published_bytes\x18: \x01(\x04\x12\x1d\n\x15store_publish_seconds\x18; \x01(\x01\x12\x16\n\x0estore_hit_rate\x18< \x01(\x01\"\xae\x02\n\x08KVTarget\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\x0c\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\r\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12(\n\tendpoints\x18\x07 \x03(\x0b\x32\x15.pdmesh.v1.KVEndpoint\x12\x12\n\ntimeout_ms\x18\x08 \x01(\r\x12<\n\rtrace_context\x18\t \x03(\x0b\x32%.pdmesh.v1.KVTarget.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"m\n\nKVEndpoint\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nhead_start\x18\x02 \x01(\r\x12\x11\n\tnum_heads\x18\x03 \x01(\r\x12\x13\n\x0blayer_start\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\"\x93\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12&\n\tkv_target\x18\x04 \x01(\x0b\x32\x13.pdmesh.v1.KVTarget\"\x88\x02\n\x0cPrefillReply\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x12\n\nprefill_ns\x18\x03 \x01(\x04\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x04\x12\x12\n\nkv_send_ns\x18\x05 \x01(\x04\x12\x39\n\x14\x66irst_token_logprobs\x18\x06 \x03(\x0b\x32\x1b.pdmesh.v1.PositionLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1b.pdmesh.v1.PositionLogprobs\x12\x17\n\x0f\x66irst_token_ids\x18\x08 \x03(\r2\x83\x02\n\x0c\x44\x65\x63odeWorker\x12:\n\x06Submit\x12\x18.pdmesh.v1.DecodeRequest\x1a\x16.pdmesh.v1.SubmitReply\x12\x41\n\tSubscribe\x12\x1b.pdmesh.v1.SubscribeRequest\x1a\x15.pdmesh.v1.StepUpdate0\x01\x12\x37\n\x05\x41\x62ort\x12\x17.pdmesh.v1.AbortRequest\x1a\x15.pdmesh.v1.AbortReply\x12;\n\x08GetStats\x12\x17.pdmesh.v1.StatsRequest\x1a\x16.pdmesh.v1.WorkerStats2\x8b\x01\n\rPrefillWorker\x12=\n\x07Prefill\x12\x19.pdmesh.v1.PrefillRequest\x1a\x17.pdmesh.v1.PrefillReply\x12;\n\x08GetStats\x12\x17.pdmesh.v1.StatsRequest\x1a\x16.pdmesh.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdmesh/v1/worker.proto\x12\tpdmesh.v1\x1a\x1apdmesh/v1/generation.proto\"\xb6\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rsubscriber_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x05 \x01(\t\x12\x19\n\x11\x64isagg_min_tokens\x18\x06 \x01(\r\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x07 \x01(\x03\x12\x17\n\x0f\x61rrival_unix_ns\x18\x08 \x01(\x04\x12\x1e\n\x16num_output_tokens_sent\x18\t \x01(\r\x12,\n\x0cmigrate_from\x18\n \x01(\x0b\x32\x16.pdmesh.v1.MigrateFrom\".\n\x0bMigrateFrom\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\t\"\r\n\x0bSubmitReply\")\n\x10SubscribeRequest\x12\x15\n\rsubscriber_id\x18\x01 \x01(\t\"5\n\nStepUpdate\x12\'\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x17.pdmesh.v1.RequestDelta\"\xf9\x02\n\x0cRequestDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.pdmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.pdmesh.v1.Usage\x12#\n\x07timings\x18\x06 \x01(\x0b\x32\x12.pdmesh.v1.Timings\x12\x12\n\nerror_code\x18\x07 \x01(\x05\x12\x15\n\rerror_message\x18\x08 \x01(\t\x12-\n\x08logprobs\x18\t \x03(\x0b\x32\x1b.pdmesh.v1.PositionLogprobs\x12\x34\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1b.pdmesh.v1.PositionLogprobs\x12\r\n\x05index\x18\x0b \x01(\r\x12\x1f\n\x05moved\x18\x0c \x01(\x0b\x32\x10.pdmesh.v1.Moved\"\x17\n\x05Moved\x12\x0e\n\x06handle\x18\x01 \x01(\t\"\x0e\n\x0c\x44rainRequest\"2\n\nDrainReply\x12\x10\n\x08migrated\x18\x01 \x01(\r\x12\x12\n\nrecomputed\x18\x02 \x01(\r\"[\n\x0eMigrateRequest\x12\x0e\n\x06handle\x18\x01 \x01(\t\x12&\n\tkv_target\x18\x02 \x01(\x0b\x32\x13.pdmesh.v1.KVTarget\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\" \n\x0cMigrateReply\x12\x10\n\x08kv_bytes\x18\x01 \x01(\x04\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x1d\n\nAbortReply\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xf2\n\n\x0bWorkerStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x1d\n\x15prefix_queried_tokens\x18\x07 \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\x08 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x19\n\x11kv_bytes_received\x18\n \x01(\x04\x12\x15\n\rkv_bytes_sent\x18\x0b \x01(\x04\x12\x12\n\nkv_seconds\x18\x0c \x01(\x01\x12\x14\n\x0ckv_transfers\x18\r \x01(\x04\x12\x19\n\x11kv_frames_dropped\x18\x0e \x01(\x04\x12\x16\n\x0elocal_prefills\x18\x0f \x01(\x04\x12\x17\n\x0fremote_prefills\x18\x10 \x01(\x04\x12\x19\n\x11prefill_fallbacks\x18\x11 \x01(\x04\x12\x1b\n\x13\x65xpert_token_counts\x18\x12 \x03(\x04\x12\x12\n\nblock_size\x18\x13 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x14 \x01(\r\x12\x1c\n\x14steps_launched_ahead\x18\x15 \x01(\x04\x12\x1e\n\x16pipeline_parallel_size\x18\x16 \x01(\r\x12$\n\x1cphysical_expert_token_counts\x18\x17 \x03(\x04\x12\x17\n\x0f\x65plb_rebalances\x18\x18 \x01(\x04\x12\x16\n\x0e\x65plb_imbalance\x18\x19 \x01(\x01\x12\x1a\n\x12\x66ork_blocks_shared\x18\x1a \x01(\x04\x12\x1a\n\x12\x66ork_blocks_copied\x18\x1b \x01(\x04\x12\x1e\n\x16host_tier_blocks_total\x18\x1c \x01(\x04\x12\x1d\n\x15host_tier_blocks_used\x18\x1d \x01(\x04\x12\x1c\n\x14host_tier_hit_blocks\x18\x1e \x01(\x04\x12\x1c\n\x14host_tier_hit_tokens\x18\x1f \x01(\x04\x12!\n\x19host_tier_offloaded_bytes\x18  \x01(\x04\x12\x1e\n\x16host_tier_loaded_bytes\x18! \x01(\x04\x12\x1e\n\x16host_tier_copy_seconds\x18\" \x01(\x01\x12\x15\n\rstore_lookups\x18\x32 \x01(\x04\x12\x1b\n\x13store_lookup_blocks\x18\x33 \x01(\x04\x12\x18\n\x10store_hit_blocks\x18\x34 \x01(\x04\x12\x18\n\x10store_hit_tokens\x18\x35 \x01(\x04\x12\x1c\n\x14store_fetch_failures\x18\x36 \x01(\x04\x12\x1b\n\x13store_fetched_bytes\x18\x37 \x01(\x04\x12\x1b\n\x13store_fetch_seconds\x18\x38 \x01(\x01\x12\x1e\n\x16store_published_blocks\x18\x39 \x01(\x04\x12\x1d\n\x15store_published_bytes\x18: \x01(\x04\x12\x1d\n\x15store_publish_seconds\x18; \x01(\x01\x12\x16\n\x0estore_hit_rate\x18< \x01(\x01\x12\x16\n\x0emigrations_out\x18\x46 \x01(\x04\x12\x15\n\rmigrations_in\x18G \x01(\x04\x12\x1b\n\x13migration_fallbacks\x18H \x01(\x04\x12\x1c\n\x14migration_bytes_sent\x18I \x01(\x04\x12 \n\x18migration_bytes_received\x18J \x01(\x04\x12\x10\n\x08\x64raining\x18K \x01(\x08\"\xae\x02\n\x08KVTarget\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\x0c\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\r\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12(\n\tendpoints\x18\x07 \x03(\x0b\x32\x15.pdmesh.v1.KVEndpoint\x12\x12\n\ntimeout_ms\x18\x08 \x01(\r\x12<\n\rtrace_context\x18\t \x03(\x0b\x32%.pdmesh.v1.KVTarget.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"m\n\nKVEndpoint\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nhead_start\x18\x02 \x01(\r\x12\x11\n\tnum_heads\x18\x03 \x01(\r\x12\x13\n\x0blayer_start\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\"\x93\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12&\n\tkv_target\x18\x04 \x01(\x0b\x32\x13.pdmesh.v1.KVTarget\"\x88\x02\n\x0cPrefillReply\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x12\n\nprefill_ns\x18\x03 \x01(\x04\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x04\x12\x12\n\nkv_send_ns\x18\x05 \x01(\x04\x12\x39\n\x14\x66irst_token_logprobs\x18\x06 \x03(\x0b\x32\x1b.pdmesh.v1.PositionLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1b.pdmesh.v1.PositionLogprobs\x12\x17\n\x0f\x66irst_token_ids\x18\x08 \x03(\r2\xfb\x02\n\x0c\x44\x65\x63odeWorker\x12:\n\x06Submit\x12\x18.pdmesh.v1.DecodeRequest\x1a\x16.pdmesh.v1.SubmitReply\x12\x41\n\tSubscribe\x12\x1b.pdmesh.v1.SubscribeRequest\x1a\x15.pdmesh.v1.StepUpdate0\x01\x12\x37\n\x05\x41\x62ort\x12\x17.pdmesh.v1.AbortRequest\x1a\x15.pdmesh.v1.AbortReply\x12;\n\x08GetStats\x12\x17.pdmesh.v1.StatsRequest\x1a\x16.pdmesh.v1.WorkerStats\x12\x37\n\x05\x44rain\x12\x17.pdmesh.v1.DrainRequest\x1a\x15.pdmesh.v1.DrainReply\x12=\n\x07Migrate\x12\x19.pdmesh.v1.MigrateRequest\x1a\x17.pdmesh.v1.MigrateReply2\x8b\x01\n\rPrefillWorker\x12=\n\x07Prefill\x12\x19.pdmesh.v1.PrefillRequest\x1a\x17.pdmesh.v1.PrefillReply\x12;\n\x08GetStats\x12\x17.pdmesh.v1.StatsRequest\x1a\x16.pdmesh.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,35 +35,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVTARGET_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_KVTARGET_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_DECODEREQUEST']._serialized_start=66
-  _globals['_DECODEREQUEST']._serialized_end=330
-  _globals['_SUBMITREPLY']._serialized_start=332
-  _globals['_SUBMITREPLY']._serialized_end=345
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=347
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=388
-  _globals['_STEPUPDATE']._serialized_start=390
-  _globals['_STEPUPDATE']._serialized_end=443
-  _globals['_REQUESTDELTA']._serialized_start=446
-  _globals['_REQUESTDELTA']._serialized_end=790
-  _globals['_ABORTREQUEST']._serialized_start=792
-  _globals['_ABORTREQUEST']._serialized_end=827
-  _globals['_ABORTREPLY']._serialized_start=829
-  _globals['_ABORTREPLY']._serialized_end=858
-  _globals['_STATSREQUEST']._serialized_start=860
-  _globals['_STATSREQUEST']._serialized_end=874
-  _globals['_WORKERSTATS']._serialized_start=877
-  _globals['_WORKERSTATS']._serialized_end=2113
-  _globals['_KVTARGET']._serialized_start=2116
-  _globals['_KVTARGET']._serialized_end=2418
-  _globals['_KVTARGET_TRACECONTEXTENTRY']._serialized_start=2367
-  _globals['_KVTARGET_TRACECONTEXTENTRY']._serialized_end=2418
-  _globals['_KVENDPOINT']._serialized_start=2420
-  _globals['_KVENDPOINT']._serialized_end=2529
-  _globals['_PREFILLREQUEST']._serialized_start=2532
-  _globals['_PREFILLREQUEST']._serialized_end=2679
-  _globals['_PREFILLREPLY']._serialized_start=2682
-  _globals['_PREFILLREPLY']._serialized_end=2946
-  _globals['_DECODEWORKER']._serialized_start=2949
-  _globals['_DECODEWORKER']._serialized_end=3208
-  _globals['_PREFILLWORKER']._serialized_start=3211
-  _globals['_PREFILLWORKER']._serialized_end=3350
+  _globals['_DECODEREQUEST']._serialized_end=376
+  _globals['_MIGRATEFROM']._serialized_start=378
+  _globals['_MIGRATEFROM']._serialized_end=424
+  _globals['_SUBMITREPLY']._serialized_start=426
+  _globals['_SUBMITREPLY']._serialized_end=439
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=441
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=482
+  _globals['_STEPUPDATE']._serialized_start=484
+  _globals['_STEPUPDATE']._serialized_end=537
+  _globals['_REQUESTDELTA']._serialized_start=540
+  _globals['_REQUESTDELTA']._serialized_end=917
+  _globals['_MOVED']._serialized_start=919
+  _globals['_MOVED']._serialized_end=942
+  _globals['_DRAINREQUEST']._serialized_start=944
+  _globals['_DRAINREQUEST']._serialized_end=958
+  _globals['_DRAINREPLY']._serialized_start=960
+  _globals['_DRAINREPLY']._serialized_end=1010
+  _globals['_MIGRATEREQUEST']._serialized_start=1012
+  _globals['_MIGRATEREQUEST']._serialized_end=1103
+  _globals['_MIGRATEREPLY']._serialized_start=1105
+  _globals['_MIGRATEREPLY']._serialized_end=1137
+  _globals['_ABORTREQUEST']._serialized_start=1139
+  _globals['_ABORTREQUEST']._serialized_end=1174
+  _globals['_ABORTREPLY']._serialized_start=1176
+  _globals['_ABORTREPLY']._serialized_end=1205
+  _globals['_STATSREQUEST']._serialized_start=1207
+  _globals['_STATSREQUEST']._serialized_end=1221
+  _globals['_WORKERSTATS']._serialized_start=1224
+  _globals['_WORKERSTATS']._serialized_end=2618
+  _globals['_KVTARGET']._serialized_start=2621
+  _globals['_KVTARGET']._serialized_end=2923
+  _globals['_KVTARGET_TRACECONTEXTENTRY']._serialized_start=2872
+  _globals['_KVTARGET_TRACECONTEXTENTRY']._serialized_end=2923
+  _globals['_KVENDPOINT']._serialized_start=2925
+  _globals['_KVENDPOINT']._serialized_end=3034
+  _globals['_PREFILLREQUEST']._serialized_start=3037
+  _globals['_PREFILLREQUEST']._serialized_end=3184
+  _globals['_PREFILLREPLY']._serialized_start=3187
+  _globals['_PREFILLREPLY']._serialized_end=3451
+  _globals['_DECODEWORKER']._serialized_start=3454
+  _globals['_DECODEWORKER']._serialized_end=3833
+  _globals['_PREFILLWORKER']._serialized_start=3836
+  _globals['_PREFILLWORKER']._serialized_end=3975
 # @@protoc_insertion_point(module_scope)

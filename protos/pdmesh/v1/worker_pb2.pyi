@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "subscriber_id", "prompt_token_ids", "sampling", "prefill_address", "disagg_min_tokens", "deadline_unix_ms", "arrival_unix_ns", "num_output_tokens_sent")
+    __slots__ = ("request_id", "subscriber_id", "prompt_token_ids", "sampling", "prefill_address", "disagg_min_tokens", "deadline_unix_ms", "arrival_unix_ns", "num_output_tokens_sent", "migrate_from")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SUBSCRIBER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class DecodeRequest(_message.Message):
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_SENT_FIELD_NUMBER: _ClassVar[int]
+    MIGRATE_FROM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     subscriber_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -27,7 +28,16 @@ class DecodeRequest(_message.Message):
     deadline_unix_ms: int
     arrival_unix_ns: int
     num_output_tokens_sent: int
-    def __init__(self, request_id: _Optional[str] = ..., subscriber_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., disagg_min_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., arrival_unix_ns: _Optional[int] = ..., num_output_tokens_sent: _Optional[int] = ...) -> None: ...
+    migrate_from: MigrateFrom
+    def __init__(self, request_id: _Optional[str] = ..., subscriber_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., disagg_min_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., arrival_unix_ns: _Optional[int] = ..., num_output_tokens_sent: _Optional[int] = ..., migrate_from: _Optional[_Union[MigrateFrom, _Mapping]] = ...) -> None: ...
+
+class MigrateFrom(_message.Message):
+    __slots__ = ("address", "handle")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    handle: str
+    def __init__(self, address: _Optional[str] = ..., handle: _Optional[str] = ...) -> None: ...
 
 class SubmitReply(_message.Message):
     __slots__ = ()
@@ -46,7 +56,7 @@ class StepUpdate(_message.Message):
     def __init__(self, deltas: _Optional[_Iterable[_Union[RequestDelta, _Mapping]]] = ...) -> None: ...
 
 class RequestDelta(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timings", "error_code", "error_message", "logprobs", "prompt_logprobs", "index")
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timings", "error_code", "error_message", "logprobs", "prompt_logprobs", "index", "moved")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +68,7 @@ class RequestDelta(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    MOVED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -69,7 +80,42 @@ class RequestDelta(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.PositionLogprobs]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.PositionLogprobs]
     index: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_generation_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_generation_pb2.Timings, _Mapping]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.PositionLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.PositionLogprobs, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
+    moved: Moved
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_generation_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_generation_pb2.Timings, _Mapping]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.PositionLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.PositionLogprobs, _Mapping]]] = ..., index: _Optional[int] = ..., moved: _Optional[_Union[Moved, _Mapping]] = ...) -> None: ...
+
+class Moved(_message.Message):
+    __slots__ = ("handle",)
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    def __init__(self, handle: _Optional[str] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrainReply(_message.Message):
+    __slots__ = ("migrated", "recomputed")
+    MIGRATED_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
+    migrated: int
+    recomputed: int
+    def __init__(self, migrated: _Optional[int] = ..., recomputed: _Optional[int] = ...) -> None: ...
+
+class MigrateRequest(_message.Message):
+    __slots__ = ("handle", "kv_target", "token_ids")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    KV_TARGET_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    kv_target: KVTarget
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, handle: _Optional[str] = ..., kv_target: _Optional[_Union[KVTarget, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class MigrateReply(_message.Message):
+    __slots__ = ("kv_bytes",)
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    kv_bytes: int
+    def __init__(self, kv_bytes: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_ids",)
@@ -88,7 +134,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("role", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "prefix_queried_tokens", "prefix_hit_tokens", "num_preemptions", "kv_bytes_received", "kv_bytes_sent", "kv_seconds", "kv_transfers", "kv_frames_dropped", "local_prefills", "remote_prefills", "prefill_fallbacks", "expert_token_counts", "block_size", "tensor_parallel_size", "steps_launched_ahead", "pipeline_parallel_size", "physical_expert_token_counts", "eplb_rebalances", "eplb_imbalance", "fork_blocks_shared", "fork_blocks_copied", "host_tier_blocks_total", "host_tier_blocks_used", "host_tier_hit_blocks", "host_tier_hit_tokens", "host_tier_offloaded_bytes", "host_tier_loaded_bytes", "host_tier_copy_seconds", "store_lookups", "store_lookup_blocks", "store_hit_blocks", "store_hit_tokens", "store_fetch_failures", "store_fetched_bytes", "store_fetch_seconds", "store_published_blocks", "store_published_bytes", "store_publish_seconds", "store_hit_rate")
+    __slots__ = ("role", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "prefix_queried_tokens", "prefix_hit_tokens", "num_preemptions", "kv_bytes_received", "kv_bytes_sent", "kv_seconds", "kv_transfers", "kv_frames_dropped", "local_prefills", "remote_prefills", "prefill_fallbacks", "expert_token_counts", "block_size", "tensor_parallel_size", "steps_launched_ahead", "pipeline_parallel_size", "physical_expert_token_counts", "eplb_rebalances", "eplb_imbalance", "fork_blocks_shared", "fork_blocks_copied", "host_tier_blocks_total", "host_tier_blocks_used", "host_tier_hit_blocks", "host_tier_hit_tokens", "host_tier_offloaded_bytes", "host_tier_loaded_bytes", "host_tier_copy_seconds", "store_lookups", "store_lookup_blocks", "store_hit_blocks", "store_hit_tokens", "store_fetch_failures", "store_fetched_bytes", "store_fetch_seconds", "store_published_blocks", "store_published_bytes", "store_publish_seconds", "store_hit_rate", "migrations_out", "migrations_in", "migration_fallbacks", "migration_bytes_sent", "migration_bytes_received", "draining")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +180,12 @@ class WorkerStats(_message.Message):
     STORE_PUBLISHED_BYTES_FIELD_NUMBER: _ClassVar[int]
     STORE_PUBLISH_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STORE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_OUT_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_IN_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_running: int
     num_waiting: int
@@ -179,7 +231,13 @@ class WorkerStats(_message.Message):
     store_published_bytes: int
     store_publish_seconds: float
     store_hit_rate: float
-    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., kv_transfers: _Optional[int] = ..., kv_frames_dropped: _Optional[int] = ..., local_prefills: _Optional[int] = ..., remote_prefills: _Optional[int] = ..., prefill_fallbacks: _Optional[int] = ..., expert_token_counts: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., steps_launched_ahead: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., physical_expert_token_counts: _Optional[_Iterable[int]] = ..., eplb_rebalances: _Optional[int] = ..., eplb_imbalance: _Optional[float] = ..., fork_blocks_shared: _Optional[int] = ..., fork_blocks_copied: _Optional[int] = ..., host_tier_blocks_total: _Optional[int] = ..., host_tier_blocks_used: _Optional[int] = ..., host_tier_hit_blocks: _Optional[int] = ..., host_tier_hit_tokens: _Optional[int] = ..., host_tier_offloaded_bytes: _Optional[int] = ..., host_tier_loaded_bytes: _Optional[int] = ..., host_tier_copy_seconds: _Optional[float] = ..., store_lookups: _Optional[int] = ..., store_lookup_blocks: _Optional[int] = ..., store_hit_blocks: _Optional[int] = ..., store_hit_tokens: _Optional[int] = ..., store_fetch_failures: _Optional[int] = ..., store_fetched_bytes: _Optional[int] = ..., store_fetch_seconds: _Optional[float] = ..., store_published_blocks: _Optional[int] = ..., store_published_bytes: _Optional[int] = ..., store_publish_seconds: _Optional[float] = ..., store_hit_rate: _Optional[float] = ...) -> None: ...
+    migrations_out: int
+    migrations_in: int
+    migration_fallbacks: int
+    migration_bytes_sent: int
+    migration_bytes_received: int
+    draining: bool
+    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., kv_transfers: _Optional[int] = ..., kv_frames_dropped: _Optional[int] = ..., local_prefills: _Optional[int] = ..., remote_prefills: _Optional[int] = ..., prefill_fallbacks: _Optional[int] = ..., expert_token_counts: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., steps_launched_ahead: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., physical_expert_token_counts: _Optional[_Iterable[int]] = ..., eplb_rebalances: _Optional[int] = ..., eplb_imbalance: _Optional[float] = ..., fork_blocks_shared: _Optional[int] = ..., fork_blocks_copied: _Optional[int] = ..., host_tier_blocks_total: _Optional[int] = ..., host_tier_blocks_used: _Optional[int] = ..., host_tier_hit_blocks: _Optional[int] = ..., host_tier_hit_tokens: _Optional[int] = ..., host_tier_offloaded_bytes: _Optional[int] = ..., host_tier_loaded_bytes: _Optional[int] = ..., host_tier_copy_seconds: _Optional[float] = ..., store_lookups: _Optional[int] = ..., store_lookup_blocks: _Optional[int] = ..., store_hit_blocks: _Optional[int] = ..., store_hit_tokens: _Optional[int] = ..., store_fetch_failures: _Optional[int] = ..., store_fetched_bytes: _Optional[int] = ..., store_fetch_seconds: _Optional[float] = ..., store_published_blocks: _Optional[int] = ..., store_published_bytes: _Optional[int] = ..., store_publish_seconds: _Optional[float] = ..., store_hit_rate: _Optional[float] = ..., migrations_out: _Optional[int] = ..., migrations_in: _Optional[int] = ..., migration_fallbacks: _Optional[int] = ..., migration_bytes_sent: _Optional[int] = ..., migration_bytes_received: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class KVTarget(_message.Message):
     __slots__ = ("transport", "transfer_id", "token", "first_block", "block_ids", "block_size", "endpoints", "timeout_ms", "trace_context")

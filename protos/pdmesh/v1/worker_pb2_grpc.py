@@ -56,6 +56,16 @@ class DecodeWorkerStub:
                 request_serializer=pdmesh_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
                 response_deserializer=pdmesh_dot_v1_dot_worker__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/pdmesh.v1.DecodeWorker/Drain',
+                request_serializer=pdmesh_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_v1_dot_worker__pb2.DrainReply.FromString,
+                _registered_method=True)
+        self.Migrate = channel.unary_unary(
+                '/pdmesh.v1.DecodeWorker/Migrate',
+                request_serializer=pdmesh_dot_v1_dot_worker__pb2.MigrateRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_v1_dot_worker__pb2.MigrateReply.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -87,6 +97,23 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Stop admitting requests and move every running one to another decode worker (live
+        migration, see MigrateFrom); returns once none is left here. The worker stays up, idle and
+        NOT_SERVING.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Migrate(self, request, context):
+        """Called by the decode worker that continues a migrating request: push the KV of every token
+        this worker computed for it into the caller's blocks (kv_target), then forget it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +136,16 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=pdmesh_dot_v1_dot_worker__pb2.StatsRequest.FromString,
                     response_serializer=pdmesh_dot_v1_dot_worker__pb2.WorkerStats.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=pdmesh_dot_v1_dot_worker__pb2.DrainRequest.FromString,
+                    response_serializer=pdmesh_dot_v1_dot_worker__pb2.DrainReply.SerializeToString,
+            ),
+            'Migrate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Migrate,
+                    request_deserializer=pdmesh_dot_v1_dot_worker__pb2.MigrateRequest.FromString,
+                    response_serializer=pdmesh_dot_v1_dot_worker__pb2.MigrateReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +258,60 @@ class DecodeWorker:
             '/pdmesh.v1.DecodeWorker/GetStats',
             pdmesh_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
             pdmesh_dot_v1_dot_worker__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.v1.DecodeWorker/Drain',
+            pdmesh_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
+            pdmesh_dot_v1_dot_worker__pb2.DrainReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Migrate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.v1.DecodeWorker/Migrate',
+            pdmesh_dot_v1_dot_worker__pb2.MigrateRequest.SerializeToString,
+            pdmesh_dot_v1_dot_worker__pb2.MigrateReply.FromString,
             options,
             channel_credentials,
             insecure,
