@@ -115,7 +115,12 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         # Speculative decoding (engine/speculative.py); None: off.
         self.speculator = make_speculator(
-            config.speculative, max_len, target=self.info, engine_config=config, device=rank0
+            config.speculative,
+            max_len,
+            target=self.info,
+            engine_config=config,
+            device=rank0,
+            capacity_tokens=capacity,
         )
         self.grammars = Grammars(self.info.folder, self.info.vocab_size, self.info.eos_token_ids)
         # The last step could do nothing: queued requests wait for blocks that prompts being
@@ -415,6 +420,11 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         stats, pool, bs = self.scheduler.stats(), self.runner.host_pool, self.config.block_size
+        if self.speculator is not None:
+            spec = self.speculator.stats
+            stats = dataclasses.replace(
+                stats, spec_draft_tokens=spec.proposed, spec_accepted_tokens=spec.accepted
+            )
         if self.host_index is None or pool is None:
             return stats
         block_bytes = self.info.kv_block_bytes(bs, self.runner.dtype.itemsize)

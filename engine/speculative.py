@@ -167,5 +167,7 @@ def make_speculator(
     (the draft model's: the target's ModelInfo, device and engine config)."""
     if config is None:
         return None
+    if config.method == "draft_model":
+        from pdmesh.engine import spec_draft  # noqa: F401  registers it (it needs a ModelRunner)
     proposer = _PROPOSERS[config.method](config, **context)
     return Speculator(config, proposer, max_model_len)

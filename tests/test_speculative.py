@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from support import hf_greedy, load_hf, random_prompts
+from support import hf_greedy, load_hf, make_tiny_model, random_prompts
 
 from pdmesh import LLM, SamplingParams
 from pdmesh.engine.config import EngineConfig
@@ -244,3 +244,27 @@ def test_sampling_keeps_the_target_distribution(tmp_path) -> None:
         assert _chi_square_p(counts, exact[position]) > 1e-3, position
     hot = _exact_marginals(folder, prompt, vocab, temperature=1.5)
     assert _chi_square_p(torch.bincount(tokens[:, 2], minlength=vocab), hot[2]) < 1e-6
+
+
+def test_draft_model_greedy_is_exact(tiny_model, tmp_path) -> None:
+    """A draft model of the target's vocabulary: the target itself (every draft accepted) and
+    another random model (most rejected) give speculation-off's tokens; a draft of another
+    vocabulary is refused by name."""
+    folder = str(tiny_model("llama"))
+    prompts = _looping_prompts()
+    off = _greedy(LLM(folder, kv_cache_tokens=2048, block_size=4), prompts)
+    other = str(make_tiny_model(tmp_path / "other", "llama", seed=1))
+    for draft in (folder, other):
+        spec = {"model": draft, "num_speculative_tokens": 3, "disable_by_batch_size": None}
+        llm = LLM(folder, kv_cache_tokens=2048, block_size=4, speculative_config=spec)
+        assert _greedy(llm, prompts) == off
+        stats = llm.engine.speculator.stats
+        if draft == folder:
+            assert stats.accepted == stats.proposed > 0
+        else:
+            assert stats.accepted < stats.proposed
+        free = llm.engine.stats()
+        assert free.kv_blocks_free == free.kv_blocks_total
+    small = _small_vocab_model(tmp_path / "small", 12)
+    with pytest.raises(ValueError, match="share the target's tokenizer"):
+        LLM(folder, kv_cache_tokens=1024, speculative_config={"model": small})

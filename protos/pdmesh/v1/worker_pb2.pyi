@@ -88,7 +88,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("role", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "prefix_queried_tokens", "prefix_hit_tokens", "num_preemptions", "kv_bytes_received", "kv_bytes_sent", "kv_seconds", "kv_transfers", "kv_frames_dropped", "local_prefills", "remote_prefills", "prefill_fallbacks", "expert_token_counts", "block_size", "tensor_parallel_size", "steps_launched_ahead", "pipeline_parallel_size", "physical_expert_token_counts", "eplb_rebalances", "eplb_imbalance", "fork_blocks_shared", "fork_blocks_copied", "host_tier_blocks_total", "host_tier_blocks_used", "host_tier_hit_blocks", "host_tier_hit_tokens", "host_tier_offloaded_bytes", "host_tier_loaded_bytes", "host_tier_copy_seconds")
+    __slots__ = ("role", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "prefix_queried_tokens", "prefix_hit_tokens", "num_preemptions", "kv_bytes_received", "kv_bytes_sent", "kv_seconds", "kv_transfers", "kv_frames_dropped", "local_prefills", "remote_prefills", "prefill_fallbacks", "expert_token_counts", "block_size", "tensor_parallel_size", "steps_launched_ahead", "pipeline_parallel_size", "physical_expert_token_counts", "eplb_rebalances", "eplb_imbalance", "fork_blocks_shared", "fork_blocks_copied", "host_tier_blocks_total", "host_tier_blocks_used", "host_tier_hit_blocks", "host_tier_hit_tokens", "host_tier_offloaded_bytes", "host_tier_loaded_bytes", "host_tier_copy_seconds", "spec_draft_tokens", "spec_accepted_tokens")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,8 @@ class WorkerStats(_message.Message):
     HOST_TIER_OFFLOADED_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOST_TIER_LOADED_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOST_TIER_COPY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_running: int
     num_waiting: int
@@ -157,7 +159,9 @@ class WorkerStats(_message.Message):
     host_tier_offloaded_bytes: int
     host_tier_loaded_bytes: int
     host_tier_copy_seconds: float
-    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., kv_transfers: _Optional[int] = ..., kv_frames_dropped: _Optional[int] = ..., local_prefills: _Optional[int] = ..., remote_prefills: _Optional[int] = ..., prefill_fallbacks: _Optional[int] = ..., expert_token_counts: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., steps_launched_ahead: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., physical_expert_token_counts: _Optional[_Iterable[int]] = ..., eplb_rebalances: _Optional[int] = ..., eplb_imbalance: _Optional[float] = ..., fork_blocks_shared: _Optional[int] = ..., fork_blocks_copied: _Optional[int] = ..., host_tier_blocks_total: _Optional[int] = ..., host_tier_blocks_used: _Optional[int] = ..., host_tier_hit_blocks: _Optional[int] = ..., host_tier_hit_tokens: _Optional[int] = ..., host_tier_offloaded_bytes: _Optional[int] = ..., host_tier_loaded_bytes: _Optional[int] = ..., host_tier_copy_seconds: _Optional[float] = ...) -> None: ...
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., kv_transfers: _Optional[int] = ..., kv_frames_dropped: _Optional[int] = ..., local_prefills: _Optional[int] = ..., remote_prefills: _Optional[int] = ..., prefill_fallbacks: _Optional[int] = ..., expert_token_counts: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., steps_launched_ahead: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., physical_expert_token_counts: _Optional[_Iterable[int]] = ..., eplb_rebalances: _Optional[int] = ..., eplb_imbalance: _Optional[float] = ..., fork_blocks_shared: _Optional[int] = ..., fork_blocks_copied: _Optional[int] = ..., host_tier_blocks_total: _Optional[int] = ..., host_tier_blocks_used: _Optional[int] = ..., host_tier_hit_blocks: _Optional[int] = ..., host_tier_hit_tokens: _Optional[int] = ..., host_tier_offloaded_bytes: _Optional[int] = ..., host_tier_loaded_bytes: _Optional[int] = ..., host_tier_copy_seconds: _Optional[float] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class KVTarget(_message.Message):
     __slots__ = ("transport", "transfer_id", "token", "first_block", "block_ids", "block_size", "endpoints", "timeout_ms", "trace_context")
