@@ -83,6 +83,9 @@ def add_bench(sub: Any) -> None:
     v.add_argument(
         "--sweep", type=int, nargs="*", default=[], help="batch sizes to find the threshold at"
     )
+    v.add_argument(
+        "--draft-model", default=None, help="also a draft model at batch 1 (default: itself)"
+    )
     engine_args(b)
     b.set_defaults(func=cmd_bench)
 

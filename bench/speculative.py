@@ -145,15 +145,23 @@ def _measure(
     return figures
 
 
-def run(max_tokens: int, sweep: list[int]) -> dict[str, Any]:
+def run(max_tokens: int, sweep: list[int], draft: str | None = None) -> dict[str, Any]:
+    """draft: also batch 1 with this draft model ("default": the default model itself, an
+    exactness check that cannot be faster: it costs the target's forward again per draft)."""
     cases = [("batch1", 1, 8), ("batch32", 32, 32)] + [(f"sweep{b}", b, b) for b in sweep]
     off = _measure(None, cases, max_tokens)
     on = _measure(NGRAM, cases[:2], max_tokens)
     forced = _measure({**NGRAM, "disable_by_batch_size": None}, cases[1:], max_tokens)
+    runs = [(c[0], "ngram", on) for c in cases[:2]]
+    runs += [(c[0], "ngram, always on", forced) for c in cases[1:]]
+    if draft is not None:
+        from pdmesh.checkpoint.source import resolve_model_folder
+
+        path = str(resolve_model_folder(None)) if draft == "default" else draft
+        drafted = _measure({"model": path, "num_speculative_tokens": 4}, cases[:1], max_tokens)
+        runs.append(("batch1", f"draft model {draft}", drafted))
     rows = []
-    for name, mode, figures in [(c[0], "ngram", on) for c in cases[:2]] + [
-        (c[0], "ngram, always on", forced) for c in cases[1:]
-    ]:
+    for name, mode, figures in runs:
         a, b = off[name], figures[name]
         rows.append(
             {
@@ -179,18 +187,18 @@ def run(max_tokens: int, sweep: list[int]) -> dict[str, Any]:
 
 
 def print_table(result: dict[str, Any]) -> None:
-    print(f"{'case':9} {'mode':17} {'off tok/s':>9} {'spec tok/s':>10} {'x':>6} {'accept':>6} same")
+    print(f"{'case':9} {'mode':22} {'off tok/s':>9} {'spec tok/s':>10} {'x':>6} {'accept':>6} same")
     for r in result["rows"]:
         acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
         print(
-            f"{r['case']:9} {r['mode']:17} {r['off_tokens_per_s']:9.2f} "
+            f"{r['case']:9} {r['mode']:22} {r['off_tokens_per_s']:9.2f} "
             f"{r['spec_tokens_per_s']:10.2f} {r['speedup']:6.2f} {acc:>6} {r['identical']}"
         )
 
 
 def run_speculative_bench(args: argparse.Namespace) -> int:
     """`pdmesh bench --speculative`."""
-    result = run(args.max_tokens or 160, list(args.sweep or ()))
+    result = run(args.max_tokens or 160, list(args.sweep or ()), args.draft_model)
     print_table(result)
     if args.json_out:
         with open(args.json_out, "w") as f:
@@ -202,6 +210,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--sweep", type=int, nargs="*", default=[])
+    p.add_argument("--draft-model", default=None, help="also a draft model (default: itself)")
     p.add_argument("--json-out", default=None)
     raise SystemExit(run_speculative_bench(p.parse_args()))
 
