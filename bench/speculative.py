@@ -9,8 +9,9 @@ where the model stops or at max_tokens); both runs produce the same tokens, whic
 - batch 1: the requests one after another; tokens/s = output tokens / wall time of them all.
 - batch 32: 32 requests (the prompts repeated) submitted together, speculation with its default
   `disable_by_batch_size` (it stands aside at this size), and with it forced on.
-- the sweep (`--sweep`): the same at each batch size with speculation forced on
-  (`disable_by_batch_size: null`) against off: where speculation stops paying is the threshold
+- the sweep (`--sweep 1 2 4 8 16 32`): steady-state throughput at each batch size, every
+  sequence running throughout (ignore_eos, 64 tokens each), speculation forced on
+  (`disable_by_batch_size: null`) against off: where it stops paying is the threshold
   `SpeculativeConfig.disable_by_batch_size` defaults to.
 """
 
@@ -88,7 +89,12 @@ TASKS = (
     "Rewrite this Python code with type hints, keeping everything else the same:",
     "Add a docstring to every function of this code and return the whole code:",
 )
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 8,
+    "prompt_lookup_max": 4,
+    "prompt_lookup_min": 2,
+}
 
 
 def conversations() -> list[list[dict[str, str]]]:
@@ -145,14 +151,50 @@ def _measure(
     return figures
 
 
+def steady_sweep(sizes: list[int], tokens: int = 64) -> list[dict[str, Any]]:
+    """Throughput at each batch size with every sequence running throughout (ignore_eos, fixed
+    `tokens` each: no tail), speculation forced on against off, the two engines alternating
+    per size: where the ratio falls below 1 is the stand-aside threshold."""
+    from pdmesh import LLM
+
+    always = {**NGRAM, "disable_by_batch_size": None}
+    engines = {
+        "off": LLM(kv_cache_tokens=32768),
+        "on": LLM(kv_cache_tokens=32768, speculative_config=always),
+    }
+    convs = conversations()
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    rows = []
+    for b in sizes:
+        work = [convs[i % len(convs)] for i in range(b)]
+        rate = {}
+        for name, llm in engines.items():
+            llm.chat(work[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm
+            start = time.perf_counter()
+            llm.chat(work, params, use_tqdm=False)
+            rate[name] = b * tokens / (time.perf_counter() - start)
+        rows.append(
+            {
+                "batch": b,
+                "off_tokens_per_s": round(rate["off"], 2),
+                "spec_tokens_per_s": round(rate["on"], 2),
+                "speedup": round(rate["on"] / rate["off"], 3),
+            }
+        )
+        print(rows[-1], flush=True)
+    for llm in engines.values():
+        llm.close()
+    return rows
+
+
 def run(max_tokens: int, sweep: list[int], draft: str | None = None) -> dict[str, Any]:
     """draft: also batch 1 with this draft model ("default": the default model itself, an
     exactness check that cannot be faster: it costs the target's forward again per draft)."""
-    cases = [("batch1", 1, 8), ("batch32", 32, 32)] + [(f"sweep{b}", b, b) for b in sweep]
+    cases = [("batch1", 1, 8), ("batch32", 32, 32)]
     off = _measure(None, cases, max_tokens)
-    on = _measure(NGRAM, cases[:2], max_tokens)
+    on = _measure(NGRAM, cases, max_tokens)
     forced = _measure({**NGRAM, "disable_by_batch_size": None}, cases[1:], max_tokens)
-    runs = [(c[0], "ngram", on) for c in cases[:2]]
+    runs = [(c[0], "ngram", on) for c in cases]
     runs += [(c[0], "ngram, always on", forced) for c in cases[1:]]
     if draft is not None:
         from pdmesh.checkpoint.source import resolve_model_folder
@@ -183,6 +225,7 @@ def run(max_tokens: int, sweep: list[int], draft: str | None = None) -> dict[str
         "max_tokens": max_tokens,
         "speculative_config": NGRAM,
         "rows": rows,
+        "steady_sweep": steady_sweep(sweep) if sweep else [],
     }
 
 
