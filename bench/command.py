@@ -24,6 +24,11 @@ def add_bench(sub: Any) -> None:
         action="store_true",
         help="mixed load with cancellations on a mesh of its own: leaks and memory growth",
     )
+    mode.add_argument(
+        "--speculative",
+        action="store_true",
+        help="n-gram speculative decoding against none, CPU, default model (bench/speculative.py)",
+    )
     b.add_argument("--num-requests", type=int, default=32)
     b.add_argument("--json-out", default=None, help="write the figures as JSON here")
     b.add_argument("--skip-peer", action="store_true", help="do not run the peer")
@@ -73,6 +78,14 @@ def add_bench(sub: Any) -> None:
     k = b.add_argument_group("soak (--soak; --duration sets its length, e.g. 600)")
     k.add_argument("--kv-target", type=float, default=0.8, help="share of KV capacity in use")
     k.add_argument("--cancel-fraction", type=float, default=0.2, help="requests the client cancels")
+    v = b.add_argument_group("speculative decoding (--speculative)")
+    v.add_argument("--max-tokens", type=int, default=160, help="output tokens per request, most")
+    v.add_argument(
+        "--sweep", type=int, nargs="*", default=[], help="batch sizes to find the threshold at"
+    )
+    v.add_argument(
+        "--draft-model", default=None, help="also a draft model at batch 1 (default: itself)"
+    )
     engine_args(b)
     b.set_defaults(func=cmd_bench)
 
@@ -82,4 +95,5 @@ def cmd_bench(args: argparse.Namespace) -> int:
     mode = (
         "serving" if args.target else "relay" if args.relay else "soak" if args.soak else "offline"
     )
+    mode = "speculative" if args.speculative else mode
     return getattr(importlib.import_module(f"pdmesh.bench.{mode}"), f"run_{mode}_bench")(args)

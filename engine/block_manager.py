@@ -313,6 +313,19 @@ class BlockManager:
         seq.block_hashes = []
         seq.num_computed_tokens = 0
 
+    def trim(self, seq: Sequence) -> None:
+        """Free `seq`'s blocks past its computed tokens (speculative decoding: the slots of
+        rejected draft tokens). Such blocks were taken by the step that wrote them, for `seq`
+        alone, and hold no published hash."""
+        keep = self.blocks_for(seq.num_computed_tokens)
+        for block_id in reversed(seq.block_table[keep:]):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count != 0 or block.hash is not None:
+                raise RuntimeError(f"block {block_id} past {seq}'s computed tokens is shared")
+            self._free[block_id] = None
+        del seq.block_table[keep:]
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Publish the blocks of `seq` that became full of computed tokens."""
         if not self.enable_prefix_caching:

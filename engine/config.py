@@ -11,6 +11,8 @@ import importlib.util
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from pdmesh.engine.spec_config import SpeculativeConfig
+
 if TYPE_CHECKING:
     import torch
 
@@ -90,6 +92,12 @@ class EngineConfig:
     async_scheduling: bool | None = option(
         None, "launch each decode step before reading the last one's tokens (default: with graphs)"
     )
+    speculative_config: str | None = option(
+        None,
+        "speculative decoding, JSON as vLLM's (a dict from LLM(...)), e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or '
+        '\'{"model": PATH, "num_speculative_tokens": 4}\' (README: Speculative decoding)',
+    )
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -123,6 +131,7 @@ class EngineConfig:
             )
         self._check_eplb()
         self._check_nodes()
+        self._check_speculative()
         if self.block_size > 1024:
             raise ValueError(f"block_size must be at most 1024 tokens, got {self.block_size}.")
 
@@ -182,6 +191,26 @@ class EngineConfig:
                 f"{self.pipeline_parallel_size} = {self.world_size} ranks do not divide over "
                 f"nnodes={n}: each node runs world_size / nnodes ranks."
             )
+
+    def _check_speculative(self) -> None:
+        """A dict (LLM(speculative_config={...})) is kept as its JSON text: one form for the
+        flags and the pass-through to workers."""
+        if self.speculative_config is None:
+            return
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        object.__setattr__(self, "speculative_config", spec.to_json())
+        if self.pipeline_parallel_size > 1:
+            raise ValueError(
+                "speculative_config does not support pipeline parallelism yet (got "
+                f"pipeline_parallel_size={self.pipeline_parallel_size})."
+            )
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed speculative_config (None: speculation off)."""
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def ranks_per_node(self) -> int:

@@ -33,6 +33,8 @@ from pdmesh.engine.request import Request
 from pdmesh.engine.sampler import Sampler
 from pdmesh.engine.scheduler import Scheduler
 from pdmesh.engine.sequence import Sequence
+from pdmesh.engine.spec_step import verified_step
+from pdmesh.engine.speculative import make_speculator
 from pdmesh.engine.structured import Grammars
 from pdmesh.engine.tp_driver import CountExperts, ExpertCounts, TPDriver, rank_device
 from pdmesh.errors import InvalidRequest
@@ -111,6 +113,15 @@ class LLMEngine:
             overlap_loads=rank0.type == "cuda",  # copies beside a forward: a stream of their own
         )
         self._requests: dict[str, Request] = {}
+        # Speculative decoding (engine/speculative.py); None: off.
+        self.speculator = make_speculator(
+            config.speculative,
+            max_len,
+            target=self.info,
+            engine_config=config,
+            device=rank0,
+            capacity_tokens=capacity,
+        )
         self.grammars = Grammars(self.info.folder, self.info.vocab_size, self.info.eos_token_ids)
         # The last step could do nothing: queued requests wait for blocks that prompts being
         # prefilled elsewhere hold (their KV's arrival is what unblocks it).
@@ -294,6 +305,8 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress with requests pending")
             return []
         self._fill(cur)
+        if cur.handle.verify is not None:  # a step that verified draft tokens
+            return verified_step(self, cur)
         if self.async_scheduling and not self._inflight:
             nxt = self._launch_next(cur)
             if nxt is not None:
@@ -315,6 +328,8 @@ class LLMEngine:
     def _launch(self, busy: Collection[Sequence] = ()) -> InFlight | None:
         """Schedule a step and launch it (None: nothing to run). `busy`: the sequences of the
         steps in flight, which sit this one out."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule(busy, self._batch_cap())
         return InFlight(batch, self.runner.launch(batch)) if batch else None
 
@@ -338,6 +353,8 @@ class LLMEngine:
     def _launch_next(self, cur: InFlight) -> InFlight | None:
         if self.runner.has_planner:
             return None  # steps that push KV are planned one at a time
+        if self.speculator is not None and self.speculator.active(len(self.scheduler.running)):
+            return None  # drafts are proposed from every token so far
         nxt = next_decode(cur, self.scheduler, self.max_model_len)
         if nxt is None:
             return None
@@ -403,6 +420,11 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         stats, pool, bs = self.scheduler.stats(), self.runner.host_pool, self.config.block_size
+        if self.speculator is not None:
+            spec = self.speculator.stats
+            stats = dataclasses.replace(
+                stats, spec_draft_tokens=spec.proposed, spec_accepted_tokens=spec.accepted
+            )
         if self.host_index is None or pool is None:
             return stats
         block_bytes = self.info.kv_block_bytes(bs, self.runner.dtype.itemsize)

@@ -27,6 +27,7 @@ from pdmesh.engine.parallel import SINGLE, ParallelGroup
 from pdmesh.engine.pipeline import SINGLE_STAGE, PipelineStage
 from pdmesh.engine.sampler import Sampler, SamplingBatch
 from pdmesh.engine.scheduler import ScheduledBatch
+from pdmesh.engine.spec_verify import Verify
 from pdmesh.engine.step_handle import StepHandle
 from pdmesh.engine.step_inputs import HostInputs, StepInputs
 from pdmesh.engine.symm_all_reduce import symmetric_all_reduce
@@ -202,8 +203,10 @@ class ModelRunner:
             start = seq.num_computed_tokens if next_ids is None else seq.num_tokens
             end = start + n
             table = seq.block_table
+            drafts = seq.spec_token_ids  # speculative decoding: run after its last token
             if next_ids is None:
-                host.input_ids.extend(seq.token_ids[start:end])
+                ids = seq.token_ids + drafts if drafts else seq.token_ids
+                host.input_ids.extend(ids[start:end])
             host.positions.extend(range(start, end))
             host.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if n == 1:
@@ -214,8 +217,10 @@ class ModelRunner:
                 host.prefill_lens.append(end)
                 host.cu_seqlens.append(host.cu_seqlens[-1] + n)
             if end >= seq.num_tokens:
-                last_flat[i] = len(host.positions) - 1
-                host.logits_indices.append(last_flat[i])
+                # A row for the last token, then one per draft token it verifies.
+                verified = len(drafts) if next_ids is None else 0
+                last_flat[i] = len(host.positions) - 1 - verified
+                host.logits_indices.extend(range(last_flat[i], len(host.positions)))
                 sample_seq_index.append(i)
             if seq.params.prompt_logprobs is not None:
                 # Prompt positions whose next token is a prompt token (the last one's is sampled).
@@ -311,11 +316,15 @@ class ModelRunner:
         if self.followers is not None:  # every rank runs the step; rank 0 samples
             self.followers.send_step(inputs, plan)
         seqs = [batch.seqs[i] for i in inputs.sample_seq_index]
+        # Speculative decoding: a sequence with draft tokens samples a row per draft as well.
+        verify = Verify.of(seqs, self.info.vocab_size)
+        if verify is not None:
+            seqs = verify.row_seqs
         masks = structured.start_masks(seqs, self.info.vocab_size)  # while the forward runs
         logits = self.forward_with_plan(inputs, plan)
         if self.balancer is not None:  # between this step and the next, as every rank does
             self.balancer.after_step()
-        handle = StepHandle(len(batch.seqs), inputs.sample_seq_index, None)
+        handle = StepHandle(len(batch.seqs), inputs.sample_seq_index, None, verify=verify)
         rows = len(inputs.host.logits_indices)
         if self.stage.size > 1 and rows:
             # The last stage computes the logits: receive them without waiting, so the next

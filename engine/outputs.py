@@ -119,6 +119,10 @@ class EngineStats:
     host_tier_offloaded_bytes: int = 0  # KV of every layer and head, over the worker's ranks
     host_tier_loaded_bytes: int = 0
     host_tier_copy_seconds: float = 0.0  # rank 0's copies, both ways (GPU: as far as finished)
+    # Speculative decoding (engine/speculative.py); zeros when it is off: draft tokens run by
+    # verify steps, and those accepted (output).
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class ForkStats(NamedTuple):

@@ -265,8 +265,13 @@ class Scheduler:
             if id(seq) in skip:
                 i += 1
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(seq.num_uncomputed_tokens + len(seq.spec_token_ids), budget)
+            del seq.spec_token_ids[max(0, n - seq.num_uncomputed_tokens) :]  # drafts it runs
             while not bm.can_allocate(seq, n):
+                if seq.spec_token_ids:  # draft tokens give way before anyone is preempted
+                    seq.spec_token_ids = []
+                    n = min(seq.num_uncomputed_tokens, budget)
+                    continue
                 # The newest admitted gives way (`seq` itself at the latest): not a busy one.
                 j = max(k for k in range(i, len(self.running)) if id(self.running[k]) not in skip)
                 victim = self.running.pop(j)
@@ -364,8 +369,20 @@ class Scheduler:
         self._free_after_step = [s for s in self._free_after_step if id(s) not in ran]
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             if not seq.is_finished:
-                seq.num_computed_tokens += n
+                # Draft tokens' KV counts once they are accepted (`accept_drafts`).
+                seq.num_computed_tokens += n - len(seq.spec_token_ids)
                 self._blocks.cache_full_blocks(seq)
+
+    def accept_drafts(self, seq: Sequence, accepted: int) -> None:
+        """After `complete` of a step that ran `seq`'s draft tokens (speculative decoding), once
+        the first `accepted` of them are appended to it: their KV counts as computed (full
+        blocks join the prefix cache), and the blocks held only for rejected ones are freed."""
+        seq.spec_token_ids = []
+        if seq.is_finished:  # its blocks are freed already
+            return
+        seq.num_computed_tokens += accepted
+        self._blocks.cache_full_blocks(seq)
+        self._blocks.trim(seq)
 
     def _cached_prefix(self, seq: Sequence) -> Prefix:
         """The prefix cache's blocks for `seq`: none when it asks for its prompt's
@@ -378,6 +395,7 @@ class Scheduler:
         # Recompute on re-admission: prompt and output so far are prefilled again (mostly from the
         # prefix cache, if its blocks were not reused meanwhile).
         self._blocks.free(seq)
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

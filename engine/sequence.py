@@ -70,6 +70,10 @@ class Sequence:
         self.generator: torch.Generator | None = None
         # The structured-output matcher (xgrammar.GrammarMatcher), advanced by each token.
         self.grammar: Any = None
+        # Speculative decoding (engine/speculative.py): draft tokens proposed to follow
+        # token_ids, run by the next step after its last token and verified there; not part of
+        # token_ids (the accepted ones are appended), cleared once the step is handled.
+        self.spec_token_ids: list[int] = []
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed + index)
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()

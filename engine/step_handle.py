@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,6 +30,9 @@ class StepHandle:
     logprobs: tuple[TopLogprobs, list[int | None]] | None = None
     # Prompt positions' log-probabilities: (batch row, position, entry) of each.
     prompt_logprobs: list[tuple[int, int, PositionLogprobs]] = field(default_factory=list)
+    # Speculative decoding: the draft tokens this step verifies (engine/spec_verify.py's
+    # `Verify`); `tokens` then has a row per draft too. None: a plain step.
+    verify: Any = None
 
     def read(self) -> list[int]:
         if self.sample is not None:

@@ -166,8 +166,12 @@ def test_engine_flags_keep_their_spelling() -> None:
         "skip_tokenizer_init": True,
         "enforce_eager": True,
         "async_scheduling": False,
+        "speculative_config": None,
     }
     EngineConfig(**options)  # and they make a valid config
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    options = engine_options(build_parser().parse_args(["decode", "--speculative-config", spec]))
+    assert EngineConfig(**options).speculative.num_speculative_tokens == 3  # type: ignore[union-attr]
     on = build_parser().parse_args(["decode", "--async-scheduling"])
     assert engine_options(on)["async_scheduling"] is True
 
