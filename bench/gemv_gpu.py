@@ -9,9 +9,9 @@ matrix is read once), so neither launch gaps nor the cache flatter it. The floor
 bytes over the copy bandwidth measured in the same run (read + write bytes of a 2 GiB copy);
 the read rate (a 2 GiB sum) is given too, since a GEMV only reads. Every launch shape is checked
 against a float64 reference on fresh inputs before it is timed. Writes DIR/gemv.json, prints a
-table. With --quantization fp8 (batch 1, TP=1 shapes): the weights are float8 with row scales,
-the library's figure is the per-token quantization then cuBLASLt's fp8 GEMM (torch._scaled_mm),
-and the floor counts one byte per weight (DIR/gemv-fp8.json).
+table. With --quantization fp8 (batch 1; TP=1 q/k/v, o, gate/up, down + SiLU): the weights are
+float8 with row scales, the library's figure is the per-token quantization then cuBLASLt's fp8
+GEMM (torch._scaled_mm), and the floor counts one byte per weight (DIR/gemv-fp8.json).
 """
 
 from __future__ import annotations
@@ -69,7 +69,10 @@ def sweep(rows: int, quick: bool) -> list[GemvConfig]:
 
 def sweep_fp8() -> list[GemvConfig]:
     return [
-        GemvConfig(bn, bk, w, 1) for bn in (2, 4, 8) for bk in (512, 1024, 2048) for w in (4, 8)
+        GemvConfig(bn, bk, w, s)
+        for bn, bk in ((4, 2048), (8, 1024), (8, 2048), (16, 512), (16, 1024))
+        for w in (4, 8)
+        for s in (1, 2, 3)
     ]
 
 
@@ -186,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     fp8 = args.quantization == "fp8"
     name = "gemv-fp8.json" if fp8 else "gemv.json"
     report = Report(args.out / name, indent=1, **run_info(), ceilings=c, results=[])
-    shapes = [s for s in SHAPES if not s[0].startswith("tp2")] if fp8 else SHAPES
+    # FP8: the projections an fp8 engine runs on the GEMV (its LM head stays bf16), TP=1.
+    shapes = [s for s in SHAPES if s[0] in ("qkv", "o", "gate_up", "down+silu")] if fp8 else SHAPES
     for name, n, k in shapes:
         for rows in (1,) if fp8 else ROWS:
             bw = c["copy_gb_s"] * 1e9
