@@ -2,14 +2,16 @@
 with the narrow decode projections on the matmul library and on the GEMV kernel, and with
 async scheduling (each step launched before the previous one's tokens are read).
 
-    python -m pdmesh.bench.decode_step_gpu --out DIR [--profile]
+    python -m pdmesh.bench.decode_step_gpu --out DIR [--profile] [--quantization fp8]
 
 Two bf16 random-weight models: the Llama-3.1-8B shape and one TP=2 rank's shard of it (half
 the heads, MLP and vocabulary: what a rank computes per step, collectives aside), each built
 with PDMESH_GEMV_MAX_ROWS=0 (cuBLAS), =1 (the GEMV, default), and the GEMV with async
 scheduling. Each build's batch-1 logits on one fixed token are compared with cuBLAS's (relative
-error in the results). Writes DIR/decode_step.json (--profile: a torch.profiler table per
-setting); prints a table.
+error in the results). With --quantization fp8 the weights are quantized at load: "cublas" is
+then the per-token quantization and cuBLASLt's fp8 GEMM (torch._scaled_mm), "gemv" the fp8 GEMV
+(weight-only), and the floors count the fp8 bytes. Writes DIR/decode_step.json (with fp8:
+decode_step-fp8.json; --profile: a torch.profiler table per setting); prints a table.
 """
 
 from __future__ import annotations
@@ -51,12 +53,22 @@ def fixed_token_logits(engine: Any) -> torch.Tensor:
 
 
 def measure(
-    folder: Path, variant: tuple[str, int, bool], profile: bool, out: Path, bw: float
+    folder: Path,
+    variant: tuple[str, int, bool],
+    profile: bool,
+    out: Path,
+    bw: float,
+    quantization: str | None = None,
 ) -> tuple[dict[str, Any], torch.Tensor]:
     name, gemv_rows, overlap = variant
     os.environ["PDMESH_GEMV_MAX_ROWS"] = str(gemv_rows)
     llm = dummy_llm(
-        folder, kv_cache_tokens=32768, max_num_seqs=64, max_model_len=8192, async_scheduling=overlap
+        folder,
+        kv_cache_tokens=32768,
+        max_num_seqs=64,
+        max_model_len=8192,
+        async_scheduling=overlap,
+        quantization=quantization,
     )
     engine = llm.engine
     wbytes = weight_bytes(engine.runner)
@@ -65,6 +77,7 @@ def measure(
     logits = fixed_token_logits(engine)
     result = {
         "model": folder.name,
+        "quantization": quantization,
         "variant": name,
         "weight_gb": wbytes / 1e9,
         "floor_ms": wbytes / bw * 1e3,
@@ -74,7 +87,9 @@ def measure(
     }
     if profile and folder.name == "llama8b":
         table = profile_decode(engine, 1, 512)
-        (out / f"profile-{folder.name}-{name}.txt").write_text(table)
+        (
+            out / f"profile-{folder.name}-{name}{'-' + quantization if quantization else ''}.txt"
+        ).write_text(table)
     del llm, engine
     free_memory()
     return result, logits
@@ -83,9 +98,11 @@ def measure(
 def main(argv: list[str] | None = None) -> int:
     parser = out_parser(__doc__)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--quantization", default=None, help="fp8: the weights in FP8")
     args = parser.parse_args(argv)
     bw = ceilings()["copy_gb_s"] * 1e9
-    report = Report(args.out / "decode_step.json", indent=1, **run_info(), copy_gb_s=bw / 1e9)
+    name = f"decode_step{'-' + args.quantization if args.quantization else ''}.json"
+    report = Report(args.out / name, indent=1, **run_info(), copy_gb_s=bw / 1e9)
     tmp = Path(tempfile.mkdtemp())
     models = [
         write_config(tmp / "llama8b", llama_8b_config()),
@@ -94,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     for folder in models:
         reference = None
         for variant in VARIANTS:
-            r, logits = measure(folder, variant, args.profile, args.out, bw)
+            r, logits = measure(folder, variant, args.profile, args.out, bw, args.quantization)
             reference = logits if reference is None else reference
             r["logits_rel_err"] = float((logits - reference).norm() / reference.norm())
             report.append("results", r)

@@ -1,7 +1,7 @@
 """The decode projections at batch 1-4: the GEMV kernel's launch shapes against the matmul
 library, on the Llama-3.1-8B matrices whole (TP=1) and as one rank's shard of TP=2.
 
-    python -m pdmesh.bench.gemv_gpu --out DIR [--quick]
+    python -m pdmesh.bench.gemv_gpu --out DIR [--quick] [--quantization fp8]
 
 Each figure is one call's share of a CUDA graph that runs the same projection over 8+ copies of
 its weight in turn (the copies together several times the L2, as in a decode step, where each
@@ -9,7 +9,9 @@ matrix is read once), so neither launch gaps nor the cache flatter it. The floor
 bytes over the copy bandwidth measured in the same run (read + write bytes of a 2 GiB copy);
 the read rate (a 2 GiB sum) is given too, since a GEMV only reads. Every launch shape is checked
 against a float64 reference on fresh inputs before it is timed. Writes DIR/gemv.json, prints a
-table.
+table. With --quantization fp8 (batch 1; TP=1 q/k/v, o, gate/up, down + SiLU): the weights are
+float8 with row scales, the library's figure is the per-token quantization then cuBLASLt's fp8
+GEMM (torch._scaled_mm), and the floor counts one byte per weight (DIR/gemv-fp8.json).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import torch
 from pdmesh.bench.kernel_cases import rel_err
 from pdmesh.bench.report import Report, ceilings, free_memory, median_s, out_parser, run_info
 from pdmesh.kernels.activation import silu_and_mul_ref
+from pdmesh.kernels.fp8 import dequantize_rows, quantize_rows_ref
 from pdmesh.kernels.triton.activation import silu_and_mul
+from pdmesh.kernels.triton.fp8_linear import fp8_gemv_config, quantize_rows, scaled_mm
 from pdmesh.kernels.triton.gemv import GemvConfig, default_config, gemv
 
 # (N, K) of Llama-3.1-8B's projections, whole; under TP=2 a rank holds half of N (column
@@ -61,6 +65,63 @@ def sweep(rows: int, quick: bool) -> list[GemvConfig]:
             for s in (1, 3)
         ]
     return [GemvConfig(bn, bk, 4, s) for bn in (4, 8) for bk in (128, 256) for s in (1, 3)]
+
+
+def sweep_fp8() -> list[GemvConfig]:
+    return [
+        GemvConfig(bn, bk, w, s)
+        for bn, bk in ((4, 2048), (8, 1024), (8, 2048), (16, 512), (16, 1024))
+        for w in (4, 8)
+        for s in (1, 2, 3)
+    ]
+
+
+def measure_fp8(name: str, n: int, k: int, quick: bool, bw: float) -> dict[str, Any]:
+    """Batch 1 against an fp8 weight: the GEMV's launch shapes and the W8A8 library path."""
+    nbytes = n * k
+    copies = max(8, -(-L2_SPAN // nbytes))
+    pairs = [quantize_rows_ref(torch.randn(n, k, device="cuda")) for _ in range(copies)]
+    gated = name.endswith("+silu")
+    x = torch.randn(1, 2 * k if gated else k, device="cuda", dtype=torch.bfloat16)
+    ref = reference(x, dequantize_rows(*pairs[0], torch.float64), gated)
+
+    def library(p: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        xq, xs = quantize_rows(x, gated=gated)
+        return scaled_mm(xq, xs, p[0], p[1], None, torch.bfloat16)
+
+    library_us = per_call_us(library, pairs)
+    tried: list[dict[str, Any]] = []
+    default = fp8_gemv_config(1, n, k)
+    for cfg in [default, *([] if quick else [c for c in sweep_fp8() if c != default])]:
+        out = gemv(x, pairs[0][0], config=cfg, gated=gated, scale=pairs[0][1])
+        err = rel_err(out, ref)
+        if not err < 1e-2:
+            tried.append({"config": cfg._asdict(), "rel_err": err, "error": "wrong result"})
+            continue
+        us = per_call_us(
+            lambda p, cfg=cfg: gemv(x, p[0], config=cfg, gated=gated, scale=p[1]), pairs
+        )
+        tried.append({"config": cfg._asdict(), "rel_err": err, "us": us})
+    timed = [t for t in tried if "us" in t]
+    best = min(timed, key=lambda t: t["us"])
+    del pairs
+    free_memory()
+    floor_us = nbytes / bw * 1e6
+    return {
+        "shape": name,
+        "rows": 1,
+        "n": n,
+        "k": k,
+        "weight_mb": nbytes / 1e6,
+        "floor_us": floor_us,
+        "cublas_us": library_us,
+        "default_us": timed[0]["us"] if tried[0].get("us") else None,
+        "best_us": best["us"],
+        "best_config": best["config"],
+        "cublas_ratio": library_us / floor_us,
+        "best_ratio": best["us"] / floor_us,
+        "tried": tried,
+    }
 
 
 def per_call_us(fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor]) -> float:
@@ -122,12 +183,21 @@ def measure(name: str, n: int, k: int, rows: int, quick: bool, bw: float) -> dic
 def main(argv: list[str] | None = None) -> int:
     parser = out_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="the default launch shape only")
+    parser.add_argument("--quantization", default=None, help="fp8: fp8 weights, batch 1")
     args = parser.parse_args(argv)
     c = ceilings()
-    report = Report(args.out / "gemv.json", indent=1, **run_info(), ceilings=c, results=[])
-    for name, n, k in SHAPES:
-        for rows in ROWS:
-            r = measure(name, n, k, rows, args.quick, c["copy_gb_s"] * 1e9)
+    fp8 = args.quantization == "fp8"
+    name = "gemv-fp8.json" if fp8 else "gemv.json"
+    report = Report(args.out / name, indent=1, **run_info(), ceilings=c, results=[])
+    # FP8: the projections an fp8 engine runs on the GEMV (its LM head stays bf16), TP=1.
+    shapes = [s for s in SHAPES if s[0] in ("qkv", "o", "gate_up", "down+silu")] if fp8 else SHAPES
+    for name, n, k in shapes:
+        for rows in (1,) if fp8 else ROWS:
+            bw = c["copy_gb_s"] * 1e9
+            if fp8:
+                r = measure_fp8(name, n, k, args.quick, bw)
+            else:
+                r = measure(name, n, k, rows, args.quick, bw)
             report.append("results", r)
             print(
                 f"{name:12s} M={rows} floor {r['floor_us']:7.1f} us  cuBLAS {r['cublas_us']:7.1f}"

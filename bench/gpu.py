@@ -1,11 +1,13 @@
 """The engine on one GPU against the hardware ceilings and transformers, in one run.
 
-    python -m pdmesh.bench.gpu --out DIR [--only decode,peer,moe]
+    python -m pdmesh.bench.gpu --out DIR [--only decode,peer,moe] [--quantization fp8]
 
-Random-initialised bf16 weights of real model shapes (load_format="dummy"). Ceilings are
-measured in the same run: device-to-device copy bandwidth (bytes read + written) and a large
-bf16 matmul. Every figure is written to DIR/gpu.json as soon as it is measured; a table is
-printed last. See BENCHMARKS.md for what each target means.
+Random-initialised bf16 weights of real model shapes (load_format="dummy"); --quantization fp8
+quantizes them at load (floors then count the fp8 bytes; the prefill is compared with the fp8
+matmul rate). Ceilings are measured in the same run: device-to-device copy bandwidth (bytes
+read + written), a large bf16 matmul and, on Hopper, a large fp8 one (rowwise scales). Every
+figure is written to DIR/gpu.json as soon as it is measured; a table is printed last. See
+BENCHMARKS.md for what each target means.
 """
 
 from __future__ import annotations
@@ -34,6 +36,12 @@ def offline_prompts() -> list[list[int]]:
     """The offline workload's 256 prompts of 512 tokens (fixed seed)."""
     rng = random.Random(0)
     return [[rng.randrange(1000, 120000) for _ in range(512)] for _ in range(256)]
+
+
+def matmul_rate(ceil: dict[str, float]) -> float:
+    """TFLOP/s the projections can reach: the fp8 matmul's under FP8, else bf16's."""
+    fp8 = DENSE.get("quantization") == "fp8"
+    return ceil["fp8_matmul_tflop_s"] if fp8 else ceil["matmul_tflop_s"]
 
 
 def dense_section(folder: Path, ceil: dict[str, float], report: Report) -> None:
@@ -68,7 +76,7 @@ def dense_section(folder: Path, ceil: dict[str, float], report: Report) -> None:
             "ms": seconds * 1e3,
             "tflop": flops / 1e12,
             "tflop_s": rate,
-            "fraction_of_matmul": rate / ceil["matmul_tflop_s"],
+            "fraction_of_matmul": rate / matmul_rate(ceil),
         }
 
     report.guarded("decode_b1", lambda: decode(1, 512))
@@ -80,8 +88,8 @@ def dense_section(folder: Path, ceil: dict[str, float], report: Report) -> None:
     report.guarded("offline_engine", lambda: offline(llm, ceil, wbytes, kv_per_token))
 
 
-# The dense model's engine limits (its KV cache size set per use).
-DENSE = dict(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=8192)
+# The dense model's engine limits (its KV cache size set per use), and --quantization.
+DENSE: dict[str, Any] = dict(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=8192)
 
 
 def offline(llm: Any, ceil: dict[str, float], wbytes: int, kv_per_token: int) -> dict[str, Any]:
@@ -92,11 +100,11 @@ def offline(llm: Any, ceil: dict[str, float], wbytes: int, kv_per_token: int) ->
     torch.cuda.synchronize()
     seconds, produced = timed_generate(llm, prompts, [128] * len(prompts))[:2]
     cfg = llm.engine.info
-    flops = 256 * (
-        2 * (wbytes / 2) * 512 + 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * 512**2
-    )
+    model = llm.engine.runner.model
+    params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    flops = 256 * (2 * params * 512 + 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * 512**2)
     decode_bytes = sum(wbytes + 256 * (512 + i) * kv_per_token for i in range(128))
-    floor = flops / (ceil["matmul_tflop_s"] * 1e12) + decode_bytes / (ceil["copy_gb_s"] * 1e9)
+    floor = flops / (matmul_rate(ceil) * 1e12) + decode_bytes / (ceil["copy_gb_s"] * 1e9)
     return {
         "requests": 256,
         "output_tokens": produced,
@@ -149,6 +157,7 @@ def transformers_peer(folder: Path, report: Report) -> None:
 def moe_section(folder: Path, ceil: dict[str, float], report: Report) -> None:
     llm = dummy_llm(
         folder,
+        quantization=DENSE.get("quantization"),
         kv_cache_tokens=65_536,
         max_num_seqs=64,
         max_num_batched_tokens=4096,
@@ -193,7 +202,8 @@ def plot(sweep: Any, out: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("batch size (decode, context 1024)")
     ax.set_ylabel("time per output token (ms)")
-    ax.set_title(f"Llama-3.1-8B shape, bf16, {torch.cuda.get_device_name()}")
+    kind = DENSE.get("quantization") or "bf16"
+    ax.set_title(f"Llama-3.1-8B shape, {kind}, {torch.cuda.get_device_name()}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -209,8 +219,10 @@ def release_memory() -> None:
 def main() -> None:
     parser = out_parser(__doc__)
     parser.add_argument("--only", default="decode,peer,moe")
+    parser.add_argument("--quantization", default=None, help="fp8: the engine's weights in FP8")
     args = parser.parse_args()
     only = set(args.only.split(","))
+    DENSE["quantization"] = args.quantization
     report = Report(args.out / "gpu.json")
     report.record("device", run_info("name"))
     ceil = ceilings()

@@ -130,11 +130,28 @@ def ceilings(
     x = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     y = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     matmul_s = timer(lambda: x @ y)
-    return {
+    result = {
         "copy_gb_s": 2 * a.nbytes / copy_s / 1e9,
         "read_gb_s": a.nbytes / read_s / 1e9,
         "matmul_tflop_s": 2 * n**3 / matmul_s / 1e12,
     }
+    if device == "cuda" and torch.cuda.get_device_capability() >= (8, 9):
+        result["fp8_matmul_tflop_s"] = 2 * n**3 / fp8_matmul_s(timer, n) / 1e12
+    return result
+
+
+def fp8_matmul_s(timer: Timer, n: int) -> float:
+    """Seconds of an n x n x n float8 e4m3 matmul with rowwise scales and bf16 output (the
+    product FP8 projections run: torch._scaled_mm, cuBLASLt's fp8 tensor-core GEMM)."""
+    import torch
+
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    sa = torch.ones(n, 1, device="cuda")
+    sb = torch.ones(1, n, device="cuda")
+    return timer(
+        lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+    )
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:

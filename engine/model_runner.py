@@ -20,6 +20,7 @@ from pdmesh.engine.expert_balancer import ExpertBalancer
 from pdmesh.engine.host_pool import HostPool, OffloadNow, plan_slots
 from pdmesh.engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
 from pdmesh.engine.layers.moe import FusedMoE
+from pdmesh.engine.layers.quantization.registry import apply_quantization, resolve_quantization
 from pdmesh.engine.logprobs import TopLogprobs, prompt_logprobs, wanted_logprobs
 from pdmesh.engine.model_info import ModelInfo
 from pdmesh.engine.outputs import PositionLogprobs
@@ -96,6 +97,7 @@ class ModelRunner:
             tp = dataclasses.replace(tp, redundant_experts=config.num_redundant_experts)
         with torch.device(device), _default_dtype(dtype):
             model = info.model_cls(info.hf_config, max_model_len, tp, stage)
+            apply_quantization(model, resolve_quantization(config.quantization, info.hf_config))
         # Placement is made explicit: a torch.device context can be overridden by a default-device
         # mode left behind by other code in the process (seen with transformers on CUDA).
         model.to(device)

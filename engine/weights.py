@@ -22,6 +22,7 @@ class CheckpointTensor:
 
     def __init__(self, name: str, handle: Any) -> None:
         self.name = name
+        self._handle = handle
         self._slice = handle.get_slice(name)
         self.shape = tuple(self._slice.get_shape())
 
@@ -35,7 +36,8 @@ class CheckpointTensor:
         return self._slice[tuple(index)]
 
     def load(self) -> torch.Tensor:
-        return self._slice[:]
+        # A 0-dim tensor (an FP8 checkpoint's per-tensor scale) cannot be sliced.
+        return self._slice[:] if self.shape else self._handle.get_tensor(self.name)
 
 
 def checkpoint_files(folder: Path) -> list[Path]:
@@ -111,17 +113,30 @@ def load_named(
             loader = getattr(param, "weight_loader", default_weight_loader)
             loader(param, tensor, shard_id)
             loaded.add(param_name)
-    missing = sorted(set(params) - loaded)
+    missing = sorted(n for n in set(params) - loaded if not _scale_made_at_load(n, params))
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ValueError(f"model: {source} lacks {len(missing)} weights: {shown}")
 
 
+def _scale_made_at_load(name: str, params: dict[str, nn.Parameter]) -> bool:
+    """Whether `name` is an FP8 weight's scales that quantizing its rows made (a bf16 checkpoint),
+    so the checkpoint need not hold them. Rows copied as float8 need the checkpoint's scales."""
+    if not getattr(params[name], "is_fp8_scale", False):
+        return False
+    weight = params.get(name.removesuffix("_scale"))
+    return weight is not None and not getattr(weight, "fp8_rows_copied", False)
+
+
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Random weights of the right shapes (load_format="dummy"): for speed measurements only."""
+    from pdmesh.engine.layers.quantization.rows import store_rows
+
     generators: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for _, param in sorted(model.named_parameters()):
+            if getattr(param, "is_fp8_scale", False):
+                continue  # set with its fp8 weight, below
             if param.dim() == 1:
                 param.fill_(1.0)  # norms
                 continue
@@ -129,4 +144,10 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             gen = generators.get(param.device)
             if gen is None:
                 gen = generators[param.device] = torch.Generator(param.device).manual_seed(seed)
+            if hasattr(param, "fp8_scale"):  # fp8: drawn in bf16, quantized one expert at a time
+                slots = [None] if param.dim() == 2 else range(param.shape[0])
+                for slot in slots:
+                    drawn = torch.empty(param.shape[-2:], dtype=torch.bfloat16, device=param.device)
+                    store_rows(param, 0, drawn.normal_(0.0, 0.02, generator=gen), slot)
+                continue
             param.normal_(0.0, 0.02, generator=gen)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from pdmesh.kernels.backend import pick
+from pdmesh.kernels.fp8 import dequantize_rows
 
 
 def moe_route(
@@ -35,9 +36,13 @@ def moe_experts(
     topk_weights: torch.Tensor,  # [T, k]
     topk_ids: torch.Tensor,  # [T, k] global expert ids
     first_expert: int = 0,
+    w13_scale: torch.Tensor | None = None,  # [E_local, 2I] float32: w13 is fp8
+    w2_scale: torch.Tensor | None = None,  # [E_local, H] float32: w2 is fp8
 ) -> torch.Tensor:  # [T, H]: sum over each token's experts held here of weight * expert(x)
+    """With scales, the weights are fp8 (row r of w13[e] is w13[e, r] * w13_scale[e, r]) and
+    the activations stay in x's dtype (weight-only FP8)."""
     fn = pick("moe_experts", x, moe_experts_ref)
-    return fn(x, w13, w2, topk_weights, topk_ids, first_expert)
+    return fn(x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale)
 
 
 # A CPU GEMM of fewer rows (or a count not a multiple of this) takes another code path whose
@@ -55,7 +60,9 @@ def _linear_batch_invariant(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)[: x.shape[0] - pad]
 
 
-def moe_experts_ref(x, w13, w2, topk_weights, topk_ids, first_expert=0):
+def moe_experts_ref(
+    x, w13, w2, topk_weights, topk_ids, first_expert=0, w13_scale=None, w2_scale=None
+):
     out = torch.zeros_like(x)
     local_ids = topk_ids - first_expert
     # Experts in ascending order, each over the tokens routed to it: the order Hugging Face uses,
@@ -64,8 +71,12 @@ def moe_experts_ref(x, w13, w2, topk_weights, topk_ids, first_expert=0):
         if e < 0 or e >= w13.shape[0]:
             continue
         token_idx, slot = torch.where(local_ids == e)
-        gate, up = _linear_batch_invariant(x[token_idx], w13[e]).chunk(2, dim=-1)
-        h = _linear_batch_invariant(F.silu(gate) * up, w2[e])
+        w13_e, w2_e = w13[e], w2[e]
+        if w13_scale is not None:  # fp8: dequantized to the activations' dtype
+            w13_e = dequantize_rows(w13_e, w13_scale[e], x.dtype)
+            w2_e = dequantize_rows(w2_e, w2_scale[e], x.dtype)
+        gate, up = _linear_batch_invariant(x[token_idx], w13_e).chunk(2, dim=-1)
+        h = _linear_batch_invariant(F.silu(gate) * up, w2_e)
         h = h * topk_weights[token_idx, slot, None]
         out.index_add_(0, token_idx, h.to(out.dtype))
     return out

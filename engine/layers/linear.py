@@ -1,6 +1,7 @@
 """Linear layers, Megatron-style: column-parallel (output split) and row-parallel (input split,
 then all-reduce). Each parameter carries a `weight_loader` that reads only this rank's part of a
-checkpoint tensor.
+checkpoint tensor and writes it with `store_rows` (which quantizes it where a quantization
+method replaced the weight). Forward passes go through the layer's `quant_method`.
 """
 
 from __future__ import annotations
@@ -8,9 +9,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pdmesh.engine.layers.quantization.base import UNQUANTIZED, LinearMethod
+from pdmesh.engine.layers.quantization.rows import store_rows
 from pdmesh.engine.parallel import SINGLE, ParallelGroup
 from pdmesh.engine.weights import CheckpointTensor
-from pdmesh.kernels import linear, silu_and_mul_linear
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -22,23 +24,29 @@ def default_weight_loader(param: nn.Parameter, loaded: CheckpointTensor, shard_i
         raise ValueError(
             f"checkpoint shape {tuple(loaded.shape)} != parameter {tuple(param.shape)}"
         )
-    param.data.copy_(loaded.load())
+    if param.dim():
+        store_rows(param, 0, loaded.load())
+    else:
+        param.data.copy_(loaded.load())
 
 
 class ReplicatedLinear(nn.Module):
+    quant_method: LinearMethod = UNQUANTIZED
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = _param(out_features, in_features)
         self.bias = _param(out_features) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class _ShardedLinear(nn.Module):
     """y = x W^T (+ b) with W: [out, in] split across the ranks of `tp` along `split_dim`."""
 
     split_dim: int  # 0: the outputs (column parallel), 1: the inputs (row parallel)
+    quant_method: LinearMethod = UNQUANTIZED
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool = False, tp: ParallelGroup = SINGLE
@@ -56,8 +64,8 @@ class _ShardedLinear(nn.Module):
             self.bias.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id=None) -> None:
-        size = param.shape[self.split_dim]
-        param.data.copy_(loaded.narrow(self.split_dim, self.tp.rank * size, size))
+        size = param.shape[self.split_dim] if param.dim() > self.split_dim else 0
+        store_rows(param, 0, loaded.narrow(self.split_dim, self.tp.rank * size, size))
 
 
 class ColumnParallelLinear(_ShardedLinear):
@@ -66,7 +74,7 @@ class ColumnParallelLinear(_ShardedLinear):
     split_dim = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -86,8 +94,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         local = [s // self.tp.size for s in self.output_sizes]
         offset = sum(local[:shard_id])
         size = local[shard_id]
-        part = loaded.narrow(0, self.tp.rank * size, size)
-        param.data.narrow(0, offset, size).copy_(part)
+        store_rows(param, offset, loaded.narrow(0, self.tp.rank * size, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -134,7 +141,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             offset, size, start = self.q_size, self.kv_size, self.kv_head_start * d
         else:  # "v"
             offset, size, start = self.q_size + self.kv_size, self.kv_size, self.kv_head_start * d
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
+        store_rows(param, offset, loaded.narrow(0, start, size))
 
 
 class RowParallelLinear(_ShardedLinear):
@@ -143,12 +150,12 @@ class RowParallelLinear(_ShardedLinear):
     split_dim = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._reduce(linear(x, self.weight))
+        return self._reduce(self.quant_method.apply(self, x, None))
 
     def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The projection of silu(gate) * up, from an MLP's [gate | up] output: one kernel for
         both where the GEMV takes it (a batch-1 decode step)."""
-        return self._reduce(silu_and_mul_linear(gate_up, self.weight))
+        return self._reduce(self.quant_method.apply_gated(self, gate_up, None))
 
     def _reduce(self, y: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(y)

@@ -18,6 +18,7 @@ from torch import nn
 
 from pdmesh.engine.layers.expert_map import ExpertMap
 from pdmesh.engine.layers.linear import ReplicatedLinear
+from pdmesh.engine.layers.quantization.rows import store_rows
 from pdmesh.engine.parallel import SINGLE, ParallelGroup
 from pdmesh.engine.weights import CheckpointTensor
 from pdmesh.kernels import count_expert_tokens, moe_experts, moe_route
@@ -64,6 +65,9 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(e, h, i), requires_grad=False)  # [E, H, I]
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
+        # Per-row scales [E, 2I] and [E, H] where a quantization method made the experts fp8.
+        self.register_parameter("w13_weight_scale", None)
+        self.register_parameter("w2_weight_scale", None)
         # Tokens routed to each expert since start (for load statistics / rebalancing).
         self.register_buffer("expert_counts", torch.zeros(num_experts, dtype=torch.int64))
 
@@ -82,23 +86,29 @@ class FusedMoE(nn.Module):
         )
         for slot, e in enumerate(held):
             if expert is None:
-                self._load_slot(param.data[slot], part, loaded.narrow(0, e, 1)[0], rank)
+                self._load_slot(param, slot, part, loaded.narrow(0, e, 1)[0], rank)
             elif e == expert:
-                self._load_slot(param.data[slot], part, loaded, rank)
+                self._load_slot(param, slot, part, loaded, rank)
 
-    def _load_slot(self, dst: torch.Tensor, part: str, w: CheckpointTensor, rank: int) -> None:
-        """One expert's `part` into one slot: w is gate_up [2I, H], gate / up [I, H] or down
-        [H, I] (a CheckpointTensor or a tensor: both narrow); `rank`'s share of I is taken."""
+    def _load_slot(
+        self, param: nn.Parameter, slot: int, part: str, w: CheckpointTensor, rank: int
+    ) -> None:
+        """One expert's `part` into slot `slot` of `param`: w is gate_up [2I, H], gate / up
+        [I, H] or down [H, I] (a CheckpointTensor or a tensor: both narrow); `rank`'s share of I
+        is taken. Rows are written with store_rows (quantized where the experts are fp8)."""
         i = self.inter_local
         if part == "down":
-            dst.copy_(w.narrow(1, rank * i, i))
+            store_rows(param, 0, w.narrow(1, rank * i, i), slot)
         elif part == "gate_up":
             full_i = w.shape[0] // 2
-            dst[:i].copy_(w.narrow(0, rank * i, i))
-            dst[i:].copy_(w.narrow(0, full_i + rank * i, i))
+            store_rows(param, 0, w.narrow(0, rank * i, i), slot)
+            store_rows(param, i, w.narrow(0, full_i + rank * i, i), slot)
         else:
-            offset = 0 if part == "gate" else i
-            dst[offset : offset + i].copy_(w.narrow(0, rank * i, i))
+            store_rows(param, 0 if part == "gate" else i, w.narrow(0, rank * i, i), slot)
+
+    def _scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The experts' fp8 scales (w13's, w2's), or (None, None) for unquantized experts."""
+        return self.w13_weight_scale, self.w2_weight_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> [T, H]
@@ -106,7 +116,8 @@ class FusedMoE(nn.Module):
             return self._forward_expert_parallel(x, self.experts)
         weights, ids = moe_route(self.gate(x), self.top_k, self.renormalize)
         self.expert_counts += count_expert_tokens(ids, self.num_experts)
-        out = moe_experts(x, self.w13_weight, self.w2_weight, weights, ids, self.first_expert)
+        w13, w2, first = self.w13_weight, self.w2_weight, self.first_expert
+        out = moe_experts(x, w13, w2, weights, ids, first, *self._scales())
         return self.tp.all_reduce(out)
 
     def _forward_expert_parallel(self, x: torch.Tensor, experts: ExpertMap) -> torch.Tensor:
@@ -132,7 +143,8 @@ class FusedMoE(nn.Module):
         recv_meta = g.all_to_all(meta, send, recv)  # [R, 2]: physical slot, routing weight
         # Each received row is one pair: weight * expert(x) for an expert held here.
         e_w, e_ids = recv_meta[:, 1:2], recv_meta[:, 0:1].long()
-        done = moe_experts(recv_x, self.w13_weight, self.w2_weight, e_w, e_ids, self.first_expert)
+        w13, w2, first = self.w13_weight, self.w2_weight, self.first_expert
+        done = moe_experts(recv_x, w13, w2, e_w, e_ids, first, *self._scales())
         back = g.all_to_all(done, recv, send)  # [t * k, H] in `order`
         contrib = torch.empty_like(back)
         contrib[order] = back

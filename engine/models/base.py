@@ -38,8 +38,11 @@ class CausalLM(nn.Module):
     tie_word_embeddings: bool = False
 
     def map_checkpoint_name(self, name: str) -> tuple[str, Any] | None:
-        if "rotary_emb.inv_freq" in name:
-            return None
+        if "rotary_emb.inv_freq" in name or name.endswith((".input_scale", ".weight_zero_point")):
+            return None  # FP8 checkpoints' static activation scales: activations scale per token
+        if name.endswith(".weight_scale"):  # an FP8 weight's scales go where its rows go
+            target = self.map_checkpoint_name(name.removesuffix("_scale"))
+            return None if target is None else (target[0] + "_scale", target[1])
         if self.tie_word_embeddings and name.startswith("lm_head."):
             return None
         for old, new in self.checkpoint_renames.items():

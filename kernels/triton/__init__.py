@@ -7,6 +7,7 @@ package registers every kernel below under its wrapper's name.
 from pdmesh.kernels.triton import (
     activation,
     decode_attention,
+    fp8_linear,
     gemv,
     kv_store,
     moe_experts,
@@ -19,6 +20,7 @@ from pdmesh.kernels.triton import (
 __all__ = [
     "activation",
     "decode_attention",
+    "fp8_linear",
     "gemv",
     "kv_store",
     "moe_experts",

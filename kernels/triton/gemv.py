@@ -6,7 +6,8 @@ One program per BLOCK_N output features: it streams those rows of W (contiguous 
 loads, evicted first: nothing reads them again this step) and multiplies each tile by every row
 of x. Products accumulate elementwise in a [BLOCK_M, BLOCK_N, BLOCK_K] fp32 tile and are summed
 over K once at the end, so the loop has no cross-thread reduction. Rows past N re-read row N - 1
-(never stored) instead of masking, which keeps the loads along K unmasked.
+(never stored) instead of masking, which keeps the loads along K unmasked. An fp8 weight (with
+per-row scales) is widened to fp32 as it is loaded and its sums scaled once at the end.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def _load_x(ptrs, mask, K, GATED: tl.constexpr):
 def _gemv_kernel(
     x_ptr,
     w_ptr,
+    s_ptr,
     b_ptr,
     y_ptr,
     M,
@@ -54,6 +56,7 @@ def _gemv_kernel(
     stride_xm,
     stride_wn,
     stride_ym,
+    HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -81,6 +84,8 @@ def _gemv_kernel(
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
+    if HAS_SCALE:  # an fp8 weight: row n of W is w[n] * scale[n]
+        y *= tl.load(s_ptr + w_rows)[None, :]
     if HAS_BIAS:
         y += tl.load(b_ptr + w_rows).to(tl.float32)[None, :]
     out = y_ptr + rows[:, None] * stride_ym + cols[None, :]
@@ -127,8 +132,10 @@ def gemv(
     bias: torch.Tensor | None = None,
     config: GemvConfig | None = None,
     gated: bool = False,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    # x: [M, K] (or [M, 2K] = [gate | up] when gated), weight: [N, K], bias: [N] -> [M, N]
+    # x: [M, K] (or [M, 2K] = [gate | up] when gated), weight: [N, K], bias: [N] -> [M, N];
+    # scale: [N] float32 for an fp8 weight (row n is weight[n] * scale[n])
     n, k = weight.shape
     m = x.shape[0]
     if x.shape[1] != k * (2 if gated else 1):
@@ -138,6 +145,7 @@ def gemv(
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x,
         weight,
+        scale if scale is not None else weight,
         bias if bias is not None else weight,
         y,
         m,
@@ -146,6 +154,7 @@ def gemv(
         x.stride(0),
         weight.stride(0),
         y.stride(0),
+        HAS_SCALE=scale is not None,
         HAS_BIAS=bias is not None,
         GATED=gated,
         EVEN_K=k % cfg.block_k == 0,

@@ -51,7 +51,14 @@ def _combine_kernel(
 
 @register_triton("moe_experts")
 def moe_experts(
-    x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, first_expert: int
+    x: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    first_expert: int,
+    w13_scale: Tensor | None = None,
+    w2_scale: Tensor | None = None,
 ) -> Tensor:
     # The contract, shapes included, of `pdmesh.kernels.moe.moe_experts`, which calls this.
     num_tokens, hidden = x.shape
@@ -67,8 +74,8 @@ def moe_experts(
     weights = topk_weights.reshape(-1).contiguous()  # [T*k]
     cfg = moe_gemm_config(num_tokens, x.dtype)
     align = moe_align_block_size(topk_ids, first_expert, num_local, cfg.block_m)
-    h = w13_silu_gemm(x, w13, align, top_k, cfg)  # [T*k, I]
-    y = w2_gemm(h, w2, weights, align, cfg)  # [T*k, H]
+    h = w13_silu_gemm(x, w13, align, top_k, cfg, w13_scale)  # [T*k, I]
+    y = w2_gemm(h, w2, weights, align, cfg, w2_scale)  # [T*k, H]
     block_h = min(_BLOCK_H, triton.next_power_of_2(hidden))
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
         y,

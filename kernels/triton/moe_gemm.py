@@ -6,6 +6,8 @@ program multiplies gathered activation rows by that expert's weight tile. One ke
 - w13 GEMM (GATED): x[token] @ w13[e].T for the gate and the up half together (two accumulators
   over the same A tile), epilogue silu(gate) * up -> h: [pairs, I].
 - w2 GEMM: h[pair] @ w2[e].T, epilogue times the pair's routing weight -> y: [pairs, H].
+fp8 expert weights (with per-row scales) are widened to the activations' dtype as each tile is
+loaded and the scales applied to the fp32 sums (weight-only: the activations stay bf16).
 Programs are ordered in groups of GROUP_M row blocks so neighbouring programs reuse weight tiles.
 """
 
@@ -73,6 +75,7 @@ def _load_k_tile(ptrs, mask, k_mask, EVEN_K: tl.constexpr):
 def _grouped_gemm_kernel(
     a_ptr,
     w_ptr,
+    scale_ptr,
     out_ptr,
     topk_weights_ptr,
     sorted_ids_ptr,
@@ -85,9 +88,11 @@ def _grouped_gemm_kernel(
     stride_at,
     stride_we,
     stride_wn,
+    stride_se,
     stride_ot,
     TOP_K: tl.constexpr,
     GATED: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -124,6 +129,11 @@ def _grouped_gemm_kernel(
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     dtype = out_ptr.dtype.element_ty
+    if HAS_SCALE:  # fp8 weights: row n of w[e] is w[e, n] * scale[e, n]
+        s_ptrs = scale_ptr + expert * stride_se + cols
+        acc *= tl.load(s_ptrs, mask=col_mask, other=0.0)[None, :]
+        if GATED:
+            acc_u *= tl.load(s_ptrs + N, mask=col_mask, other=0.0)[None, :]
     if GATED:
         # The reference rounds each projection to the activation dtype before the SiLU.
         out = silu_mul(acc.to(dtype), acc_u.to(dtype), dtype)
@@ -144,12 +154,14 @@ def _grouped_gemm(
     cfg: MoEGemmConfig,
     top_k: int,
     gated: bool,
+    scale: torch.Tensor | None = None,  # [E, 2N] (w13) or [E, N] (w2) float32: fp8 weights
 ) -> torch.Tensor:
     n, k = out.shape[1], a.shape[1]
     block_n = cfg.block_n1 if gated else cfg.block_n2
     _grouped_gemm_kernel[(align.max_blocks * triton.cdiv(n, block_n),)](
         a,
         w,
+        scale if scale is not None else w,
         out,
         topk_weights,
         align.sorted_ids,
@@ -162,9 +174,11 @@ def _grouped_gemm(
         a.stride(0),
         w.stride(0),
         w.stride(1),
+        scale.stride(0) if scale is not None else 0,
         out.stride(0),
         TOP_K=top_k,
         GATED=gated,
+        HAS_SCALE=scale is not None,
         BLOCK_M=cfg.block_m,
         BLOCK_N=block_n,
         BLOCK_K=cfg.block_k,
@@ -183,9 +197,11 @@ def w13_silu_gemm(
     align: MoEAlignment,
     top_k: int,
     cfg: MoEGemmConfig,
+    scale: torch.Tensor | None = None,  # [E, 2I] float32 for fp8 weights
 ) -> torch.Tensor:  # h: [T * k, I]; rows of pairs not held here are left unwritten
     h = torch.empty(x.shape[0] * top_k, w13.shape[1] // 2, dtype=x.dtype, device=x.device)
-    return _grouped_gemm(x, w13, h, h, align, cfg, top_k, gated=True)  # no weights: h unread
+    # No routing weights here: h is passed in their place, unread.
+    return _grouped_gemm(x, w13, h, h, align, cfg, top_k, gated=True, scale=scale)
 
 
 def w2_gemm(
@@ -194,6 +210,7 @@ def w2_gemm(
     topk_weights: torch.Tensor,  # [T * k] float32
     align: MoEAlignment,
     cfg: MoEGemmConfig,
+    scale: torch.Tensor | None = None,  # [E, H] float32 for fp8 weights
 ) -> torch.Tensor:  # y: [T * k, H], weighted; rows of pairs not held here are left unwritten
     y = torch.empty(h.shape[0], w2.shape[1], dtype=h.dtype, device=h.device)
-    return _grouped_gemm(h, w2, y, topk_weights, align, cfg, top_k=1, gated=False)
+    return _grouped_gemm(h, w2, y, topk_weights, align, cfg, top_k=1, gated=False, scale=scale)

@@ -1,0 +1,81 @@
+"""FP8 (e4m3) references: row quantization, the W8A8 product, and the options that turn it on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdmesh.engine.config import QUANTIZATIONS, EngineConfig
+from pdmesh.engine.layers.quantization.registry import QUANTIZATIONS as METHODS
+from pdmesh.kernels import fp8
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def test_quantize_rows_maps_each_row_max_to_448_and_round_trips() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 300, generator=g) * torch.logspace(-3, 3, 6)[:, None]
+    x[2] = 0.0  # an all-zero row: scale stays positive, values stay 0 (no 0 / 0)
+    q, scale = fp8.quantize_rows_ref(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+    assert torch.isfinite(q.float()).all() and (scale > 0).all()
+    nonzero = [0, 1, 3, 4, 5]
+    assert torch.equal(q.float()[nonzero].abs().amax(dim=1), torch.full((5,), 448.0))
+    assert torch.equal(q.float()[2], torch.zeros(300))
+    back = fp8.dequantize_rows(q, scale, torch.float32)
+    # e4m3 keeps 3 mantissa bits: each element within 2^-4 of itself (normal range), the
+    # row's relative error well under that.
+    for r in nonzero:
+        assert _rel(back[r], x[r]) < 0.04
+
+
+def test_fp8_linear_is_the_exact_product_of_the_two_quantized_matrices() -> None:
+    g = torch.Generator().manual_seed(1)
+    x, w, b = torch.randn(5, 64, generator=g), torch.randn(48, 64, generator=g), torch.randn(48)
+    qw, sw = fp8.quantize_rows_ref(w)
+    y = fp8.fp8_linear_ref(x, qw, sw, b)
+    # The same product in float64 from the dequantized operands.
+    qx, sx = fp8.quantize_rows_ref(x)
+    xd, wd = qx.double() * sx.double()[:, None], qw.double() * sw.double()[:, None]
+    expected = xd @ wd.t() + b.double()
+    assert _rel(y, expected) < 1e-6
+    assert _rel(y, F.linear(x, w, b)) < 0.06  # and close to the unquantized product
+
+
+def test_gated_fp8_linear_quantizes_silu_gate_times_up() -> None:
+    g = torch.Generator().manual_seed(2)
+    gate_up, w = torch.randn(3, 2 * 40, generator=g) * 3, torch.randn(16, 40, generator=g)
+    qw, sw = fp8.quantize_rows_ref(w)
+    act = F.silu(gate_up[:, :40]) * gate_up[:, 40:]
+    got = fp8.fp8_silu_and_mul_linear_ref(gate_up, qw, sw)
+    assert torch.equal(got, fp8.fp8_linear_ref(act, qw, sw))
+
+
+def test_quantization_option_is_checked() -> None:
+    assert set(QUANTIZATIONS) == set(METHODS)  # the config's names are the registry's
+    assert EngineConfig(quantization="fp8").quantization == "fp8"
+    with pytest.raises(ValueError, match="quantization must be one of fp8"):
+        EngineConfig(quantization="int4")
+    with pytest.raises(ValueError, match="enable_eplb does not support quantization"):
+        EngineConfig(
+            quantization="fp8",
+            enable_eplb=True,
+            enable_expert_parallel=True,
+            tensor_parallel_size=2,
+        )
+
+
+def test_quantization_flag() -> None:
+    import argparse
+
+    from pdmesh.flags import engine_args, engine_argv, engine_options
+
+    parser = argparse.ArgumentParser()
+    engine_args(parser)
+    options = engine_options(parser.parse_args(["--quantization", "fp8"]))
+    assert options["quantization"] == "fp8"
+    assert "--quantization" not in engine_argv(engine_options(parser.parse_args([])))
+    assert engine_argv(options)[engine_argv(options).index("--quantization") + 1] == "fp8"
