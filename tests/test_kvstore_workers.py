@@ -258,3 +258,24 @@ def test_the_kv_policy_counts_store_blocks_as_cheaper_than_a_miss(tmp_path) -> N
         PromptInfo(info.num_tokens, info.block_hashes, bs, after), [decode], [busy, idle]
     )
     assert with_store.prefill is idle and with_store.prefill_miss_blocks == 1
+
+
+def test_pdmesh_up_hands_its_store_to_every_worker_and_the_router() -> None:
+    from pdmesh.cli import build_parser
+    from pdmesh.decode_service.config import DecodeConfig
+    from pdmesh.engine.config import EngineConfig
+    from pdmesh.mesh import plan_mesh
+    from pdmesh.serving.store_link import StoreOptions
+
+    parser = build_parser()
+    specs = plan_mesh(parser.parse_args(["up", "--kvstore", "--decode", "2"]))
+    store = specs[0]
+    for spec in specs[1:]:
+        flag = spec.command.index("--kvstore")
+        assert spec.command[flag + 1] == store.address, spec.name
+    with pytest.raises(ValueError, match="one rank"):
+        plan_mesh(parser.parse_args(["up", "--kvstore", "--decode-tp", "2"]))
+    with pytest.raises(ValueError, match="one rank"):
+        DecodeConfig(EngineConfig(tensor_parallel_size=2), kvstore=StoreOptions("10.0.0.9:50081"))
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        StoreOptions("10.0.0.9")
