@@ -47,6 +47,11 @@ class DecodeConfig:
     drain_on_sigterm: bool = False
 
     def __post_init__(self) -> None:
+        if self.kvstore is not None and self.engine.world_size != 1:
+            raise ValueError(
+                "--kvstore needs a worker of one rank for now (tensor and pipeline parallel size "
+                "1): the other ranks would fetch and push their own heads and layers."
+            )
         if self.prefill_failure_policy not in PREFILL_FAILURE_POLICIES:
             raise ValueError(
                 f"prefill_failure_policy must be one of {', '.join(PREFILL_FAILURE_POLICIES)}, "

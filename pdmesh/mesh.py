@@ -209,6 +209,10 @@ def plan_mesh(args: argparse.Namespace) -> list[ProcessSpec]:
     decode_flags = ["--max-waiting-requests", str(args.max_waiting_requests)]
     decode_flags += ["--prefill-timeout", str(args.prefill_timeout)]
     gpus = GpuPlacement(args.device)
+    if args.kvstore and any(
+        math.prod(_layout(args, role).values()) != 1 for role in ("prefill", "decode")
+    ):
+        raise ValueError("pdmesh up --kvstore needs workers of one rank for now (TP and PP 1).")
     specs: list[ProcessSpec] = [_kvstore(args)] if args.kvstore else []
     # Every worker reads through the store and publishes to it; the router counts its hits.
     store = ["--kvstore", specs[0].address] if args.kvstore else []

@@ -25,6 +25,11 @@ class PrefillConfig:
     kvstore: StoreOptions | None = None
 
     def __post_init__(self) -> None:
+        if self.kvstore is not None and self.engine.world_size != 1:
+            raise ValueError(
+                "--kvstore needs a worker of one rank for now (tensor and pipeline parallel size "
+                "1): the other ranks would fetch and push their own heads and layers."
+            )
         if self.kv_send_timeout_s <= 0:
             raise ValueError(f"kv_send_timeout_s must be > 0, got {self.kv_send_timeout_s!r}.")
         if self.tls is not None and not self.tls.can_serve:

@@ -202,3 +202,80 @@ def test_a_lying_or_dying_store_costs_a_recompute_never_a_request(tiny_model, fa
     assert got_r == hf_greedy(hf, r, 6, ignore_eos=True)
     assert took < 10 and killed.store_fetch_failures == 2 and killed.store_hit_blocks == 0
     assert killed.kv_blocks_used == 0 and decode.serving()
+
+
+def test_the_kv_policy_counts_store_blocks_as_cheaper_than_a_miss(tmp_path) -> None:
+    """The router's StoreHits learns the geometry from a real store and looks a prompt up; with
+    the store's blocks, the policy sends the prompt to an idle prefill worker rather than a busy
+    one holding half of it, and lets a decode worker prefill what the store nearly covers."""
+    from kvstore_support import GEOMETRY, publish, tokens_of
+
+    from pdmesh.kvstore_service.client import KVStoreClient
+    from pdmesh.prefix_hash import hash_prefix_blocks
+    from pdmesh.router.policies import PromptInfo, create_policy
+    from pdmesh.router.registry import Worker
+    from pdmesh.router.store_hits import StoreHits
+
+    bs = GEOMETRY.block_size
+    prompt = tokens_of(50, 8, extra=1)  # 8 full blocks and one token
+    argv = ["--port", str(free_port()), "--data-port", "0", "--capacity-gib", "0.01"]
+    store = Service("kvstore", argv, tmp_path / "kvstore.log").start()
+
+    async def run() -> tuple[int, int]:
+        hits = StoreHits(store.address, timeout_s=2)
+        before = await hits.blocks(prompt)  # no geometry yet: nothing, at once
+        client = KVStoreClient(store.address, GEOMETRY)
+        await publish(client, prompt[: 8 * bs])
+        hits._next_try = 0  # the next lookup asks for the geometry now, not in 2 s
+        after = await hits.blocks(prompt)
+        await client.close()
+        await hits.close()
+        return before, after
+
+    try:
+        store.wait_serving()
+        before, after = asyncio.run(run())
+    finally:
+        store.stop()
+    assert (before, after) == (0, 8)
+    info = PromptInfo(len(prompt), hash_prefix_blocks(prompt, bs), bs)
+    busy, idle, decode = (
+        Worker("busy:1", "prefill"),
+        Worker("idle:1", "prefill"),
+        Worker("d:1", "decode"),
+    )
+    busy.index.insert(info.block_hashes[:4])
+    busy.load.kv_blocks_used = 3
+    policy = create_policy("kv", overlap_weight=1.0, disagg_min_tokens=2 * bs)
+    alone = policy.choose(info, [decode], [busy, idle])
+    with_store = policy.choose(
+        PromptInfo(info.num_tokens, info.block_hashes, bs, after), [decode], [busy, idle]
+    )
+    assert alone.prefill is busy and alone.prefill_miss_blocks == 5
+    assert with_store.prefill is None  # 1 block (the last token's) left: prefilled locally
+    policy = create_policy("kv", overlap_weight=1.0, disagg_min_tokens=1)
+    with_store = policy.choose(
+        PromptInfo(info.num_tokens, info.block_hashes, bs, after), [decode], [busy, idle]
+    )
+    assert with_store.prefill is idle and with_store.prefill_miss_blocks == 1
+
+
+def test_pdmesh_up_hands_its_store_to_every_worker_and_the_router() -> None:
+    from pdmesh.cli import build_parser
+    from pdmesh.decode_service.config import DecodeConfig
+    from pdmesh.engine.config import EngineConfig
+    from pdmesh.mesh import plan_mesh
+    from pdmesh.serving.store_link import StoreOptions
+
+    parser = build_parser()
+    specs = plan_mesh(parser.parse_args(["up", "--kvstore", "--decode", "2"]))
+    store = specs[0]
+    for spec in specs[1:]:
+        flag = spec.command.index("--kvstore")
+        assert spec.command[flag + 1] == store.address, spec.name
+    with pytest.raises(ValueError, match="one rank"):
+        plan_mesh(parser.parse_args(["up", "--kvstore", "--decode-tp", "2"]))
+    with pytest.raises(ValueError, match="one rank"):
+        DecodeConfig(EngineConfig(tensor_parallel_size=2), kvstore=StoreOptions("10.0.0.9:50081"))
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        StoreOptions("10.0.0.9")
