@@ -24,6 +24,7 @@ from pdmesh.decode_service.types import Delta, RequestClock, Submission, Timings
 from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.outputs import FirstTokens, StepDelta
 from pdmesh.errors import (
+    Cancelled,
     DeadlineExceeded,
     FailedPrecondition,
     InvalidRequest,
@@ -59,6 +60,7 @@ class DecodeWorker(WorkerProcess):
         self._ranked: set[str] = set()
         self._subscribers: dict[str, asyncio.Queue[list[Delta]]] = {}
         self._owner: dict[str, str] = {}  # request id -> subscriber id
+        self._aborted_early: set[str] = set()  # aborted while `submit` still awaited
         self._remote: dict[str, asyncio.Task[None]] = {}
         # Engine thread: prompts prefilled here, to publish to the KV store once computed, with
         # how many of their leading blocks the store holds already.
@@ -140,11 +142,18 @@ class DecodeWorker(WorkerProcess):
             if self.store is not None and self._prefills_here(sub):
                 with tracing.use(span):
                     fetched = await self.store.read_through(sub.prompt)
+            if sub.request_id in self._aborted_early:
+                # Aborted while compiling or fetching: admitting it now would run it for nobody.
+                if fetched is not None:
+                    await self.loop.acall(lambda e: self.store.settle(e, sub.prompt, fetched))
+                raise Cancelled(f"request {sub.request_id!r} was aborted before it was admitted.")
             plan = await self.loop.acall(lambda e: self._admit(e, sub, fetched))
         except BaseException as exc:
             self._owner.pop(sub.request_id, None)
             self.traces.refused(sub.request_id, exc)
             raise
+        finally:
+            self._aborted_early.discard(sub.request_id)
         if plan is not None:
             with tracing.use(span):  # the prefill call and the transfer join the request's trace
                 task = asyncio.create_task(self._remote_prefill(sub, plan))
@@ -153,6 +162,8 @@ class DecodeWorker(WorkerProcess):
 
     async def abort(self, request_ids: list[str]) -> int:
         for rid in request_ids:
+            if rid in self._owner:  # may still be on its way in (see submit)
+                self._aborted_early.add(rid)
             task = self._remote.pop(rid, None)
             if task is not None:
                 task.cancel()
