@@ -175,7 +175,13 @@ class Drainer:
             raise NotFound(f"no migrating request has handle {handle!r} (expired or taken).")
         out.expiry.cancel()
         self._pulling += 1
-        d = out.detached
+        # A task of its own: a caller that goes away (its deadline, a cancel) must not leave
+        # the push's handles open or the blocks held; the push ends within its own timeout.
+        task = asyncio.ensure_future(self._hand_over(out.detached, target, token_ids))
+        task.add_done_callback(_retrieve)
+        return await asyncio.shield(task)
+
+    async def _hand_over(self, d: Detached, target: KVTarget | None, token_ids: list[int]) -> int:
         start = time.monotonic()
         span = _span(d, target)
         result, nbytes, error = "recomputed", 0, None
@@ -267,6 +273,12 @@ class Drainer:
     def close(self) -> None:
         for sender in self._senders.values():
             sender.close()
+
+
+def _retrieve(task: asyncio.Task[int]) -> None:
+    """A hand-over's outcome is reported by its caller, or not at all once the caller left."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _finish(sender: KVSender, handles: list[SendHandle], timeout_s: float) -> list[TransferStats]:
