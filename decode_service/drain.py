@@ -101,23 +101,23 @@ class Drainer:
         rids = list(w._owner)  # every request a router waits on here
         detached = await w.loop.acall(lambda e: self._detach(e, rids))
         stay = [rid for rid in rids if rid not in detached]
-        for rid in rids:
-            handle = ""
-            if rid in detached:
-                handle = secrets.token_hex(16)
-                expiry = asyncio.get_running_loop().call_later(self.hold_s, self._expire, handle)
-                self._out[handle] = _Outgoing(detached[rid], expiry)
+        for rid, d in detached.items():
+            handle = secrets.token_hex(16)
+            expiry = asyncio.get_running_loop().call_later(self.hold_s, self._expire, handle)
+            self._out[handle] = _Outgoing(d, expiry)
             self._announce(rid, handle)
         # Requests that cannot move with their KV: ended here (their remote prefill cancelled
-        # first), silently, since their router no longer listens for them.
+        # first), silently, since their router no longer listens for them; not those that
+        # ended meanwhile (their last delta went out before this).
+        told = [rid for rid in stay if self._announce(rid, "")]
         await w.abort(stay)
-        for _ in stay:
+        for _ in told:
             self.metrics.count("out", "recomputed")
-        self._recomputed += len(stay)
+        self._recomputed += len(told)
         log.info(
             "draining: %d requests detached for migration, %d to be recomputed elsewhere",
             len(detached),
-            len(stay),
+            len(told),
         )
         self._check_idle()
         await self._idle.wait()
@@ -136,14 +136,18 @@ class Drainer:
                 self.worker._deadlines.pop(rid, None)
         return out
 
-    def _announce(self, rid: str, handle: str) -> None:
-        """The request's last delta here: after its tokens, on its router's stream."""
+    def _announce(self, rid: str, handle: str) -> bool:
+        """The request's last delta here: after its tokens, on its router's stream. False when
+        it has ended already."""
         w = self.worker
         subscriber = w._owner.pop(rid, None)
-        queue = w._subscribers.get(subscriber) if subscriber is not None else None
+        if subscriber is None:
+            return False
+        queue = w._subscribers.get(subscriber)
         if queue is not None:
             queue.put_nowait([Delta(rid, [], "", None, moved=handle)])
         w.traces.moved(rid, handle)
+        return True
 
     def _expire(self, handle: str) -> None:
         out = self._out.pop(handle, None)
@@ -171,7 +175,13 @@ class Drainer:
             raise NotFound(f"no migrating request has handle {handle!r} (expired or taken).")
         out.expiry.cancel()
         self._pulling += 1
-        d = out.detached
+        # A task of its own: a caller that goes away (its deadline, a cancel) must not leave
+        # the push's handles open or the blocks held; the push ends within its own timeout.
+        task = asyncio.ensure_future(self._hand_over(out.detached, target, token_ids))
+        task.add_done_callback(_retrieve)
+        return await asyncio.shield(task)
+
+    async def _hand_over(self, d: Detached, target: KVTarget | None, token_ids: list[int]) -> int:
         start = time.monotonic()
         span = _span(d, target)
         result, nbytes, error = "recomputed", 0, None
@@ -263,6 +273,12 @@ class Drainer:
     def close(self) -> None:
         for sender in self._senders.values():
             sender.close()
+
+
+def _retrieve(task: asyncio.Task[int]) -> None:
+    """A hand-over's outcome is reported by its caller, or not at all once the caller left."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _finish(sender: KVSender, handles: list[SendHandle], timeout_s: float) -> list[TransferStats]:

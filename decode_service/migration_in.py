@@ -6,10 +6,11 @@ next input). This worker reserves blocks for all tokens but the last, as for a p
 worker computes, and calls the draining worker's `Migrate`, which pushes their KV into them.
 Committing then appends the last token as if a prefill had sampled it: the engine's replay of
 the tokens rebuilds the detokenizer's held-back text, a grammar's matcher, penalty counts and a
-seed's position (one draw per token), and the delta of that token, sent by the other worker
-already, is not sent again. Whatever fails on the way (no blocks here, the push, a timeout), the
-reservation is given up and the request computed here from its tokens, as after a lost worker:
-never a token lost or sent twice, never a block left held on either side.
+seed's position (one draw per output token: rebuilt from the seed here, so a step the other
+worker launched ahead and dropped does not shift it), and the delta of that token, sent by the
+other worker already, is not sent again. Whatever fails on the way (no blocks here, the push, a
+timeout), the reservation is given up and the request computed here from its tokens, as after a
+lost worker: never a token lost or sent twice, never a block left held on either side.
 """
 
 from __future__ import annotations

@@ -27,10 +27,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from service_support import Service, router_workers, wait_until, wait_workers
 
 from pdmesh import LLM, SamplingParams
+from pdmesh.errors import FIELD_METADATA
 from pdmesh.processes import free_port
 from pdmesh.sampling_params import StructuredOutputsParams
 from pdmesh.v1 import generation_pb2 as gen_pb
-from pdmesh.v1 import generation_pb2_grpc
+from pdmesh.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -211,6 +212,34 @@ def _check_outputs(folder: str, streams: list, prompts: list, kinds: list) -> No
             len(prompt),
             MAX_TOKENS * len(expected.outputs),
         )
+
+
+def test_bad_migration_calls_are_refused_naming_the_field(mesh: Mesh) -> None:
+    """A Submit that names a migration without what it needs, and a Migrate of a handle nobody
+    gave: refused with a clear status; the worker stays healthy and holds no block."""
+    with grpc.insecure_channel(mesh.bad.address) as ch:
+        stub = worker_pb2_grpc.DecodeWorkerStub(ch)
+        bad_submits = {
+            "migrate_from": worker_pb2.DecodeRequest(
+                request_id="r1", prompt_token_ids=[1, 2, 3], num_output_tokens_sent=1,
+                migrate_from=worker_pb2.MigrateFrom(address="127.0.0.1:1"),
+            ),
+            "num_output_tokens_sent": worker_pb2.DecodeRequest(
+                request_id="r2", prompt_token_ids=[1, 2, 3],
+                migrate_from=worker_pb2.MigrateFrom(address="127.0.0.1:1", handle="h"),
+            ),
+        }  # fmt: skip
+        for field, request in bad_submits.items():
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Submit(request, timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert dict(info.value.trailing_metadata())[FIELD_METADATA] == field
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Migrate(worker_pb2.MigrateRequest(handle="nobody-gave-this"), timeout=10)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "nobody-gave-this" in info.value.details()
+    assert mesh.bad.serving()
+    assert mesh.bad.stats().kv_blocks_used == 0
 
 
 def test_sigterm_migrates_eight_streams_with_their_kv(mesh: Mesh, folder: str) -> None:
