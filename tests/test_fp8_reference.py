@@ -79,3 +79,25 @@ def test_quantization_flag() -> None:
     assert options["quantization"] == "fp8"
     assert "--quantization" not in engine_argv(engine_options(parser.parse_args([])))
     assert engine_argv(options)[engine_argv(options).index("--quantization") + 1] == "fp8"
+
+
+def test_fp8_layers_keep_float32_scales_in_a_bf16_model() -> None:
+    """A bf16 model is built with bf16 as the default dtype; the scales stay float32 (the fp8
+    GEMM takes no other), and bf16 rows loaded into it are quantized with float32 scales."""
+    from pdmesh.engine.layers.linear import QKVParallelLinear
+    from pdmesh.engine.layers.quantization.registry import apply_quantization
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        layer = QKVParallelLinear(64, 16, 4, 2)
+        apply_quantization(layer, "fp8")
+    finally:
+        torch.set_default_dtype(old)
+    assert layer.weight.dtype == torch.float8_e4m3fn
+    assert layer.weight_scale.dtype == torch.float32
+    w = torch.randn(64, 64, dtype=torch.bfloat16)
+    layer.weight.weight_loader(layer.weight, w, "q")
+    q, s = fp8.quantize_rows_ref(w)
+    assert torch.equal(layer.weight_scale[:64], s)
+    assert torch.equal(layer.weight[:64].view(torch.uint8), q.view(torch.uint8))
