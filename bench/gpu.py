@@ -26,6 +26,7 @@ from pdmesh.bench.gpu_workloads import (
     decode_step_time,
     moe_touched_experts,
     prefill_time,
+    profile_decode,
     timed_generate,
     weight_bytes,
 )
@@ -154,7 +155,9 @@ def transformers_peer(folder: Path, report: Report) -> None:
     report.guarded("offline_engine_same_weights", ours_same_weights)
 
 
-def moe_section(folder: Path, ceil: dict[str, float], report: Report) -> None:
+def moe_section(
+    folder: Path, ceil: dict[str, float], report: Report, profile_to: Path | None = None
+) -> None:
     llm = dummy_llm(
         folder,
         quantization=DENSE.get("quantization"),
@@ -182,6 +185,10 @@ def moe_section(folder: Path, ceil: dict[str, float], report: Report) -> None:
 
     report.guarded("moe_decode_b1", lambda: decode(1))
     report.guarded("moe_decode_b64", lambda: decode(64))
+    if profile_to is not None:  # where a batch-1 step's time goes, kernel by kernel
+        kind = DENSE.get("quantization") or "bf16"
+        table = profile_decode(llm.engine, 1, 512)
+        (profile_to / f"profile-moe-b1-{kind}.txt").write_text(table)
 
 
 def plot(sweep: Any, out: Path) -> None:
@@ -220,10 +227,11 @@ def main() -> None:
     parser = out_parser(__doc__)
     parser.add_argument("--only", default="decode,peer,moe")
     parser.add_argument("--quantization", default=None, help="fp8: the engine's weights in FP8")
+    parser.add_argument("--profile", action="store_true", help="MoE: a batch-1 step's profile")
     args = parser.parse_args()
     only = set(args.only.split(","))
     DENSE["quantization"] = args.quantization
-    report = Report(args.out / "gpu.json")
+    report = Report(args.out / f"gpu{'-' + args.quantization if args.quantization else ''}.json")
     report.record("device", run_info("name"))
     ceil = ceilings()
     report.record("ceilings", ceil)
@@ -237,7 +245,8 @@ def main() -> None:
         transformers_peer(dense, report)
         release_memory()
     if "moe" in only:
-        moe_section(write_config(tmp / "qwen3moe", qwen3_moe_30b_config()), ceil, report)
+        folder = write_config(tmp / "qwen3moe", qwen3_moe_30b_config())
+        moe_section(folder, ceil, report, args.out if args.profile else None)
     print("\n" + json.dumps(report.data, indent=1, default=float))
 
 

@@ -132,7 +132,7 @@ def test_engine_flags_keep_their_spelling() -> None:
     argv += ["--kv-cache-memory-fraction", "0.5", "--max-num-seqs", "8"]
     argv += ["--max-num-batched-tokens", "512", "--max-model-len", "1024", "--no-prefix-caching"]
     argv += ["--enable-expert-parallel", "--seed", "7", "--enforce-eager", "--no-async-scheduling"]
-    argv += ["--load-format", "dummy", "--skip-tokenizer-init"]
+    argv += ["--load-format", "dummy", "--skip-tokenizer-init", "--quantization", "fp8"]
     argv += ["--eplb-window-size", "10", "--eplb-step-interval", "20"]
     argv += ["--distributed-executor-backend", "mp", "--nnodes", "2", "--node-rank", "1"]
     argv += ["--master-addr", "10.0.0.1", "--master-port", "29600"]
@@ -162,6 +162,7 @@ def test_engine_flags_keep_their_spelling() -> None:
         "eplb_window_size": 10,
         "eplb_step_interval": 20,
         "seed": 7,
+        "quantization": "fp8",
         "load_format": "dummy",
         "skip_tokenizer_init": True,
         "enforce_eager": True,

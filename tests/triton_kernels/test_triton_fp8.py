@@ -32,9 +32,16 @@ def test_quantize_rows_matches_reference(rows: int, k: int, dtype, device) -> No
 
 
 def test_quantize_rows_gated_fuses_silu_and_mul(dtype, device) -> None:
+    """Bit for bit the quantization of the SiLU kernel's output (on a GPU Triton's exp is not
+    torch's to the last bit, so the comparison is with the unfused Triton SiLU)."""
+    from pdmesh.kernels.triton.activation import silu_and_mul
+
     gate_up = _randn(4, 2 * 96, seed=3, device=device, dtype=dtype) * 3
     q, s = fp8_linear.quantize_rows(gate_up, gated=True)
-    q_ref, s_ref = fp8.quantize_rows_ref(silu_and_mul_ref(gate_up))
+    act = silu_and_mul(gate_up)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert float((act - silu_and_mul_ref(gate_up)).float().norm() / act.float().norm()) < tol
+    q_ref, s_ref = fp8.quantize_rows_ref(act)
     assert torch.equal(s, s_ref)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 

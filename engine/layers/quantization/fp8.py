@@ -25,7 +25,10 @@ def _fp8_pair(weight: nn.Parameter, loader: Loader | None) -> tuple[nn.Parameter
     """(fp8 weight shaped as `weight`, float32 scales shaped as its rows), linked for store_rows;
     the weight keeps `loader`."""
     q = nn.Parameter(torch.zeros(weight.shape, dtype=FP8_DTYPE, device=weight.device), False)
-    scale = nn.Parameter(torch.ones(weight.shape[:-1], device=weight.device), False)
+    # float32 whatever the model's dtype (the default dtype while the model is built).
+    scale = nn.Parameter(
+        torch.ones(weight.shape[:-1], dtype=torch.float32, device=weight.device), False
+    )
     q.fp8_scale = scale
     scale.is_fp8_scale = True  # dummy weights: made with their weight, not drawn
     if loader is not None:
