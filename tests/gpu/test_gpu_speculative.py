@@ -1,6 +1,6 @@
 """Speculative decoding on a GPU: verify steps eager beside CUDA-graph decode steps, async
-scheduling standing aside while drafts are proposed. Skipped without CUDA (not yet run on a
-device: written with the CPU implementation, issue 21)."""
+scheduling standing aside while drafts are proposed. Skipped without CUDA (passed on an H100,
+2026-11-25)."""
 
 from __future__ import annotations
 
@@ -37,5 +37,5 @@ def test_fp32_speculation_on_cuda_matches_transformers(tiny_model) -> None:
     )
     outs = crowd.generate([{"prompt_token_ids": p} for p in many], GREEDY)
     assert crowd.engine.steps_launched_ahead > 0
-    for prompt, out in zip(many[:3], outs, strict=True):
+    for prompt, out in zip(many[:3], outs[:3], strict=True):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 32, ignore_eos=True)
