@@ -268,3 +268,15 @@ def test_draft_model_greedy_is_exact(tiny_model, tmp_path) -> None:
     small = _small_vocab_model(tmp_path / "small", 12)
     with pytest.raises(ValueError, match="share the target's tokenizer"):
         LLM(folder, kv_cache_tokens=1024, speculative_config={"model": small})
+
+
+def test_tensor_parallel_worker_speculates_exactly(tiny_model) -> None:
+    """TP=2 (gloo): the followers run the verify step's extra rows (vocab-parallel LM head)."""
+    folder = str(tiny_model("qwen3"))
+    prompts = _looping_prompts()[:3]
+    off = _greedy(LLM(folder, kv_cache_tokens=1024), prompts)
+    with LLM(
+        folder, kv_cache_tokens=1024, tensor_parallel_size=2, speculative_config=ALWAYS
+    ) as llm:
+        assert _greedy(llm, prompts) == off
+        assert llm.engine.speculator.stats.accepted > 0

@@ -176,6 +176,16 @@ _ENGINE_FAMILIES: dict[str, tuple[type[Metric], str, str]] = {
         "pdmesh_host_kv_copy_seconds",
         "Seconds rank 0 spent copying KV to and from the host tier.",
     ),
+    "spec_draft_tokens": (
+        C,
+        "pdmesh_spec_draft_tokens",
+        "Speculative decoding: draft tokens verified by the target model.",
+    ),
+    "spec_accepted_tokens": (
+        C,
+        "pdmesh_spec_accepted_tokens",
+        "Speculative decoding: draft tokens accepted (output).",
+    ),
 }
 
 
