@@ -37,6 +37,7 @@ from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.migration import Detached, detach, drop
 from pdmesh.errors import FailedPrecondition, InvalidRequest, NotFound, Unavailable
 from pdmesh.kv_transfer.base import KVSender, SendHandle, TransferError, TransferStats
+from pdmesh.kv_transfer.push_connector import start_sends
 from pdmesh.kv_transfer.registry import check_transport, create_sender
 from pdmesh.kv_transfer.target import KVTarget
 from pdmesh.logger import get_logger
@@ -245,20 +246,9 @@ class Drainer:
         this returns, so they may be freed after)."""
         binding = self.worker.connector.binding
         cache = binding.cache  # [L, 2, num_blocks, block_size, heads, head_dim]
-        heads, layers = binding.heads, self.worker.geometry.layers
+        heads = binding.heads
         mine = range(heads.start, heads.start + heads.count)
-        handles = [
-            sender.start(
-                e.address,
-                target.transfer_id,
-                target.token,
-                target.num_blocks,
-                (e.head_start, e.num_heads),
-                (e.layer_start, e.num_layers) if e.num_layers else None,
-            )
-            for e in target.endpoints
-            if e.overlaps(mine, layers)
-        ]
+        handles = start_sends(sender, target, mine, self.worker.geometry.layers)
         first = target.first_block
         ids = d.holder.block_table[first : first + target.num_blocks]
         try:

@@ -129,18 +129,8 @@ class Arrivals:
         rx_span = w.traces.transfer_started(transfer.spec, w.geometry, transfer.transport)
         span = _span(sub, plan)
         try:
-            spec = transfer.spec
-            target = KVTarget(
-                transfer.transport,
-                spec.transfer_id,
-                spec.token,
-                plan.first_block,
-                spec.block_ids,
-                w.geometry.block_size,
-                w.kv.endpoints(transfer.transport),
-                timeout,
-                tracing.inject(rx_span) if rx_span is not None else {},
-            )
+            ctx = tracing.inject(rx_span) if rx_span is not None else {}
+            target = w.kv.target(transfer, plan.first_block, timeout, ctx)
             with tracing.use(span):
                 await self.client.migrate(
                     source.address, source.handle, target, sub.prompt, timeout

@@ -33,7 +33,6 @@ from pdmesh.errors import (
 )
 from pdmesh.kv_transfer.connector import ExternalBlocks
 from pdmesh.kv_transfer.receive_connector import IncomingTransfer, ReceiveConnector
-from pdmesh.kv_transfer.target import KVTarget
 from pdmesh.logger import get_logger
 from pdmesh.observability import tracing
 from pdmesh.serving.store_link import Fetched
@@ -186,18 +185,8 @@ class DecodeWorker(WorkerProcess):
         try:
             if self.kv.followers is not None:
                 await self.loop.acall(lambda e: self.kv.expect_followers(transfer, rx_timeout))
-            spec = transfer.spec
-            target = KVTarget(
-                transfer.transport,
-                spec.transfer_id,
-                spec.token,
-                plan.first_block,
-                spec.block_ids,
-                self.geometry.block_size,
-                self.kv.endpoints(transfer.transport),
-                timeout,
-                tracing.inject(rx_span) if rx_span is not None else {},
-            )
+            ctx = tracing.inject(rx_span) if rx_span is not None else {}
+            target = self.kv.target(transfer, plan.first_block, timeout, ctx)
             first = await self._prefill.prefill(address, rid, sub.prompt, sub.params, target)
             moved = await asyncio.wait_for(asyncio.wrap_future(transfer.arrived), kv_timeout)
             if self.kv.followers is not None:

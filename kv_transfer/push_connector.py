@@ -67,6 +67,25 @@ class PushEnd:
     timeout_s: float | None
 
 
+def start_sends(
+    sender: KVSender, target: KVTarget, heads: range, layers: range
+) -> list[SendHandle]:
+    """A send handle to every endpoint of `target` that holds any of this rank's KV `heads` in
+    its `layers` (global indices), each told which of them it receives."""
+    return [
+        sender.start(
+            e.address,
+            target.transfer_id,
+            target.token,
+            target.num_blocks,
+            (e.head_start, e.num_heads),
+            (e.layer_start, e.num_layers) if e.num_layers else None,
+        )
+        for e in target.endpoints
+        if e.overlaps(heads, layers)
+    ]
+
+
 @dataclass
 class PushJob:
     """One prompt's push, as rank 0 plans it (engine thread)."""
@@ -169,20 +188,9 @@ class PushConnector(KVConnector):
             self.check(target.transport)
             sender = create_sender(target.transport, self.geometry)
             self._senders[target.transport] = sender
-        heads, layers = self.binding.heads, self.geometry.layers
+        heads = self.binding.heads
         mine = range(heads.start, heads.start + heads.count)
-        handles = [
-            sender.start(
-                e.address,
-                target.transfer_id,
-                target.token,
-                target.num_blocks,
-                (e.head_start, e.num_heads),
-                (e.layer_start, e.num_layers) if e.num_layers else None,
-            )
-            for e in (target.endpoints if heads.sends else ())
-            if e.overlaps(mine, layers)
-        ]
+        handles = start_sends(sender, target, mine, self.geometry.layers) if heads.sends else []
         self._sends[job_id] = _Sends(job_id, sender, handles)
 
     def _abort(self, job_id: int) -> None:

@@ -29,7 +29,7 @@ from pdmesh.kv_transfer.connector import (
 )
 from pdmesh.kv_transfer.registry import create_receiver, resolve_transport
 from pdmesh.kv_transfer.stats import ReceiverStats, total_stats
-from pdmesh.kv_transfer.target import KVEndpoint
+from pdmesh.kv_transfer.target import KVEndpoint, KVTarget
 
 
 @control_message
@@ -211,6 +211,28 @@ class ReceiveConnector(KVConnector):
     def addresses(self) -> dict[str, str]:
         """Rank 0's advertised address per transport."""
         return {name: eps[0].address for name, eps in self._endpoints.items()}
+
+    def target(
+        self,
+        transfer: IncomingTransfer,
+        first_block: int,
+        timeout_s: float,
+        trace_context: dict[str, str],
+    ) -> KVTarget:
+        """Where a sender pushes `transfer` (its blocks hold the prompt's from `first_block`):
+        what a Prefill or Migrate call carries."""
+        spec = transfer.spec
+        return KVTarget(
+            transfer.transport,
+            spec.transfer_id,
+            spec.token,
+            first_block,
+            spec.block_ids,
+            self.geometry.block_size,
+            self.endpoints(transfer.transport),
+            timeout_s,
+            trace_context,
+        )
 
     def expect(self, transport: str, block_ids: list[int], timeout_s: float) -> IncomingTransfer:
         """Announce a transfer to rank 0's receiver."""
