@@ -5,10 +5,13 @@ Every rank holds a pool of the same number of slots, each slot the KV of one blo
 layers and heads this rank's cache holds; rank 0's index (engine/host_index.py) decides what goes
 where, and each step carries its copies to every rank (engine/step_codec.py). `copy` runs them
 before the step's forward. On a GPU they are queued without a host sync (pinned memory): the
-host goes on building the next step meanwhile. Offloads, and loads a sequence of the step reads,
-run on the compute stream before the forward; loads no sequence of the step reads (`overlap`:
-their request sits the step out, see Scheduler) run on a stream of their own beside the forward,
-and the next step's work waits for them.
+host goes on building the next step meanwhile. Offloads run on the compute stream, loads on a
+stream of their own, chunk by chunk and pipelined (device-to-host and host-to-device copies use
+different copy engines): a load chunk's slots are staged on the device at once, and scattered
+into its blocks once the offloads that read those blocks' old KV are done. Loads a sequence of
+the step reads finish before the forward; loads no sequence of the step reads (`overlap`: their
+request sits the step out, see Scheduler) run beside it, and the next step's work waits for
+them. On the CPU the copies run as they are called: offloads, then loads.
 """
 
 from __future__ import annotations
@@ -67,25 +70,62 @@ class HostPool:
         head_dim], this rank's KV cache. offloads: (device block, slot) pairs, flat: each
         block's KV into its slot; then loads: (slot, device block) pairs, flat: each slot's KV
         into its block, beside the forward with `overlap` (on a GPU)."""
-        side = self._side_stream(cache.device) if overlap and loads else None
         if self._loading is not None:  # the last step's loads: before anything of this one
             torch.cuda.current_stream().wait_event(self._loading)
             self._loading = None
         if not (offloads or loads):
             return
         start = self._start(cache.device)
-        self._offload(cache, offloads)
+        side = self._side_stream(cache.device) if loads else None
         if side is None:
+            self._offload(cache, offloads)
             self._load(cache, loads)
+            self._stop(start, None)
+            return
+        end = self._pipelined(cache, offloads, loads, side)
+        if overlap:
+            self._loading = end
         else:
-            # After this step's offloads (a block loaded into may have just been evicted) and
-            # the steps before; nothing of this step reads or writes the blocks loaded into.
-            side.wait_stream(torch.cuda.current_stream())
+            torch.cuda.current_stream().wait_event(end)  # the forward reads the loaded blocks
+        self._stop(start, end if overlap else None)
+
+    def _pipelined(
+        self, cache: torch.Tensor, offloads: list[int], loads: list[int], side: torch.cuda.Stream
+    ) -> torch.cuda.Event:
+        """Offload chunks on the compute stream and load chunks on `side`, queued interleaved so
+        both copy engines get work at once; each load chunk's scatter waits for the offload
+        chunks that read the blocks it overwrites. Returns the event after every copy (on
+        `side`)."""
+        # The steps before: their reads and writes of the blocks and slots touched here.
+        side.wait_stream(torch.cuda.current_stream())
+        # Device block -> the offload chunk that reads its old KV (each block offloaded once).
+        chunk_of = {b: i // (2 * CHUNK) for i, b in enumerate(offloads) if i % 2 == 0}
+        num_offload_chunks = -(-len(offloads) // (2 * CHUNK))
+        done: list[torch.cuda.Event] = []  # one per offload chunk queued so far
+
+        def offload_upto(n: int) -> None:
+            while len(done) < min(n, num_offload_chunks):
+                at = len(done) * 2 * CHUNK
+                self._offload(cache, offloads[at : at + 2 * CHUNK])
+                done.append(torch.cuda.Event())
+                done[-1].record()
+
+        for j, at in enumerate(range(0, len(loads), 2 * CHUNK)):
+            chunk = loads[at : at + 2 * CHUNK]
+            needs = [chunk_of[b] for b in chunk[1::2] if b in chunk_of]
+            offload_upto(max([j, *needs]) + 1)
             with torch.cuda.stream(side):
-                self._load(cache, loads)
-                self._loading = torch.cuda.Event(enable_timing=True)
-                self._loading.record()
-        self._stop(start, self._loading if side is not None else None)
+                staged = self._stage(cache, chunk[0::2])
+                if needs:
+                    side.wait_event(done[max(needs)])
+                blocks = host_to_device(torch.tensor(chunk[1::2]), cache.device)
+                cache[:, :, blocks] = staged.movedim(0, 2)
+        offload_upto(num_offload_chunks)
+        end = torch.cuda.Event(enable_timing=True)
+        if done:
+            side.wait_event(done[-1])  # so that `end` closes the offloads too
+        end.record(side)
+        return end
 
     @property
     def loading(self) -> bool:
@@ -117,13 +157,17 @@ class HostPool:
     def _load(self, cache: torch.Tensor, loads: list[int]) -> None:
         for at in range(0, len(loads), 2 * CHUNK):
             chunk = loads[at : at + 2 * CHUNK]
-            slots = chunk[0::2]
-            shape = (len(slots), *self.data.shape[1:])
-            staged = torch.empty(shape, dtype=cache.dtype, device=cache.device)
-            for i, slot in enumerate(slots):
-                staged[i].copy_(self.data[slot], non_blocking=True)
+            staged = self._stage(cache, chunk[0::2])
             blocks = host_to_device(torch.tensor(chunk[1::2]), cache.device)
             cache[:, :, blocks] = staged.movedim(0, 2)
+
+    def _stage(self, cache: torch.Tensor, slots: list[int]) -> torch.Tensor:
+        """The slots' KV on the cache's device: [len(slots), layers, 2, block_size, ...]."""
+        shape = (len(slots), *self.data.shape[1:])
+        staged = torch.empty(shape, dtype=cache.dtype, device=cache.device)
+        for i, slot in enumerate(slots):
+            staged[i].copy_(self.data[slot], non_blocking=True)
+        return staged
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream | None:
         if device.type != "cuda":
