@@ -59,7 +59,8 @@ class DecodeWorker(WorkerProcess):
         self._ranked: set[str] = set()
         self._subscribers: dict[str, asyncio.Queue[list[Delta]]] = {}
         self._owner: dict[str, str] = {}  # request id -> subscriber id
-        self._aborted_early: set[str] = set()  # aborted while `submit` still awaited
+        self._submitting: set[str] = set()  # requests whose `submit` still awaits
+        self._aborted_early: set[str] = set()  # of those, the aborted ones
         self._remote: dict[str, asyncio.Task[None]] = {}
         # Engine thread: prompts prefilled here, to publish to the KV store once computed, with
         # how many of their leading blocks the store holds already.
@@ -133,6 +134,7 @@ class DecodeWorker(WorkerProcess):
         if sub.request_id in self._owner:
             raise InvalidRequest(f"request_id {sub.request_id!r} is already in use.", "request_id")
         self._owner[sub.request_id] = sub.subscriber_id
+        self._submitting.add(sub.request_id)
         span = self.traces.begin(sub)
         try:
             if sub.params.structured_outputs is not None:  # compiled off the engine thread
@@ -152,6 +154,7 @@ class DecodeWorker(WorkerProcess):
             self.traces.refused(sub.request_id, exc)
             raise
         finally:
+            self._submitting.discard(sub.request_id)
             self._aborted_early.discard(sub.request_id)
         if plan is not None:
             with tracing.use(span):  # the prefill call and the transfer join the request's trace
@@ -161,7 +164,7 @@ class DecodeWorker(WorkerProcess):
 
     async def abort(self, request_ids: list[str]) -> int:
         for rid in request_ids:
-            if rid in self._owner:  # may still be on its way in (see submit)
+            if rid in self._submitting:  # still on its way in (see submit)
                 self._aborted_early.add(rid)
             task = self._remote.pop(rid, None)
             if task is not None:
