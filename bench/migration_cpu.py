@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdmesh.checkpoint.source import resolve_model_folder
+from pdmesh.healthcheck import SERVING, check
 from pdmesh.processes import free_port
 from pdmesh.supervisor import stop
 from pdmesh.v1 import generation_pb2 as gen_pb
@@ -54,14 +54,7 @@ class _Proc:
             )
 
     def serving(self) -> bool:
-        try:
-            with grpc.insecure_channel(self.address) as ch:
-                reply = health_pb2_grpc.HealthStub(ch).Check(
-                    health_pb2.HealthCheckRequest(), timeout=2
-                )
-        except grpc.RpcError:
-            return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+        return check(self.address, timeout_s=2)[0] == SERVING
 
     def signal(self, sig: int) -> None:
         if self.proc.poll() is None:

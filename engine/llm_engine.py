@@ -313,10 +313,7 @@ class LLMEngine:
                 self._inflight.append(nxt)
         sampled = self.runner.collect(cur.handle)
         logprobs = self.runner.collect_logprobs(cur.handle, sampled)
-        for i, position, entry in cur.handle.prompt_logprobs:
-            request = self._requests.get(cur.batch.seqs[i].request_id)
-            if request is not None and request.prompt_logprobs is not None:
-                request.prompt_logprobs[position + 1] = entry  # predicts the next token
+        self._record_prompt_logprobs(cur)
         self.scheduler.complete(cur.batch)
         deltas: list[StepDelta] = []
         for i, (seq, token) in enumerate(zip(cur.batch.seqs, sampled, strict=True)):
@@ -324,6 +321,12 @@ class LLMEngine:
                 lp = logprobs[i] if logprobs is not None else None
                 deltas.append(self._append(self._requests[seq.request_id], seq, token, lp))
         return mark_request_ends(deltas, self.is_finished)
+
+    def _record_prompt_logprobs(self, cur: InFlight) -> None:
+        for i, position, entry in cur.handle.prompt_logprobs:
+            request = self._requests.get(cur.batch.seqs[i].request_id)
+            if request is not None and request.prompt_logprobs is not None:
+                request.prompt_logprobs[position + 1] = entry  # predicts the next token
 
     def _launch(self, busy: Collection[Sequence] = ()) -> InFlight | None:
         """Schedule a step and launch it (None: nothing to run). `busy`: the sequences of the

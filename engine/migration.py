@@ -54,7 +54,7 @@ def detach(engine: LLMEngine, request_id: str) -> Detached | None:
         return None
     seq = engine._requests[request_id].seq
     holder = Sequence(request_id, seq.token_ids, seq.params)
-    engine.scheduler._blocks.share(seq, holder)
+    engine.scheduler.blocks.share(seq, holder)
     detached = Detached(request_id, list(seq.token_ids), seq.num_output_tokens, holder)
     engine.abort_request(request_id)  # its delta is not published: the request moves on
     engine.release(request_id)
@@ -64,4 +64,4 @@ def detach(engine: LLMEngine, request_id: str) -> Detached | None:
 def drop(engine: LLMEngine, detached: Detached) -> None:
     """Free a detached request's blocks (engine thread). Idempotent."""
     if detached.holder.block_table:
-        engine.scheduler._blocks.free(detached.holder)
+        engine.scheduler.blocks.free(detached.holder)

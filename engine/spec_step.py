@@ -32,10 +32,7 @@ def verified_step(engine: LLMEngine, cur: InFlight) -> list[StepDelta]:
     if handle.logprobs is not None:
         top, wanted = handle.logprobs
         entries = verify.logprobs(top, wanted, tokens, emitted)
-    for i, position, entry in handle.prompt_logprobs:
-        request = engine._requests.get(batch.seqs[i].request_id)
-        if request is not None and request.prompt_logprobs is not None:
-            request.prompt_logprobs[position + 1] = entry
+    engine._record_prompt_logprobs(cur)
     engine.scheduler.complete(batch)
     speculator = engine.speculator
     assert speculator is not None
