@@ -15,6 +15,7 @@ from typing import Any
 
 from pdmesh.decode_service.config import DecodeConfig
 from pdmesh.decode_service.drain import Drainer
+from pdmesh.decode_service.early_aborts import EarlyAborts
 from pdmesh.decode_service.metrics import DecodeMetrics
 from pdmesh.decode_service.migration_in import Arrivals
 from pdmesh.decode_service.migration_metrics import MigrationMetrics
@@ -59,8 +60,7 @@ class DecodeWorker(WorkerProcess):
         self._ranked: set[str] = set()
         self._subscribers: dict[str, asyncio.Queue[list[Delta]]] = {}
         self._owner: dict[str, str] = {}  # request id -> subscriber id
-        self._submitting: set[str] = set()  # requests whose `submit` still awaits
-        self._aborted_early: set[str] = set()  # of those, the aborted ones
+        self._early = EarlyAborts()
         self._remote: dict[str, asyncio.Task[None]] = {}
         # Engine thread: prompts prefilled here, to publish to the KV store once computed, with
         # how many of their leading blocks the store holds already.
@@ -133,8 +133,9 @@ class DecodeWorker(WorkerProcess):
             )
         if sub.request_id in self._owner:
             raise InvalidRequest(f"request_id {sub.request_id!r} is already in use.", "request_id")
-        self._owner[sub.request_id] = sub.subscriber_id
-        self._submitting.add(sub.request_id)
+        rid = sub.request_id
+        self._early.begin(rid)
+        self._owner[rid] = sub.subscriber_id
         span = self.traces.begin(sub)
         try:
             if sub.params.structured_outputs is not None:  # compiled off the engine thread
@@ -143,29 +144,37 @@ class DecodeWorker(WorkerProcess):
             if self.store is not None and self._prefills_here(sub):
                 with tracing.use(span):
                     fetched = await self.store.read_through(sub.prompt)
-            if sub.request_id in self._aborted_early:
+            if self._early.aborted(rid):
                 # Aborted while compiling or fetching: admitting it now would run it for nobody.
                 if fetched is not None:
                     await self.loop.acall(lambda e: self.store.settle(e, sub.prompt, fetched))
-                raise Cancelled(f"request {sub.request_id!r} was aborted before it was admitted.")
-            plan = await self.loop.acall(lambda e: self._admit(e, sub, fetched))
+                raise Cancelled(f"request {rid!r} was aborted before it was admitted.")
+            try:
+                plan = await self.loop.acall(lambda e: self._admit(e, sub, fetched))
+            except asyncio.CancelledError:
+                # The Submit call went away while the engine thread admitted the request: end it
+                # there (queued behind the admission), since no abort will name it now.
+                self.loop.call(lambda e: self._abort_one(e, rid))
+                raise
+            if self._early.aborted(rid):
+                # The abort queued behind the admission ends the request (and frees a
+                # reservation): no prefill worker may fill blocks that are free again.
+                raise Cancelled(f"request {rid!r} was aborted while it was admitted.")
         except BaseException as exc:
-            self._owner.pop(sub.request_id, None)
-            self.traces.refused(sub.request_id, exc)
+            self._owner.pop(rid, None)
+            self.traces.refused(rid, exc)
             raise
         finally:
-            self._submitting.discard(sub.request_id)
-            self._aborted_early.discard(sub.request_id)
+            self._early.end(rid)
         if plan is not None:
             with tracing.use(span):  # the prefill call and the transfer join the request's trace
                 task = asyncio.create_task(self._remote_prefill(sub, plan))
-            self._remote[sub.request_id] = task
+            self._remote[rid] = task
             await asyncio.sleep(0)  # the Prefill call goes out before this reply: TTFT
 
     async def abort(self, request_ids: list[str]) -> int:
         for rid in request_ids:
-            if rid in self._submitting:  # still on its way in (see submit)
-                self._aborted_early.add(rid)
+            self._early.abort(rid, known=rid in self._owner)  # see submit
             task = self._remote.pop(rid, None)
             if task is not None:
                 task.cancel()
