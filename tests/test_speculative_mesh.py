@@ -35,11 +35,11 @@ def test_greedy_through_the_mesh_equals_speculation_off(default_llm: LLM) -> Non
         json.dumps(SPEC),
     )
     try:
-        got = asyncio.run(greedy_tokens(mesh.target, prompts, 40))
+        got = asyncio.run(greedy_tokens(mesh.target, prompts, 24))
         stats = mesh.stats(mesh.decode[0])
     finally:
         mesh.stop()
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     want = default_llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert got == [w.outputs[0].token_ids for w in want]
     assert 0 < stats.spec_accepted_tokens <= stats.spec_draft_tokens  # it did speculate

@@ -34,7 +34,7 @@ def test_greedy_tokens_match_the_torch_backend(
     """fp8: per-token quantization and the fp8 MoE experts on Triton, W8A8 as the references
     (shorter prompts: the interpreter quantizes each row in a program of its own)."""
     folder = tiny_model(arch)
-    prompts = random_prompts([9, 40, 23] if quantization is None else [9, 17])
+    prompts = random_prompts([9, 40, 23] if quantization is None else [11])
     if quantization is not None:  # the fp8 GEMV keeps activations unquantized: W8A8 throughout
         monkeypatch.setenv("PDMESH_GEMV_MAX_ROWS", "0")
     monkeypatch.setenv("PDMESH_KERNEL_BACKEND", "torch")
