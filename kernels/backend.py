@@ -1,9 +1,12 @@
-"""Which implementation a kernel wrapper runs: the torch reference or a Triton kernel.
+"""Which implementation a kernel wrapper runs: the torch reference, a Triton kernel, or a CPU one.
 
 Every wrapper in this package calls `pick(name, tensor)`; a Triton implementation registers
-itself with `register_triton(name)`. The Triton implementations (`pdmesh.kernels.triton`) are
-imported the first time one could be used (a CUDA tensor, or `PDMESH_KERNEL_BACKEND=triton`), so
-CPU-only processes never import Triton. `PDMESH_KERNEL_BACKEND=torch` forces the references.
+itself with `register_triton(name)`, a CPU one with `register_cpu(name)`. The Triton
+implementations (`pdmesh.kernels.triton`) are imported the first time one could be used (a CUDA
+tensor, or `PDMESH_KERNEL_BACKEND=triton`), so CPU-only processes never import Triton; the CPU
+ones (`pdmesh.kernels.cpu`) the first time a kernel runs on a CPU tensor. A kernel without an
+implementation for the device runs its reference. `PDMESH_KERNEL_BACKEND=torch` forces the
+references.
 """
 
 from __future__ import annotations
@@ -17,13 +20,23 @@ from pdmesh import envs
 from pdmesh.logger import get_logger
 
 _TRITON: dict[str, Callable[..., Any]] = {}
+_CPU: dict[str, Callable[..., Any]] = {}
 # Whether importing pdmesh.kernels.triton has been tried (once per process, hit or miss).
 _TRITON_IMPORT_TRIED = False
+_CPU_IMPORTED = False
 
 
 def register_triton(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         _TRITON[name] = fn
+        return fn
+
+    return deco
+
+
+def register_cpu(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        _CPU[name] = fn
         return fn
 
     return deco
@@ -45,7 +58,18 @@ def pick(name: str, like: torch.Tensor, reference: Callable[..., Any]) -> Callab
                 f"PDMESH_KERNEL_BACKEND=triton, but no Triton implementation of kernel {name!r} "
                 "is registered (is the triton package installed?)"
             )
+        return reference
+    if like.device.type == "cpu":
+        if not _CPU_IMPORTED:
+            _import_cpu_kernels()
+        return _CPU.get(name, reference)
     return reference
+
+
+def _import_cpu_kernels() -> None:
+    global _CPU_IMPORTED
+    _CPU_IMPORTED = True
+    import pdmesh.kernels.cpu  # noqa: F401  (registers the CPU kernels)
 
 
 def _import_triton_kernels() -> None:

@@ -18,7 +18,8 @@ def log_level() -> str:
 
 
 def kernel_backend() -> str:
-    """PDMESH_KERNEL_BACKEND: 'auto' (Triton on CUDA, torch elsewhere), 'torch' or 'triton'."""
+    """PDMESH_KERNEL_BACKEND: 'auto' (Triton on CUDA, the CPU kernels on CPUs, each kernel's
+    torch reference where neither has one), 'torch' (the references) or 'triton'."""
     value = os.environ.get("PDMESH_KERNEL_BACKEND", "auto").lower()
     if value not in ("auto", "torch", "triton"):
         raise ValueError(f"PDMESH_KERNEL_BACKEND must be auto, torch or triton, got {value!r}")

@@ -1,0 +1,9 @@
+"""CPU implementations of the kernels, registered with `pdmesh.kernels.backend`.
+
+Imported on demand by `backend.pick` the first time a kernel runs on a CPU tensor; importing this
+package registers every kernel below under its wrapper's name.
+"""
+
+from pdmesh.kernels.cpu import attention, onednn_linear
+
+__all__ = ["attention", "onednn_linear"]
