@@ -89,7 +89,7 @@ def paged_decode_attention(
     scale: float,
     max_context_len: int | None = None,
 ) -> torch.Tensor:  # [B, H, D]
-    batch, heads, dim = query.shape
+    heads, dim = query.shape[1:]
     kv_heads = k_cache.shape[2]
     out = torch.empty_like(query)
     for g in _plan(block_tables, context_lens, k_cache.shape[1]).groups:

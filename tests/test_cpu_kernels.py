@@ -1,0 +1,88 @@
+"""The CPU kernels (`pdmesh.kernels.cpu`) against dense float64 math, and against the
+references they stand in for; and that CPU tensors reach them unless PDMESH_KERNEL_BACKEND=torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_kernel_references import MIXED, _dense_attention, _paged
+
+from pdmesh.kernels import linear, paged_decode_attention, silu_and_mul_linear
+from pdmesh.kernels.activation import silu_and_mul_ref
+from pdmesh.kernels.attention import paged_decode_attention_ref
+from pdmesh.kernels.backend import pick
+from pdmesh.kernels.cpu import attention as cpu_attention
+from pdmesh.kernels.cpu import onednn_linear
+from pdmesh.kernels.linear import linear_ref
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_onednn_linear_matches_float64(rows: int, bias: bool) -> None:
+    x, w = torch.randn(rows, 576), torch.randn(960, 576) * 0.05
+    b = torch.randn(960) if bias else None
+    want = F.linear(x.double(), w.double(), b.double() if bias else None)
+    torch.testing.assert_close(onednn_linear.linear(x, w, b).double(), want, rtol=1e-5, atol=1e-4)
+    gated = torch.randn(rows, 2 * 576)
+    want = F.linear(silu_and_mul_ref(gated.double()), w.double())
+    got = onednn_linear.silu_and_mul_linear(gated, w)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+def test_onednn_linear_leaves_other_dtypes_and_shapes_to_the_reference() -> None:
+    w = torch.randn(64, 32)
+    x16 = torch.randn(5, 32, dtype=torch.bfloat16)
+    assert torch.equal(onednn_linear.linear(x16, w.bfloat16()), linear_ref(x16, w.bfloat16()))
+    x3 = torch.randn(2, 5, 32)
+    assert torch.equal(onednn_linear.linear(x3, w), linear_ref(x3, w))
+
+
+@pytest.mark.parametrize("contexts", [[1, 15, 16, 17, 100], MIXED], ids=["batch5", "batch19"])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (9, 3), (8, 2), (8, 1)])
+def test_cpu_paged_decode_matches_dense(heads: int, kv_heads: int, contexts: list[int]) -> None:
+    k_cache, v_cache, tables, kv = _paged(contexts, kv_heads, 32, num_blocks=160)
+    q = torch.randn(len(contexts), heads, 32)
+    lens = torch.tensor(contexts, dtype=torch.int32)
+    out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 32**-0.5)
+    for i, ctx in enumerate(contexts):
+        ref = _dense_attention(q[i : i + 1].double(), *kv[i], torch.tensor([ctx - 1]), 32**-0.5)
+        torch.testing.assert_close(out[i].double(), ref[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_plan_serves_only_its_own_step() -> None:
+    """Layers of one step share a plan; the next step's tables (new tensors, other lengths, or
+    the same lengths in other pages) get their own."""
+    k_cache, v_cache, tables, _ = _paged(MIXED, 3, 32, num_blocks=160)
+    q = torch.randn(len(MIXED), 9, 32)
+    lens = torch.tensor(MIXED, dtype=torch.int32)
+    first = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.2)
+    plan = cpu_attention._last
+    again = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.2)
+    assert cpu_attention._last is plan and torch.equal(first, again)
+    for step in range(3):
+        grown = [min(n + step + 1, 100) for n in MIXED]  # a decode step later
+        tables2 = tables.flip(0).contiguous() if step == 2 else tables.clone()
+        lens2 = torch.tensor(grown[::-1] if step == 2 else grown, dtype=torch.int32)
+        got = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables2, lens2, 0.2)
+        want = paged_decode_attention_ref(q, k_cache, v_cache, tables2, lens2, 0.2)
+        assert cpu_attention._last is not plan
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_tensors_get_the_cpu_kernels_unless_the_torch_backend_is_forced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    x = torch.randn(2, 8)
+    assert pick("linear", x, linear_ref) is onednn_linear.linear
+    assert pick("paged_decode_attention", x, paged_decode_attention_ref) is (
+        cpu_attention.paged_decode_attention
+    )
+    assert pick("rms_norm", x, linear_ref) is linear_ref  # no CPU kernel: the reference
+    monkeypatch.setenv("PDMESH_KERNEL_BACKEND", "torch")
+    assert pick("linear", x, linear_ref) is linear_ref
+    # The wrappers callers use go the same way.
+    w = torch.randn(4, 8)
+    torch.testing.assert_close(linear(x, w), x @ w.T)
+    assert silu_and_mul_linear(torch.randn(2, 16), w).shape == (2, 4)
+    assert paged_decode_attention is not None
