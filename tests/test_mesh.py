@@ -107,7 +107,9 @@ def _assert_close(got: list[dict], want: list[dict]) -> None:
     for g, w in zip(got, want, strict=True):
         assert list(g) == list(w)  # the same tokens, in the same order (the chosen one first)
         for t, (lp, rank) in g.items():
-            assert abs(lp - w[t][0]) < 1e-4 and rank == w[t][1]  # batches differ
+            # Batches differ (and so do fp32 sums): a sampled token deep in the vocabulary can
+            # trade places with one whose logprob is equal to within the tolerance.
+            assert abs(lp - w[t][0]) < 1e-4 and abs(rank - w[t][1]) <= 1
 
 
 def test_logprobs_and_prompt_logprobs_through_the_mesh(mesh: Mesh, default_llm: LLM) -> None:
