@@ -45,7 +45,7 @@ def paged_decode_attention(
     return fn(query, k_cache, v_cache, block_tables, context_lens, scale, max_context_len)
 
 
-def _pages(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+def gather_pages(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     """cache[tables] (pages [NB, BS, Hkv, D] picked by a table of any shape), gathered as whole
     pages: index_select copies each page as one run of bytes, several times faster on the CPU
     than advanced indexing, which moves element by element."""
@@ -95,8 +95,8 @@ def _decode_attention(
     tables = block_tables[:, :num_blocks].long()
     batch = query.shape[0]
     # Gather each sequence's pages: [B, nb, BS, Hkv, D] -> [B, Hkv, L, D]
-    keys = _pages(k_cache, tables).flatten(1, 2)[:, :max_context_len].transpose(1, 2)
-    values = _pages(v_cache, tables).flatten(1, 2)[:, :max_context_len].transpose(1, 2)
+    keys = gather_pages(k_cache, tables).flatten(1, 2)[:, :max_context_len].transpose(1, 2)
+    values = gather_pages(v_cache, tables).flatten(1, 2)[:, :max_context_len].transpose(1, 2)
     positions = torch.arange(max_context_len, device=query.device)
     mask = (positions.unsqueeze(0) < context_lens.unsqueeze(1)).view(batch, 1, 1, -1)
     out = F.scaled_dot_product_attention(
@@ -149,8 +149,8 @@ def paged_prefill_attention_ref(
         q_start, q_end = starts[i], starts[i + 1]
         q_len = q_end - q_start
         pages = block_tables[i, : -(-ctx // block_size)].long()
-        keys = _pages(k_cache, pages).flatten(0, 1)[:ctx].transpose(0, 1).to(query.dtype)
-        values = _pages(v_cache, pages).flatten(0, 1)[:ctx].transpose(0, 1).to(query.dtype)
+        keys = gather_pages(k_cache, pages).flatten(0, 1)[:ctx].transpose(0, 1).to(query.dtype)
+        values = gather_pages(v_cache, pages).flatten(0, 1)[:ctx].transpose(0, 1).to(query.dtype)
         q = query[q_start:q_end].transpose(0, 1)  # [H, q_len, D]
         if q_len == ctx:
             o = F.scaled_dot_product_attention(

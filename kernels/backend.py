@@ -26,20 +26,21 @@ _TRITON_IMPORT_TRIED = False
 _CPU_IMPORTED = False
 
 
-def register_triton(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
-        _TRITON[name] = fn
-        return fn
+def _registrar(
+    table: dict[str, Callable[..., Any]],
+) -> Callable[[str], Callable[[Callable[..., Any]], Callable[..., Any]]]:
+    def register(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+            table[name] = fn
+            return fn
 
-    return deco
+        return deco
+
+    return register
 
 
-def register_cpu(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
-        _CPU[name] = fn
-        return fn
-
-    return deco
+register_triton = _registrar(_TRITON)
+register_cpu = _registrar(_CPU)
 
 
 def pick(name: str, like: torch.Tensor, reference: Callable[..., Any]) -> Callable[..., Any]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pdmesh.kernels.attention import _pages
+from pdmesh.kernels.attention import gather_pages
 from pdmesh.kernels.backend import register_cpu
 
 GROUP = 4  # sequences per gather: measured best of 1, 2, 4 and 8 at batches 6 and 16
@@ -95,8 +95,8 @@ def paged_decode_attention(
     for g in _plan(block_tables, context_lens, k_cache.shape[1]).groups:
         b = g.rows.numel()
         # [b, nb, BS, Hkv, D] -> [b, Hkv, L, D]
-        keys = _pages(k_cache, g.tables).flatten(1, 2)[:, : g.length].transpose(1, 2)
-        values = _pages(v_cache, g.tables).flatten(1, 2)[:, : g.length].transpose(1, 2)
+        keys = gather_pages(k_cache, g.tables).flatten(1, 2)[:, : g.length].transpose(1, 2)
+        values = gather_pages(v_cache, g.tables).flatten(1, 2)[:, : g.length].transpose(1, 2)
         q = query.index_select(0, g.rows).view(b, kv_heads, heads // kv_heads, dim)
         o = F.scaled_dot_product_attention(
             q, keys.to(query.dtype), values.to(query.dtype), attn_mask=g.mask, scale=scale
