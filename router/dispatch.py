@@ -220,6 +220,8 @@ class Dispatcher:
             resumed = bool(sent) or bool(refused or unreachable)
             d = decision.decode
             prefill = decision.prefill if migrate_from is None else None  # the KV exists
+            fallback = decision.fallback if migrate_from is None else None
+            prefill_to = prefill or fallback  # the decode worker checks its own cache first
             attempt = Attempt(
                 inp.request_id,
                 f"{inp.request_id}~{self._submits}" if resumed else inp.request_id,
@@ -234,7 +236,7 @@ class Dispatcher:
                 subscriber_id=attempt.link.subscriber_id,
                 prompt_token_ids=prompt_ids,
                 sampling=sampling_to_pb(params),
-                prefill_address=prefill.address if prefill is not None else "",
+                prefill_address=prefill_to.address if prefill_to is not None else "",
                 disagg_min_tokens=self.config.disagg_min_tokens,
                 deadline_unix_ms=int(inp.deadline * 1000) if inp.deadline else 0,
                 arrival_unix_ns=time.time_ns(),

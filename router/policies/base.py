@@ -36,6 +36,10 @@ class Decision:
     prefill: Worker | None  # None: the decode worker prefills the prompt itself
     reason: str  # why, for logs and trace attributes
     prefill_miss_blocks: int = 0  # blocks the prefill worker is expected to compute
+    # With prefill None: the prefill worker the decode worker turns to if the prefix is not in
+    # its cache after all. The router's index runs ahead of the worker's cache (a prompt sent a
+    # moment ago is cached only once its KV has arrived), and the worker checks its real cache.
+    fallback: Worker | None = None
 
 
 class DispatchPolicy(ABC):
@@ -57,3 +61,8 @@ class DispatchPolicy(ABC):
         holds count as cached: the worker fetches them instead."""
         held = max(decode.index.match(prompt.block_hashes), prompt.store_blocks)
         return prompt.num_tokens - held * prompt.block_size < self.disagg_min_tokens
+
+    def may_need_prefill(self, prompt: PromptInfo) -> bool:
+        """Whether the prompt is long enough that the decode worker may hand it to a prefill
+        worker (it does when its own cache misses at least disagg_min_tokens of it)."""
+        return prompt.num_tokens >= self.disagg_min_tokens

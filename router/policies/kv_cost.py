@@ -18,7 +18,7 @@ from pdmesh.router.registry import Worker
 class KVCostPolicy(DispatchPolicy):
     def choose(self, prompt: PromptInfo, decode: list[Worker], prefill: list[Worker]) -> Decision:
         d = min(decode, key=lambda w: (w.kv_usage, w.load.num_running, w.address))
-        if not prefill or self.local_prefill(prompt, d):
+        if not prefill or not self.may_need_prefill(prompt):
             return Decision(d, None, f"decode {d.address}: least KV usage; prefill locally")
 
         def cost(w: Worker) -> tuple[float, str]:
@@ -27,6 +27,9 @@ class KVCostPolicy(DispatchPolicy):
             return work + w.inflight_blocks + w.load.kv_blocks_used, w.address
 
         p = min(prefill, key=cost)
+        if self.local_prefill(prompt, d):
+            why = f"decode {d.address}: least KV usage, likely holds the prefix; prefill locally"
+            return Decision(d, None, why, fallback=p)
         fetched, miss = prompt.split(p.index.match(prompt.block_hashes))
         return Decision(
             d,

@@ -18,7 +18,9 @@ class RoundRobinPolicy(DispatchPolicy):
     def choose(self, prompt: PromptInfo, decode: list[Worker], prefill: list[Worker]) -> Decision:
         n = next(self._next)
         d = decode[n % len(decode)]
-        if not prefill or self.local_prefill(prompt, d):
+        if not prefill or not self.may_need_prefill(prompt):
             return Decision(d, None, "round robin; prefill locally")
         p = prefill[n % len(prefill)]
+        if self.local_prefill(prompt, d):
+            return Decision(d, None, "round robin; likely cached: prefill locally", fallback=p)
         return Decision(d, p, "round robin", prompt.num_blocks - p.index.match(prompt.block_hashes))

@@ -1,0 +1,47 @@
+"""The dispatch policies' decisions: where a prompt is prefilled, and which prefill worker a
+decode worker falls back on when the router expects it to hold the prompt's prefix (the router's
+index runs ahead of a worker's cache: blocks sent a moment ago are cached once their KV has
+arrived, and blocks are evicted without telling the router)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdmesh.prefix_hash import hash_prefix_blocks
+from pdmesh.router.policies import PromptInfo, create_policy
+from pdmesh.router.registry import Worker
+
+BS = 16
+
+
+def _prompt(num_tokens: int) -> PromptInfo:
+    rng = random.Random(num_tokens)
+    ids = [rng.randrange(100, 30000) for _ in range(num_tokens)]
+    return PromptInfo(num_tokens, hash_prefix_blocks(ids, BS), BS)
+
+
+@pytest.mark.parametrize("name", ["kv", "round_robin"])
+def test_a_long_prompt_the_decode_worker_likely_holds_names_a_fallback(name: str) -> None:
+    policy = create_policy(name, overlap_weight=1.0, disagg_min_tokens=64)
+    prompt = _prompt(90)  # 5 full blocks and 10 tokens
+    decode, prefill = Worker("d:1", "decode"), Worker("p:1", "prefill")
+    cold = policy.choose(prompt, [decode], [prefill])
+    assert (cold.prefill, cold.fallback) == (prefill, None)
+    decode.index.insert(prompt.block_hashes)  # sent there a moment ago
+    warm = policy.choose(prompt, [decode], [prefill])
+    assert warm.prefill is None and warm.prefill_miss_blocks == 0
+    assert warm.fallback is prefill
+
+
+@pytest.mark.parametrize("name", ["kv", "round_robin"])
+def test_a_short_prompt_or_no_prefill_pool_is_prefilled_locally_without_fallback(
+    name: str,
+) -> None:
+    policy = create_policy(name, overlap_weight=1.0, disagg_min_tokens=64)
+    decode, prefill = Worker("d:1", "decode"), Worker("p:1", "prefill")
+    short = policy.choose(_prompt(63), [decode], [prefill])
+    assert (short.prefill, short.fallback) == (None, None)
+    alone = policy.choose(_prompt(300), [decode], [])
+    assert (alone.prefill, alone.fallback) == (None, None)
