@@ -13,7 +13,7 @@ from pdmesh.kernels.activation import silu_and_mul_ref
 from pdmesh.kernels.attention import paged_decode_attention_ref
 from pdmesh.kernels.backend import pick
 from pdmesh.kernels.cpu import attention as cpu_attention
-from pdmesh.kernels.cpu import onednn_linear
+from pdmesh.kernels.cpu import onednn_linear, paged_decode
 from pdmesh.kernels.linear import linear_ref
 
 
@@ -38,13 +38,20 @@ def test_onednn_linear_leaves_other_dtypes_and_shapes_to_the_reference() -> None
     assert torch.equal(onednn_linear.linear(x3, w), linear_ref(x3, w))
 
 
+@pytest.mark.parametrize("path", ["numba", "sdpa"])
 @pytest.mark.parametrize("contexts", [[1, 15, 16, 17, 100], MIXED], ids=["batch5", "batch19"])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (9, 3), (8, 2), (8, 1)])
-def test_cpu_paged_decode_matches_dense(heads: int, kv_heads: int, contexts: list[int]) -> None:
+def test_cpu_paged_decode_matches_dense(
+    heads: int, kv_heads: int, contexts: list[int], path: str
+) -> None:
     k_cache, v_cache, tables, kv = _paged(contexts, kv_heads, 32, num_blocks=160)
     q = torch.randn(len(contexts), heads, 32)
     lens = torch.tensor(contexts, dtype=torch.int32)
-    out = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 32**-0.5)
+    attend = {
+        "numba": paged_decode.paged_decode_attention,
+        "sdpa": cpu_attention.grouped_sdpa_decode,
+    }[path]
+    out = attend(q, k_cache, v_cache, tables, lens, 32**-0.5)
     for i, ctx in enumerate(contexts):
         ref = _dense_attention(q[i : i + 1].double(), *kv[i], torch.tensor([ctx - 1]), 32**-0.5)
         torch.testing.assert_close(out[i].double(), ref[0], rtol=1e-5, atol=1e-5)
@@ -56,15 +63,15 @@ def test_a_step_plan_serves_only_its_own_step() -> None:
     k_cache, v_cache, tables, _ = _paged(MIXED, 3, 32, num_blocks=160)
     q = torch.randn(len(MIXED), 9, 32)
     lens = torch.tensor(MIXED, dtype=torch.int32)
-    first = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.2)
+    first = cpu_attention.grouped_sdpa_decode(q, k_cache, v_cache, tables, lens, 0.2)
     plan = cpu_attention._last
-    again = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.2)
+    again = cpu_attention.grouped_sdpa_decode(q, k_cache, v_cache, tables, lens, 0.2)
     assert cpu_attention._last is plan and torch.equal(first, again)
     for step in range(3):
         grown = [min(n + step + 1, 100) for n in MIXED]  # a decode step later
         tables2 = tables.flip(0).contiguous() if step == 2 else tables.clone()
         lens2 = torch.tensor(grown[::-1] if step == 2 else grown, dtype=torch.int32)
-        got = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables2, lens2, 0.2)
+        got = cpu_attention.grouped_sdpa_decode(q, k_cache, v_cache, tables2, lens2, 0.2)
         want = paged_decode_attention_ref(q, k_cache, v_cache, tables2, lens2, 0.2)
         assert cpu_attention._last is not plan
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -86,3 +93,41 @@ def test_cpu_tensors_get_the_cpu_kernels_unless_the_torch_backend_is_forced(
     torch.testing.assert_close(linear(x, w), x @ w.T)
     assert silu_and_mul_linear(torch.randn(2, 16), w).shape == (2, 4)
     assert paged_decode_attention is not None
+
+
+def test_fp32_decode_reads_pages_in_place_and_other_dtypes_take_sdpa(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """fp32 with caches as allocated goes to the Numba kernel; bf16, or a cache that is a strided
+    view (which the kernel would have to copy whole), to the SDPA path."""
+    k_cache, v_cache, tables, _ = _paged(MIXED, 3, 32, num_blocks=160)
+    q = torch.randn(len(MIXED), 9, 32)
+    lens = torch.tensor(MIXED, dtype=torch.int32)
+    taken = []
+    for name in ("paged_decode_attention", "grouped_sdpa_decode"):
+        module = paged_decode if name == "paged_decode_attention" else cpu_attention
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _r=real, _n=name: taken.append(_n) or _r(*a))
+    want = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.2)
+    got = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    bf16 = [t.bfloat16() for t in (q, k_cache, v_cache)]
+    cpu_attention.paged_decode_attention(*bf16, tables, lens, 0.2)
+    strided = k_cache.transpose(1, 2).contiguous().transpose(1, 2)
+    cpu_attention.paged_decode_attention(q, strided, v_cache, tables, lens, 0.2)
+    assert taken == ["paged_decode_attention", "grouped_sdpa_decode", "grouped_sdpa_decode"]
+
+
+def test_a_packed_weight_is_packed_again_after_a_write_and_dropped_with_its_weight() -> None:
+    """The blocked copy oneDNN reads follows its weight: a weight written in place (new weights
+    loaded) is packed again, and the copy goes when the weight does."""
+    x, w = torch.randn(4, 24), torch.randn(40, 24)
+    before = onednn_linear.linear(x, w)
+    packed = onednn_linear.packed_weight(w)
+    assert onednn_linear.packed_weight(w) is packed  # packed once
+    w.mul_(2)
+    torch.testing.assert_close(onednn_linear.linear(x, w), 2 * before, rtol=1e-5, atol=1e-5)
+    assert onednn_linear.packed_weight(w) is not packed
+    key = id(w)
+    del w
+    assert key not in onednn_linear._packed

@@ -1,5 +1,7 @@
-"""Paged decode attention on the CPU: sequences in groups of similar context length, each
-group's pages gathered once and attended with its query heads folded onto their KV heads.
+"""Paged decode attention on the CPU. fp32 caches go to the Numba kernel (`paged_decode.py`),
+which reads the pages in place; other dtypes (bf16, fp16) to SDPA: sequences in groups of similar
+context length, each group's pages gathered once and attended with its query heads folded onto
+their KV heads.
 
 Two things make the reference (`kernels/attention.py`, written to be obviously right) slow here:
 SDPA with `enable_gqa` expands every KV head to its query heads before the product, and groups of
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 
 from pdmesh.kernels.attention import gather_pages
 from pdmesh.kernels.backend import register_cpu
+from pdmesh.kernels.cpu import paged_decode
 
 GROUP = 4  # sequences per gather: measured best of 1, 2, 4 and 8 at batches 6 and 16
 
@@ -89,6 +92,22 @@ def paged_decode_attention(
     scale: float,
     max_context_len: int | None = None,
 ) -> torch.Tensor:  # [B, H, D]
+    if paged_decode.fits(query, k_cache, v_cache):  # fp32: read in place, no gathered copy
+        return paged_decode.paged_decode_attention(
+            query, k_cache, v_cache, block_tables, context_lens, scale
+        )
+    return grouped_sdpa_decode(query, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def grouped_sdpa_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The SDPA path (the module's docstring), for any dtype."""
     heads, dim = query.shape[1:]
     kv_heads = k_cache.shape[2]
     out = torch.empty_like(query)

@@ -7,9 +7,17 @@ at 1-24 rows and no slower at 64-256, and its 49,152-row LM head 1.5-2.3x faster
 (BENCHMARKS.md, the CPU section). vLLM's CPU build takes the same library for the same reason.
 fp32 only: oneDNN's bf16 without AVX512-BF16 is emulated. The sums are ordered differently from
 MKL's, so results differ in the last bits.
+
+Each weight is reordered once into oneDNN's blocked layout (`_reorder_linear_weight`) and kept
+beside it: a plain weight makes oneDNN reorder it on every call. On the 2-core Xeon (AVX-512)
+build machine the packed weights ran the 30 layers' projections in 19-28 ms at 1-16 rows against
+23-35 ms unpacked. The copy costs the weights' size again in memory. A packed copy is made again
+when its weight was written since (its version counter moved) and dropped with its weight.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -26,12 +34,31 @@ def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return AVAILABLE and x.dtype is torch.float32 and weight.dtype is torch.float32
 
 
+# The rows oneDNN's blocked layout is chosen for: a decode batch (the layout serves any rows).
+PACK_ROWS = 16
+# id(weight) -> (a weak reference to it, its version when packed, the packed copy)
+_packed: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+
+
+def packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` in oneDNN's blocked layout, reordered the first time and after each write."""
+    key = id(weight)
+    entry = _packed.get(key)
+    if entry is not None and entry[0]() is weight and entry[1] == weight._version:
+        return entry[2]
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
+    ref = weakref.ref(weight, lambda _: _packed.pop(key, None))
+    _packed[key] = (ref, weight._version, packed)
+    return packed
+
+
 @register_cpu("linear")
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     # x: [T, K], weight: [N, K], bias: [N] -> [T, N]
     if not _fits(x, weight) or x.dim() != 2:
         return linear_ref(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+    w = packed_weight(weight)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, bias, "none", [], "")
 
 
 @register_cpu("silu_and_mul_linear")
