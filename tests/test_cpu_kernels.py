@@ -14,7 +14,9 @@ from pdmesh.kernels.attention import paged_decode_attention_ref
 from pdmesh.kernels.backend import pick
 from pdmesh.kernels.cpu import attention as cpu_attention
 from pdmesh.kernels.cpu import onednn_linear, paged_decode
+from pdmesh.kernels.cpu import rotary as cpu_rotary
 from pdmesh.kernels.linear import linear_ref
+from pdmesh.kernels.rotary import apply_rotary_ref
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 300])
@@ -131,3 +133,24 @@ def test_a_packed_weight_is_packed_again_after_a_write_and_dropped_with_its_weig
     key = id(w)
     del w
     assert key not in onednn_linear._packed
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 200])  # one thread below PARALLEL_ROWS, the pool above
+@pytest.mark.parametrize("rot_dim", [32, 16])  # whole head, and a partial rotary (the rest passes)
+def test_cpu_rotary_equals_the_reference_bit_for_bit(tokens: int, rot_dim: int) -> None:
+    """Query and key come as strided views of one projection, as the attention layer splits it."""
+    qkv = torch.randn(tokens, (6 + 2 + 2) * 32)
+    q = qkv[:, : 6 * 32].view(tokens, 6, 32)
+    k = qkv[:, 6 * 32 : 8 * 32].view(tokens, 2, 32)
+    cache = torch.randn(4096, rot_dim)
+    positions = torch.randint(0, 4096, (tokens,))
+    got = cpu_rotary.apply_rotary(positions, q, k, cache)
+    want = apply_rotary_ref(positions, q, k, cache)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    halves = [t.bfloat16() for t in (q, k)]  # other dtypes: the reference
+    got16 = cpu_rotary.apply_rotary(positions, *halves, cache)
+    assert all(
+        torch.equal(g, w)
+        for g, w in zip(got16, apply_rotary_ref(positions, *halves, cache), strict=True)
+    )
+    assert pick("apply_rotary", q, apply_rotary_ref) is cpu_rotary.apply_rotary

@@ -4,6 +4,6 @@ Imported on demand by `backend.pick` the first time a kernel runs on a CPU tenso
 package registers every kernel below under its wrapper's name.
 """
 
-from pdmesh.kernels.cpu import attention, onednn_linear
+from pdmesh.kernels.cpu import attention, onednn_linear, rotary
 
-__all__ = ["attention", "onednn_linear"]
+__all__ = ["attention", "onednn_linear", "rotary"]
