@@ -36,7 +36,8 @@ def add_bench(sub: Any) -> None:
         "--peer",
         choices=("transformers", "vllm"),
         default="transformers",
-        help="--offline: the peer engine (vllm: vLLM's CPU build, in a venv of its own)",
+        help="--offline, --speculative: the peer engine (vllm: vLLM's CPU build, in a venv of "
+        "its own; --speculative runs it with and without n-gram speculation)",
     )
     b.add_argument(
         "--peer-venv",

@@ -111,8 +111,9 @@ def vllm_python(venv: Path) -> Path:
     return python
 
 
-def run_vllm(python: Path, folder: str, work: Workload) -> dict[str, Any]:
-    """The workload on vLLM in a process of its own (bench/vllm_peer.py); its JSON result."""
+def run_vllm(python: Path, folder: str, work: Workload, **options: Any) -> dict[str, Any]:
+    """The workload on vLLM in a process of its own (bench/vllm_peer.py); its JSON result.
+    options: the job's optional fields (ignore_eos, batch, speculative_config)."""
     with tempfile.TemporaryDirectory() as tmp:
         job = Path(tmp) / "job.json"
         longest = max(len(p) + n for p, n in zip(work.prompts, work.output_lens, strict=True))
@@ -124,6 +125,7 @@ def run_vllm(python: Path, folder: str, work: Workload) -> dict[str, Any]:
                     "output_lens": work.output_lens,
                     "max_model_len": longest,
                     "memory_fraction": VLLM_MEMORY_FRACTION,
+                    **options,
                 }
             )
         )

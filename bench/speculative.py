@@ -9,6 +9,9 @@ where the model stops or at max_tokens); both runs produce the same tokens, whic
 - batch 1: the requests one after another; tokens/s = output tokens / wall time of them all.
 - batch 32: 32 requests (the prompts repeated) submitted together, speculation with its default
   `disable_by_batch_size` (it stands aside at this size), and with it forced on.
+- `--peer vllm`: the batch-1 and batch-32 cases on vLLM's CPU build too (offline.py's venv and
+  peer script), with and without the same n-gram speculation, on the same prompt token ids; its
+  greedy outputs are compared with pdmesh's.
 - the sweep (`--sweep 1 2 4 8 16 32`): steady-state throughput at each batch size, every
   sequence running throughout (ignore_eos, 64 tokens each), speculation forced on
   (`disable_by_batch_size: null`) against off: where it stops paying is the threshold
@@ -139,6 +142,7 @@ def _measure(
             "seconds": round(seconds, 2),
             "tokens_per_s": round(tokens / seconds, 2),
             "token_ids": [o.outputs[0].token_ids for o in outs],
+            "prompt_token_ids": [o.prompt_token_ids for o in outs],
         }
         if sp is not None and before is not None:
             proposed = sp.stats.proposed - before[0]
@@ -187,9 +191,53 @@ def steady_sweep(sizes: list[int], tokens: int = 64) -> list[dict[str, Any]]:
     return rows
 
 
-def run(max_tokens: int, sweep: list[int], draft: str | None = None) -> dict[str, Any]:
+def vllm_rows(
+    venv: str, max_tokens: int, off: dict[str, Any], on: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """Each case on vLLM's CPU build without and with NGRAM (its names are vLLM's), against
+    pdmesh's figures for the same case (`off`, `on`: `_measure`'s)."""
+    from pathlib import Path
+
+    from pdmesh.bench.offline import Workload, run_vllm, vllm_python
+    from pdmesh.checkpoint.source import resolve_model_folder
+
+    python = vllm_python(Path(venv).expanduser())
+    folder = str(resolve_model_folder(None))
+    rows = []
+    for name, ours in off.items():
+        prompts = ours["prompt_token_ids"]
+        work = Workload(prompts, [max_tokens] * len(prompts))
+        runs = {
+            mode: run_vllm(
+                python, folder, work, ignore_eos=False, batch=ours["batch"], speculative_config=spec
+            )
+            for mode, spec in (("off", None), ("ngram", NGRAM))
+        }
+        rate = {m: r["output_tokens"] / r["seconds"] for m, r in runs.items()}
+        row: dict[str, Any] = {
+            "case": name,
+            "vllm_version": runs["off"]["version"],
+            "vllm_off_tokens_per_s": round(rate["off"], 2),
+            "vllm_ngram_tokens_per_s": round(rate["ngram"], 2),
+            "pdmesh_off_tokens_per_s": ours["tokens_per_s"],
+            "pdmesh_ngram_tokens_per_s": on[name]["tokens_per_s"],
+        }
+        row["off_pdmesh_over_vllm"] = round(row["pdmesh_off_tokens_per_s"] / rate["off"], 3)
+        row["ngram_pdmesh_over_vllm"] = round(row["pdmesh_ngram_tokens_per_s"] / rate["ngram"], 3)
+        for mode, r in runs.items():
+            same = sum(a == b for a, b in zip(ours["token_ids"], r["token_ids"], strict=True))
+            row[f"identical_{mode}"] = f"{same}/{len(prompts)}"
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def run(
+    max_tokens: int, sweep: list[int], draft: str | None = None, peer_venv: str | None = None
+) -> dict[str, Any]:
     """draft: also batch 1 with this draft model ("default": the default model itself, an
-    exactness check that cannot be faster: it costs the target's forward again per draft)."""
+    exactness check that cannot be faster: it costs the target's forward again per draft).
+    peer_venv: also the cases on vLLM's CPU build from this venv (`vllm_rows`)."""
     cases = [("batch1", 1, 8), ("batch32", 32, 32)]
     off = _measure(None, cases, max_tokens)
     on = _measure(NGRAM, cases, max_tokens)
@@ -226,6 +274,7 @@ def run(max_tokens: int, sweep: list[int], draft: str | None = None) -> dict[str
         "speculative_config": NGRAM,
         "rows": rows,
         "steady_sweep": steady_sweep(sweep) if sweep else [],
+        "vllm": vllm_rows(peer_venv, max_tokens, off, on) if peer_venv else [],
     }
 
 
@@ -237,11 +286,19 @@ def print_table(result: dict[str, Any]) -> None:
             f"{r['case']:9} {r['mode']:22} {r['off_tokens_per_s']:9.2f} "
             f"{r['spec_tokens_per_s']:10.2f} {r['speedup']:6.2f} {acc:>6} {r['identical']}"
         )
+    for r in result["vllm"]:
+        print(
+            f"{r['case']:9} vLLM {r['vllm_version']}: off {r['vllm_off_tokens_per_s']:.2f} tok/s "
+            f"(pdmesh / vLLM {r['off_pdmesh_over_vllm']:.2f}x, same {r['identical_off']}), "
+            f"n-gram {r['vllm_ngram_tokens_per_s']:.2f} tok/s (pdmesh / vLLM "
+            f"{r['ngram_pdmesh_over_vllm']:.2f}x, same {r['identical_ngram']})"
+        )
 
 
 def run_speculative_bench(args: argparse.Namespace) -> int:
     """`pdmesh bench --speculative`."""
-    result = run(args.max_tokens or 160, list(args.sweep or ()), args.draft_model)
+    venv = args.peer_venv if args.peer == "vllm" and not args.skip_peer else None
+    result = run(args.max_tokens or 160, list(args.sweep or ()), args.draft_model, venv)
     print_table(result)
     if args.json_out:
         with open(args.json_out, "w") as f:

@@ -151,7 +151,7 @@ class Arrivals:
                 w._dispatch([_failed(sub, f"continuing the migrated request failed: {err}")])
             return
         finally:
-            w._remote.pop(rid, None)
+            w.remote.tasks.pop(rid, None)
         w.traces.transfer_ended(rx_span, moved)
         await w.loop.acall(lambda e: self._commit(e, sub))
         self.metrics.count("in", "migrated", moved.bytes, time.monotonic() - start)

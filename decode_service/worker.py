@@ -2,8 +2,9 @@
 them in one continuous batch and hands each step's tokens to its subscribers (routers).
 
 Threads: the engine and everything it owns live on the engine thread (`EngineLoop`); the
-asyncio loop owns subscribers, request ownership and the remote-prefill tasks. The two talk only
-through `EngineLoop.acall` / `publish` and `call_soon_threadsafe`.
+asyncio loop owns subscribers, request ownership and the remote-prefill tasks
+(`remote_prefill.py`). The two talk only through `EngineLoop.acall` / `publish` and
+`call_soon_threadsafe`.
 """
 
 from __future__ import annotations
@@ -19,21 +20,20 @@ from pdmesh.decode_service.early_aborts import EarlyAborts
 from pdmesh.decode_service.metrics import DecodeMetrics
 from pdmesh.decode_service.migration_in import Arrivals
 from pdmesh.decode_service.migration_metrics import MigrationMetrics
-from pdmesh.decode_service.prefill_client import PrefillClient
+from pdmesh.decode_service.remote_prefill import RemotePrefills
 from pdmesh.decode_service.tracing import DecodeTraces
 from pdmesh.decode_service.types import Delta, RequestClock, Submission, Timings, Usage
 from pdmesh.engine.llm_engine import LLMEngine
-from pdmesh.engine.outputs import FirstTokens, StepDelta
+from pdmesh.engine.outputs import StepDelta
 from pdmesh.errors import (
     Cancelled,
     DeadlineExceeded,
     FailedPrecondition,
     InvalidRequest,
     Overloaded,
-    Unavailable,
 )
 from pdmesh.kv_transfer.connector import ExternalBlocks
-from pdmesh.kv_transfer.receive_connector import IncomingTransfer, ReceiveConnector
+from pdmesh.kv_transfer.receive_connector import ReceiveConnector
 from pdmesh.logger import get_logger
 from pdmesh.observability import tracing
 from pdmesh.serving.store_link import Fetched
@@ -61,11 +61,10 @@ class DecodeWorker(WorkerProcess):
         self._subscribers: dict[str, asyncio.Queue[list[Delta]]] = {}
         self._owner: dict[str, str] = {}  # request id -> subscriber id
         self._early = EarlyAborts()
-        self._remote: dict[str, asyncio.Task[None]] = {}
         # Engine thread: prompts prefilled here, to publish to the KV store once computed, with
         # how many of their leading blocks the store holds already.
         self._to_publish: dict[str, tuple[list[int], int]] = {}
-        self._prefill = PrefillClient(config.tls)
+        self.remote = RemotePrefills(self)  # the prompts prefill workers compute
         self.metrics = DecodeMetrics(self.metrics_snapshot)
         self.traces = DecodeTraces()
         # Live migration: handing running requests over when draining, continuing others'.
@@ -75,10 +74,8 @@ class DecodeWorker(WorkerProcess):
         self.arrivals = Arrivals(self, migrations)
 
     async def close(self) -> None:
-        for task in list(self._remote.values()):
-            task.cancel()
+        await self.remote.close()
         await super().close()
-        await self._prefill.close()
         await self.arrivals.close()
         self.drainer.close()
 
@@ -167,65 +164,14 @@ class DecodeWorker(WorkerProcess):
         finally:
             self._early.end(rid)
         if plan is not None:
-            with tracing.use(span):  # the prefill call and the transfer join the request's trace
-                task = asyncio.create_task(self._remote_prefill(sub, plan))
-            self._remote[rid] = task
+            self.remote.start(sub, plan, span)
             await asyncio.sleep(0)  # the Prefill call goes out before this reply: TTFT
 
     async def abort(self, request_ids: list[str]) -> int:
         for rid in request_ids:
             self._early.abort(rid, known=rid in self._owner)  # see submit
-            task = self._remote.pop(rid, None)
-            if task is not None:
-                task.cancel()
+            self.remote.cancel(rid)
         return await self.loop.acall(lambda e: sum(self._abort_one(e, rid) for rid in request_ids))
-
-    async def _remote_prefill(self, sub: Submission, plan: ExternalBlocks) -> None:
-        if sub.migrate_from is not None:  # the KV comes from a draining decode worker
-            return await self.arrivals.pull(sub, plan)
-        rid = sub.request_id
-        timeout = self.config.prefill_timeout_s
-        if sub.deadline is not None:
-            timeout = max(0.001, min(timeout, sub.deadline - time.time()))
-        # The prefill worker replies only once its frames were acknowledged, so the transfer's own
-        # clock must cover the queueing and compute on the prefill worker too.
-        kv_timeout = self.config.kv_timeout_s
-        rx_timeout = timeout + kv_timeout
-        address = sub.prefill_address or ""
-        transfer = self.kv.expect(self.kv.transport_for(address), plan.block_ids, rx_timeout)
-        rx_span = self.traces.transfer_started(transfer.spec, self.geometry, transfer.transport)
-        try:
-            if self.kv.followers is not None:
-                await self.loop.acall(lambda e: self.kv.expect_followers(transfer, rx_timeout))
-            ctx = tracing.inject(rx_span) if rx_span is not None else {}
-            target = self.kv.target(transfer, plan.first_block, timeout, ctx)
-            first = await self._prefill.prefill(address, rid, sub.prompt, sub.params, target)
-            moved = await asyncio.wait_for(asyncio.wrap_future(transfer.arrived), kv_timeout)
-            if self.kv.followers is not None:
-                await self.loop.acall(lambda e: self.kv.end_followers(transfer, kv_timeout))
-        except BaseException as exc:
-            self._cancel_transfer(transfer)
-            self.traces.transfer_ended(rx_span, None, exc)
-            if not isinstance(exc, Exception):  # cancelled: the request is gone
-                raise
-            log.warning("remote prefill of %s failed: %s", rid, exc)
-            await self.loop.acall(lambda e, err=exc: self._prefill_failed(e, rid, err))
-            return
-        finally:
-            self._remote.pop(rid, None)
-        self.traces.transfer_ended(rx_span, moved)
-        self.metrics.transfer.observe(moved.seconds)
-        try:
-            await self.loop.acall(lambda e: self._prefill_done(e, rid, first))
-        except Exception as exc:  # a bug here: the request fails rather than wait forever
-            log.exception("committing the remote prefill of %s failed", rid)
-            message = f"committing the prefilled prompt failed: {exc}"
-            await self.loop.acall(lambda e: self._end_with_error(e, rid, "INTERNAL", message))
-
-    def _cancel_transfer(self, transfer: IncomingTransfer) -> None:
-        self.kv.cancel(transfer)
-        if self.kv.followers is not None:
-            self.loop.call(lambda e: self.kv.end_followers(transfer, None))  # fire and forget
 
     @staticmethod
     def _prefills_here(sub: Submission) -> bool:
@@ -278,22 +224,14 @@ class DecodeWorker(WorkerProcess):
             self._deadlines[sub.request_id] = sub.deadline
         return plan
 
-    def _prefill_done(self, engine: LLMEngine, rid: str, first: FirstTokens) -> None:
-        deltas = self.kv.commit(engine, rid, first)
-        if deltas is not None:  # else aborted meanwhile
-            self.loop.publish(deltas)
+    def prefilled_here_after_all(self, rid: str) -> None:
+        """The remote prefill failed and the prompt was queued to compute here (recompute)."""
+        self.prefills["fallback"] += 1
+        clock = self._clocks.get(rid)
+        if clock is not None:  # its timings must say where it was prefilled in the end
+            clock.disaggregated = False
 
-    def _prefill_failed(self, engine: LLMEngine, rid: str, exc: BaseException) -> None:
-        if self.config.prefill_failure_policy == "recompute":
-            if self.kv.release(engine, rid):
-                self.prefills["fallback"] += 1
-                clock = self._clocks.get(rid)
-                if clock is not None:  # its timings must say where it was prefilled in the end
-                    clock.disaggregated = False
-        elif engine.is_reserved(rid):
-            self._end_with_error(engine, rid, Unavailable.status, f"prefill failed: {exc}")
-
-    def _end_with_error(self, engine: LLMEngine, rid: str, status: str, message: str) -> None:
+    def end_with_error(self, engine: LLMEngine, rid: str, status: str, message: str) -> None:
         """End a request with a gRPC status (its name) and message on its last delta."""
         self._errors[rid] = (status, message)
         self._abort_one(engine, rid)
@@ -312,15 +250,10 @@ class DecodeWorker(WorkerProcess):
         now = time.time()
         for rid in [r for r, d in deadlines.items() if now > d]:
             if self._aio is not None:
-                self._aio.call_soon_threadsafe(self._cancel_remote, rid)
+                self._aio.call_soon_threadsafe(self.remote.cancel, rid)
             message = "the request's deadline passed"
-            self._end_with_error(engine, rid, DeadlineExceeded.status, message)
+            self.end_with_error(engine, rid, DeadlineExceeded.status, message)
             deadlines.pop(rid, None)
-
-    def _cancel_remote(self, rid: str) -> None:
-        task = self._remote.pop(rid, None)
-        if task is not None:
-            task.cancel()
 
     def _on_engine_deltas(self, deltas: list[StepDelta]) -> None:
         metrics = self.metrics

@@ -144,9 +144,11 @@ def test_chat_top_logprobs(mesh: Mesh) -> None:
         if c.choices and c.choices[0].logprobs
         for e in c.choices[0].logprobs.content
     ]
-    assert [(e.token, round(e.logprob, 4)) for e in entries] == [
-        (e.token, round(e.logprob, 4)) for e in content
-    ]
+    # The same tokens and, within fp32's reach, logprobs: the second request finds its prompt in
+    # the prefix cache, so its prefill runs in other shapes and its sums round differently.
+    assert [e.token for e in entries] == [e.token for e in content]
+    for got, want in zip(entries, content, strict=True):
+        assert math.isclose(got.logprob, want.logprob, abs_tol=1e-4)
     # logprobs false (the default): none in the answer.
     plain = client.chat.completions.create(**{**args, "logprobs": False, "top_logprobs": None})
     assert plain.choices[0].logprobs is None
