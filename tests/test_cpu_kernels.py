@@ -154,3 +154,35 @@ def test_cpu_rotary_equals_the_reference_bit_for_bit(tokens: int, rot_dim: int) 
         for g, w in zip(got16, apply_rotary_ref(positions, *halves, cache), strict=True)
     )
     assert pick("apply_rotary", q, apply_rotary_ref) is cpu_rotary.apply_rotary
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4)])
+def test_cpu_prefill_of_few_tokens_reads_pages_and_the_rest_takes_the_reference(
+    heads: int, kv_heads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mixed batch: short prefills over cached prefixes (a verify step's shape), a fresh short
+    prompt, and longer prefills (fresh and over a prefix); every row equals dense float64
+    attention, whichever path computed it, and only the long ones reach the reference."""
+    contexts = [1, 40, 16, 100, 30, 57]
+    q_lens = [1, 9, 16, 17, 30, 3]  # FEW_QUERIES = 16: the 4th and 5th are the reference's
+    k_cache, v_cache, tables, kv = _paged(contexts, kv_heads, 32, num_blocks=160)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), heads, 32)
+    lens = torch.tensor(contexts, dtype=torch.int32)
+    seen = []
+    real = cpu_attention.paged_prefill_attention_ref
+
+    def spy(query, k, v, cu_q, ctx, tables_, scale):
+        seen.append(ctx.tolist())
+        return real(query, k, v, cu_q, ctx, tables_, scale)
+
+    monkeypatch.setattr(cpu_attention, "paged_prefill_attention_ref", spy)
+    out = cpu_attention.paged_prefill_attention(q, k_cache, v_cache, cu, lens, tables, 32**-0.5)
+    assert seen == [[100, 30]]
+    for i, (ctx, ql) in enumerate(zip(contexts, q_lens, strict=True)):
+        qi = q[cu[i] : cu[i + 1]].double()
+        want = _dense_attention(qi, *kv[i], torch.arange(ctx - ql, ctx), 32**-0.5)
+        torch.testing.assert_close(out[cu[i] : cu[i + 1]].double(), want, rtol=1e-5, atol=1e-5)
+    bf16 = [t.bfloat16() for t in (q, k_cache, v_cache)]  # other dtypes: the reference, whole
+    cpu_attention.paged_prefill_attention(*bf16, cu, lens, tables, 32**-0.5)
+    assert seen[1] == contexts

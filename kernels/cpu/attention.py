@@ -1,7 +1,8 @@
-"""Paged decode attention on the CPU. fp32 caches go to the Numba kernel (`paged_decode.py`),
+"""Paged attention on the CPU. Decode: fp32 caches go to the Numba kernel (`paged_decode.py`),
 which reads the pages in place; other dtypes (bf16, fp16) to SDPA: sequences in groups of similar
 context length, each group's pages gathered once and attended with its query heads folded onto
-their KV heads.
+their KV heads. Prefill: sequences with a few new tokens (FEW_QUERIES) go to the same Numba
+kernel, the others to the reference.
 
 Two things make the reference (`kernels/attention.py`, written to be obviously right) slow here:
 SDPA with `enable_gqa` expands every KV head to its query heads before the product, and groups of
@@ -21,11 +22,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pdmesh.kernels.attention import gather_pages
+from pdmesh.kernels.attention import gather_pages, paged_prefill_attention_ref
 from pdmesh.kernels.backend import register_cpu
 from pdmesh.kernels.cpu import paged_decode
 
 GROUP = 4  # sequences per gather: measured best of 1, 2, 4 and 8 at batches 6 and 16
+# Prefills of at most this many tokens (a speculative verify step's k + 1, a short continuation
+# of a cached prompt) go to the Numba kernel; longer ones to the reference, whose SDPA runs them
+# as matrix products.
+FEW_QUERIES = 16
 
 
 @dataclass(frozen=True)
@@ -121,4 +126,50 @@ def grouped_sdpa_decode(
             q, keys.to(query.dtype), values.to(query.dtype), attn_mask=g.mask, scale=scale
         )  # [b, Hkv, G, D]
         out.index_copy_(0, g.rows, o.reshape(b, heads, dim))
+    return out
+
+
+@register_cpu("paged_prefill_attention")
+def paged_prefill_attention(
+    query: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,  # [S+1]
+    context_lens: torch.Tensor,  # [S]
+    block_tables: torch.Tensor,  # [S, max_blocks]
+    scale: float,
+    *length_hints: int | None,
+) -> torch.Tensor:  # [T, H, D]
+    """Sequences with at most FEW_QUERIES new tokens: the Numba kernel, reading their pages in
+    place; the others (and other dtypes): the reference, as a batch of their own."""
+    args = (cu_seqlens_q, context_lens, block_tables, scale)
+    if not paged_decode.fits(query, k_cache, v_cache):
+        return paged_prefill_attention_ref(query, k_cache, v_cache, *args)
+    starts, lens = cu_seqlens_q.tolist(), context_lens.tolist()
+    few = [i for i in range(len(lens)) if starts[i + 1] - starts[i] <= FEW_QUERIES]
+    if not few:
+        return paged_prefill_attention_ref(query, k_cache, v_cache, *args)
+    rows, seqs, visible = [], [], []
+    for i in few:  # query j of n sits at position ctx - n + j and sees keys up to it
+        n, ctx = starts[i + 1] - starts[i], lens[i]
+        rows += range(starts[i], starts[i + 1])
+        seqs += [i] * n
+        visible += range(ctx - n + 1, ctx + 1)
+    out = torch.empty(query.shape, dtype=query.dtype)
+    tensors = (torch.tensor(rows), torch.tensor(seqs), torch.tensor(visible))
+    paged_decode.attend(query, k_cache, v_cache, block_tables, *tensors, scale, out)
+    rest = [i for i in range(len(lens)) if starts[i + 1] - starts[i] > FEW_QUERIES]
+    if rest:
+        idx = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in rest])
+        sizes = torch.tensor([0] + [starts[i + 1] - starts[i] for i in rest])
+        picked = torch.tensor(rest)
+        out[idx] = paged_prefill_attention_ref(
+            query[idx],
+            k_cache,
+            v_cache,
+            sizes.cumsum(0),
+            context_lens[picked],
+            block_tables[picked],
+            scale,
+        )
     return out
