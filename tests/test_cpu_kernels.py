@@ -3,6 +3,8 @@ references they stand in for; and that CPU tensors reach them unless PDMESH_KERN
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +15,7 @@ from pdmesh.kernels.activation import silu_and_mul_ref
 from pdmesh.kernels.attention import paged_decode_attention_ref
 from pdmesh.kernels.backend import pick
 from pdmesh.kernels.cpu import attention as cpu_attention
-from pdmesh.kernels.cpu import onednn_linear, paged_decode
+from pdmesh.kernels.cpu import jit, onednn_linear, paged_decode
 from pdmesh.kernels.cpu import rotary as cpu_rotary
 from pdmesh.kernels.linear import linear_ref
 from pdmesh.kernels.rotary import apply_rotary_ref
@@ -186,3 +188,15 @@ def test_cpu_prefill_of_few_tokens_reads_pages_and_the_rest_takes_the_reference(
     bf16 = [t.bfloat16() for t in (q, k_cache, v_cache)]  # other dtypes: the reference, whole
     cpu_attention.paged_prefill_attention(*bf16, cu, lens, tables, 32**-0.5)
     assert seen[1] == contexts
+
+
+def test_a_kernel_without_a_writable_cache_is_compiled_in_the_process() -> None:
+    """Code with no file (as from a read-only install without a home) has nowhere to cache:
+    plain `njit(cache=True)` fails at decoration; the kernels' decorator compiles it anyway."""
+    from numba import njit
+
+    scope: dict[str, Any] = {}
+    exec("def plus_one(x):\n    return x + 1\n", scope)
+    with pytest.raises(RuntimeError, match="cannot cache"):
+        njit(cache=True)(scope["plus_one"])
+    assert jit.njit_cached()(scope["plus_one"])(41) == 42

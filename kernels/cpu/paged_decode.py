@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import prange
+
+from pdmesh.kernels.cpu.jit import njit_cached
 
 
-@njit(parallel=True, fastmath=True, cache=True, boundscheck=False)
+@njit_cached(parallel=True, fastmath=True, boundscheck=False)
 def _attend(q, k_cache, v_cache, tables, rows, seqs, visible, scale, out):  # pragma: no cover
     # One job per query token: row `rows[j]` of q / out ([T, H, D]) attends the first
     # `visible[j]` keys of sequence `seqs[j]` (its pages: tables[seqs[j]]; caches [NB, BS, Hkv, D]).

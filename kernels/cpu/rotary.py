@@ -14,16 +14,17 @@ squares does not vectorize.)
 from __future__ import annotations
 
 import torch
-from numba import njit, prange
+from numba import prange
 
 from pdmesh.kernels.backend import register_cpu
+from pdmesh.kernels.cpu.jit import njit_cached
 from pdmesh.kernels.rotary import apply_rotary_ref
 
 # Tokens below this run on one thread: starting the pool costs more than a few rows of work.
 PARALLEL_ROWS = 64
 
 
-@njit(cache=True)
+@njit_cached()
 def _rotate_rows(x, positions, cache, out, lo, hi):  # pragma: no cover (compiled)
     half = cache.shape[1] // 2
     for i in range(lo, hi):
@@ -38,7 +39,7 @@ def _rotate_rows(x, positions, cache, out, lo, hi):  # pragma: no cover (compile
                 out[i, h, j] = x[i, h, j]
 
 
-@njit(parallel=True, cache=True)
+@njit_cached(parallel=True)
 def _rotate_parallel(x, positions, cache, out):  # pragma: no cover (compiled)
     for i in prange(x.shape[0]):
         _rotate_rows(x, positions, cache, out, i, i + 1)
