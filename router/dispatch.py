@@ -220,8 +220,8 @@ class Dispatcher:
             resumed = bool(sent) or bool(refused or unreachable)
             d = decision.decode
             prefill = decision.prefill if migrate_from is None else None  # the KV exists
-            fallback = decision.fallback if migrate_from is None else None
-            prefill_to = prefill or fallback  # the decode worker checks its own cache first
+            # The fallback too: the decode worker checks its own cache first.
+            prefill_to = (prefill or decision.fallback) if migrate_from is None else None
             attempt = Attempt(
                 inp.request_id,
                 f"{inp.request_id}~{self._submits}" if resumed else inp.request_id,

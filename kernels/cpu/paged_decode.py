@@ -13,7 +13,7 @@ tokens of the default model's shape, one layer took 0.5 ms against 1.2 ms for th
 
 fp32 only (the model's dtype on the CPU). `fastmath` lets the compiler reorder the sums so they
 vectorize: results differ from SDPA's in the last bits. The compiled code is cached on disk
-(Numba's `cache=True`), so a new process loads it instead of compiling it again (about 2 s).
+where that is writable (`jit.py`), so a new process loads it instead of compiling it (about 2 s).
 """
 
 from __future__ import annotations
