@@ -11,6 +11,9 @@ rank 0 raises; the follower goes on.
 from __future__ import annotations
 
 import json
+import logging
+import os
+import sys
 from typing import Any
 
 import torch
@@ -104,6 +107,13 @@ def _control(runner: ModelRunner, connector: KVConnector | None, message: object
 def main() -> None:
     die_with_parent()
     serve_rank(json.loads(envs.tp_spec()))
+    # Told to stop and torn down: leave without the interpreter's and the C++ libraries' exit
+    # handlers, one of which sometimes aborts ("terminate called without an active exception",
+    # SIGABRT) on a library thread left joinable, turning a clean stop into a failed rank.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
