@@ -23,7 +23,7 @@ import torch
 from pdmesh.bench.gpu_models import TINY, llama_8b_config, qwen3_moe_30b_config, random_checkpoint
 from pdmesh.bench.gpu_workloads import decode_step_time, greedy_tokens, prompts
 from pdmesh.bench.report import Report, compare_tokens, free_memory, out_parser, run_info
-from pdmesh.engine.parallel import ParallelGroup
+from pdmesh.engine.parallel.group import ParallelGroup
 from pdmesh.sampling_params import SamplingParams
 
 DTYPE = "bfloat16"

@@ -200,7 +200,7 @@ def main() -> None:
     p.add_argument("--json-out", default=None)
     args = p.parse_args()
     args.model = str(resolve_model_folder(args.model))
-    from pdmesh.engine.model_info import ModelInfo
+    from pdmesh.engine.models.info import ModelInfo
 
     info = ModelInfo.load(Path(args.model))
     rng = random.Random(0)

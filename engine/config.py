@@ -11,7 +11,7 @@ import importlib.util
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from pdmesh.engine.spec_config import SpeculativeConfig
+from pdmesh.engine.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     import torch
@@ -152,7 +152,7 @@ class EngineConfig:
 
     def _check_eplb(self) -> None:
         # The model-dependent checks (an MoE model; slots divisible by the ranks) are in
-        # pdmesh.engine.eplb.check_eplb, run once the model's config is read.
+        # pdmesh.engine.eplb.placement.check_eplb, run once the model's config is read.
         _check_positive("eplb_window_size", self.eplb_window_size)
         _check_positive("eplb_step_interval", self.eplb_step_interval)
         r = self.num_redundant_experts

@@ -10,13 +10,12 @@ import torch
 
 from pdmesh import envs
 from pdmesh.checkpoint.source import resolve_model_folder
-from pdmesh.engine.block_manager import BlockManager
-from pdmesh.engine.choices import Limits, check_choices, check_first_tokens, new_sequences
 from pdmesh.engine.config import EngineConfig
-from pdmesh.engine.expert_balancer import CountEplb, EplbCounts, EplbStats
-from pdmesh.engine.host_index import HostIndex
-from pdmesh.engine.model_info import ModelInfo
-from pdmesh.engine.model_runner import ModelRunner
+from pdmesh.engine.eplb.balancer import CountEplb, EplbCounts, EplbStats
+from pdmesh.engine.executor.driver import CountExperts, ExpertCounts, TPDriver, rank_device
+from pdmesh.engine.kv_cache.block_manager import BlockManager
+from pdmesh.engine.kv_cache.host.index import HostIndex
+from pdmesh.engine.models.info import ModelInfo
 from pdmesh.engine.outputs import (
     EngineStats,
     FirstTokens,
@@ -26,17 +25,23 @@ from pdmesh.engine.outputs import (
     StepDelta,
     mark_request_ends,
 )
-from pdmesh.engine.overlap import InFlight, next_decode
-from pdmesh.engine.parallel import SINGLE
-from pdmesh.engine.pipeline import SINGLE_STAGE, check_world
-from pdmesh.engine.request import Request
-from pdmesh.engine.sampler import Sampler
-from pdmesh.engine.scheduler import Scheduler
+from pdmesh.engine.parallel.group import SINGLE
+from pdmesh.engine.parallel.pipeline import SINGLE_STAGE, check_world
+from pdmesh.engine.runner.model_runner import ModelRunner
+from pdmesh.engine.sample.sampler import Sampler
+from pdmesh.engine.sample.structured import Grammars
+from pdmesh.engine.scheduling.choices import (
+    Limits,
+    check_choices,
+    check_first_tokens,
+    new_sequences,
+)
+from pdmesh.engine.scheduling.overlap import InFlight, next_decode
+from pdmesh.engine.scheduling.request import Request
+from pdmesh.engine.scheduling.scheduler import Scheduler
 from pdmesh.engine.sequence import Sequence
-from pdmesh.engine.spec_step import verified_step
-from pdmesh.engine.speculative import make_speculator
-from pdmesh.engine.structured import Grammars
-from pdmesh.engine.tp_driver import CountExperts, ExpertCounts, TPDriver, rank_device
+from pdmesh.engine.spec_decode.speculator import make_speculator
+from pdmesh.engine.spec_decode.step import verified_step
 from pdmesh.errors import InvalidRequest
 from pdmesh.kv_transfer.connector import ExternalBlocks, KVConnector
 from pdmesh.logger import get_logger
@@ -113,7 +118,7 @@ class LLMEngine:
             overlap_loads=rank0.type == "cuda",  # copies beside a forward: a stream of their own
         )
         self._requests: dict[str, Request] = {}
-        # Speculative decoding (engine/speculative.py); None: off.
+        # Speculative decoding (engine/spec_decode/speculator.py); None: off.
         self.speculator = make_speculator(
             config.speculative,
             max_len,
@@ -256,7 +261,7 @@ class LLMEngine:
         if request.prompt_logprobs is not None and first.prompt_logprobs is not None:
             request.prompt_logprobs = first.prompt_logprobs
         deltas = [
-            self._append(request, seq, token, first.logprobs[i] if first.logprobs else None)
+            self.append_token(request, seq, token, first.logprobs[i] if first.logprobs else None)
             for i, (seq, token) in enumerate(zip(seqs, first.token_ids, strict=True))
         ]
         return mark_request_ends(deltas, self.is_finished)
@@ -278,6 +283,10 @@ class LLMEngine:
             if not choice.seq.is_finished:  # choices never forked end with the first
                 self._end(choice.seq, "abort")
         return StepDelta(request_id, [], "", "abort", request_finished=True)
+
+    def request(self, request_id: str) -> Request | None:
+        """The request as the loop serves it (None: not known here)."""
+        return self._requests.get(request_id)
 
     def is_finished(self, request_id: str) -> bool:
         """Whether every choice of the request has ended (`get_output` is then its result; the
@@ -313,16 +322,17 @@ class LLMEngine:
                 self._inflight.append(nxt)
         sampled = self.runner.collect(cur.handle)
         logprobs = self.runner.collect_logprobs(cur.handle, sampled)
-        self._record_prompt_logprobs(cur)
+        self.record_prompt_logprobs(cur)
         self.scheduler.complete(cur.batch)
         deltas: list[StepDelta] = []
         for i, (seq, token) in enumerate(zip(cur.batch.seqs, sampled, strict=True)):
             if token is not None and not seq.is_finished:  # else aborted while the step ran
                 lp = logprobs[i] if logprobs is not None else None
-                deltas.append(self._append(self._requests[seq.request_id], seq, token, lp))
+                deltas.append(self.append_token(self._requests[seq.request_id], seq, token, lp))
         return mark_request_ends(deltas, self.is_finished)
 
-    def _record_prompt_logprobs(self, cur: InFlight) -> None:
+    def record_prompt_logprobs(self, cur: InFlight) -> None:
+        """Store the prompt logprobs a handled step computed with their requests."""
         for i, position, entry in cur.handle.prompt_logprobs:
             request = self._requests.get(cur.batch.seqs[i].request_id)
             if request is not None and request.prompt_logprobs is not None:
@@ -369,13 +379,15 @@ class LLMEngine:
         in_flight = any(f.holds(seq) for f in self._inflight)
         self.scheduler.finish(seq, reason, in_flight)
 
-    def _append(
+    def append_token(
         self,
         request: Request,
         seq: Sequence,
         token: int,
         logprobs: PositionLogprobs | None = None,
     ) -> StepDelta:
+        """Output one sampled token for `seq` (a choice of `request`); its delta, which may end
+        the choice (EOS, stop ids and strings, max_tokens, the context)."""
         delta = request.add_token(seq, token, self.info.eos_token_ids, self.max_model_len, logprobs)
         if delta.finish_reason is not None:
             self._end(seq, delta.finish_reason)

@@ -34,7 +34,7 @@ class Detached:
 def movable(engine: LLMEngine, request_id: str) -> bool:
     """Whether the request can leave with its KV: one sequence on a single-rank engine, running,
     with output so far and the KV of every token but the last computed."""
-    request = engine._requests.get(request_id)  # (its own package: no public accessor needed)
+    request = engine.request(request_id)
     if request is None or len(request.choices) != 1 or engine.config.world_size != 1:
         return False
     seq = request.seq
@@ -52,7 +52,9 @@ def detach(engine: LLMEngine, request_id: str) -> Detached | None:
     token is dropped."""
     if not movable(engine, request_id):
         return None
-    seq = engine._requests[request_id].seq
+    request = engine.request(request_id)
+    assert request is not None  # movable
+    seq = request.seq
     holder = Sequence(request_id, seq.token_ids, seq.params)
     engine.scheduler.blocks.share(seq, holder)
     detached = Detached(request_id, list(seq.token_ids), seq.num_output_tokens, holder)

@@ -111,7 +111,7 @@ class EngineStats:
     prefix_hit_tokens: int
     num_preemptions: int
     steps_launched_ahead: int
-    # The host-memory KV tier (engine/host_index.py); zeros when it is off.
+    # The host-memory KV tier (engine/kv_cache/host/index.py); zeros when it is off.
     host_tier_blocks_total: int = 0  # slots
     host_tier_blocks_used: int = 0
     host_tier_hit_blocks: int = 0  # prompt blocks loaded from it instead of recomputed
@@ -119,8 +119,8 @@ class EngineStats:
     host_tier_offloaded_bytes: int = 0  # KV of every layer and head, over the worker's ranks
     host_tier_loaded_bytes: int = 0
     host_tier_copy_seconds: float = 0.0  # rank 0's copies, both ways (GPU: as far as finished)
-    # Speculative decoding (engine/speculative.py); zeros when it is off: draft tokens run by
-    # verify steps, and those accepted (output).
+    # Speculative decoding (engine/spec_decode/speculator.py); zeros when it is off: draft tokens
+    # run by verify steps, and those accepted (output).
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
 

@@ -70,7 +70,7 @@ class Sequence:
         self.generator: torch.Generator | None = None
         # The structured-output matcher (xgrammar.GrammarMatcher), advanced by each token.
         self.grammar: Any = None
-        # Speculative decoding (engine/speculative.py): draft tokens proposed to follow
+        # Speculative decoding (engine/spec_decode/speculator.py): draft tokens proposed to follow
         # token_ids, run by the next step after its last token and verified there; not part of
         # token_ids (the accepted ones are appended), cleared once the step is handled.
         self.spec_token_ids: list[int] = []

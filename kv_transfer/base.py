@@ -2,7 +2,7 @@
 pages look like: geometry.py).
 
 A worker's KV cache is one tensor [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads,
-head_dim] (engine/kv_cache.py); a rank holds global KV heads [head_start, head_start +
+head_dim] (engine/kv_cache/paged.py); a rank holds global KV heads [head_start, head_start +
 num_kv_heads). A transfer moves some blocks of every layer from a prefill rank (sender) into
 blocks of a decode rank (receiver). The receiver announces it with `expect` (ids and token arrive
 over the gRPC control plane), the sender pushes it layer by layer as prefill computes it.

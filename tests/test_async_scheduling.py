@@ -1,6 +1,6 @@
 """Async scheduling: the next decode step launched before the current one's tokens are read
-(engine/overlap.py). Forced on here on the CPU, where it is off by default, and checked against
-the same engine stepping one step at a time."""
+(engine/scheduling/overlap.py). Forced on here on the CPU, where it is off by default, and checked
+against the same engine stepping one step at a time."""
 
 from __future__ import annotations
 

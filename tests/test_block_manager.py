@@ -6,7 +6,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pdmesh.engine.block_manager import BlockManager
+from pdmesh.engine.kv_cache.block_manager import BlockManager
 from pdmesh.engine.sequence import Sequence
 from pdmesh.sampling_params import SamplingParams
 

@@ -16,7 +16,7 @@ from support import hf_greedy, load_hf, random_prompts
 from pdmesh import LLM, SamplingParams
 from pdmesh.bench.eplb_cpu import make_moe
 from pdmesh.engine.config import EngineConfig
-from pdmesh.engine.eplb import (
+from pdmesh.engine.eplb.placement import (
     check_eplb,
     imbalance,
     initial_placement,

@@ -118,7 +118,7 @@ def test_tensor_parallel_shards_carry_their_rows_scales(rank: int) -> None:
     )
     from pdmesh.engine.layers.moe import FusedMoE
     from pdmesh.engine.layers.quantization.registry import apply_quantization
-    from pdmesh.engine.parallel import ParallelGroup
+    from pdmesh.engine.parallel.group import ParallelGroup
 
     tp = ParallelGroup(rank=rank, size=2)
 

@@ -20,11 +20,11 @@ from prometheus_client import generate_latest
 from support import hf_greedy, load_hf, random_prompts
 
 from pdmesh import LLM, SamplingParams
-from pdmesh.engine.block_manager import BlockManager
 from pdmesh.engine.config import EngineConfig
-from pdmesh.engine.host_index import HostCopies, HostHit, HostIndex
-from pdmesh.engine.host_pool import CHUNK, HostPool
-from pdmesh.engine.kv_cache import KVCacheSpec
+from pdmesh.engine.kv_cache.block_manager import BlockManager
+from pdmesh.engine.kv_cache.host.index import HostCopies, HostHit, HostIndex
+from pdmesh.engine.kv_cache.host.pool import CHUNK, HostPool
+from pdmesh.engine.kv_cache.paged import KVCacheSpec
 from pdmesh.engine.sequence import Sequence
 from pdmesh.observability.worker_collector import WorkerSnapshot, worker_registry
 from pdmesh.v1.worker_pb2 import WorkerStats

@@ -88,7 +88,7 @@ def _followers(pid: int) -> list[int]:
         except OSError:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == pid and b"pdmesh.engine.tp_follower" in cmdline:
+        if ppid == pid and b"pdmesh.engine.executor.follower" in cmdline:
             found.append(int(entry.name))
     return found
 

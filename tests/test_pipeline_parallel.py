@@ -8,7 +8,7 @@ import pytest
 from support import hf_greedy, load_hf, random_prompts
 
 from pdmesh import LLM, SamplingParams
-from pdmesh.engine.pipeline import layer_partition
+from pdmesh.engine.parallel.pipeline import layer_partition
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
 

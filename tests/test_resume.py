@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from pdmesh import LLM, SamplingParams
-from pdmesh.engine.block_manager import BlockManager
+from pdmesh.engine.kv_cache.block_manager import BlockManager
 from pdmesh.engine.llm_engine import LLMEngine
-from pdmesh.engine.scheduler import Scheduler
+from pdmesh.engine.scheduling.scheduler import Scheduler
 from pdmesh.engine.sequence import Sequence
 
 PROMPT = list(range(40, 60))

@@ -7,7 +7,7 @@ import torch
 from support import random_prompts
 
 from pdmesh import LLM, SamplingParams
-from pdmesh.engine.sampler import Sampler, SamplingBatch
+from pdmesh.engine.sample.sampler import Sampler, SamplingBatch
 
 PROMPT = "Write a short poem about the sea:"
 

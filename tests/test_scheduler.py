@@ -3,8 +3,8 @@ blocks it alone hands out (reservations for remote prefill, frees after a step i
 
 from __future__ import annotations
 
-from pdmesh.engine.block_manager import BlockManager
-from pdmesh.engine.scheduler import Scheduler
+from pdmesh.engine.kv_cache.block_manager import BlockManager
+from pdmesh.engine.scheduling.scheduler import Scheduler
 from pdmesh.engine.sequence import Sequence, SequenceStatus
 from pdmesh.sampling_params import SamplingParams
 

@@ -10,7 +10,7 @@ from support import hf_greedy, load_hf, make_tiny_model, random_prompts
 
 from pdmesh import LLM, SamplingParams
 from pdmesh.engine.config import EngineConfig
-from pdmesh.engine.spec_config import SpeculativeConfig
+from pdmesh.engine.spec_decode.config import SpeculativeConfig
 from pdmesh.flags import engine_argv
 from pdmesh.prefix_hash import ROOT_HASH, hash_chain
 

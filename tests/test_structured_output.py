@@ -74,7 +74,7 @@ def test_constraints_that_cannot_be_enforced_are_refused(default_llm: LLM, so, f
 
 
 def test_a_compilation_past_the_bound_is_refused(default_llm: LLM, monkeypatch) -> None:
-    from pdmesh.engine import structured
+    from pdmesh.engine.sample import structured
 
     monkeypatch.setattr(structured, "COMPILE_TIMEOUT_S", 1e-4)
     schema = {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(40)}}

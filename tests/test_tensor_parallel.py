@@ -7,8 +7,8 @@ import torch
 from support import hf_greedy, load_hf, random_prompts
 
 from pdmesh import LLM, SamplingParams
-from pdmesh.engine.parallel import SINGLE
-from pdmesh.engine.symm_all_reduce import symmetric_all_reduce
+from pdmesh.engine.parallel.group import SINGLE
+from pdmesh.engine.parallel.symm_all_reduce import symmetric_all_reduce
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
 PROMPTS = [

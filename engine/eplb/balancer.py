@@ -4,7 +4,7 @@ The model runner calls `after_step` on every rank after each forward (rank 0 in 
 followers in `follow_step`). Every rank runs every step, so every rank reaches the same step
 count at the same boundary; there each all-reduces its window of counts over the
 expert-parallel group (each rank routed only its slice of the tokens), computes the same
-placement from the same sums (pdmesh.engine.eplb is deterministic), and moves the weights
+placement from the same sums (pdmesh.engine.eplb.placement is deterministic), and moves the weights
 (`move_experts`) before the next step. No message from rank 0 is needed to agree.
 
 Counts stay on the device between rebalances (one row per step in a ring); the host reads
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pdmesh.engine.eplb import Placement, imbalance, moved_slots, rebalance
+from pdmesh.engine.eplb.placement import Placement, imbalance, moved_slots, rebalance
 from pdmesh.engine.layers.expert_move import move_experts
 from pdmesh.engine.layers.moe import FusedMoE
-from pdmesh.engine.parallel import ParallelGroup
+from pdmesh.engine.parallel.group import ParallelGroup
 from pdmesh.kv_transfer.connector import control_message
 
 

@@ -2,7 +2,7 @@
 
 Rank 0 hosts the store the ranks meet at; a launcher (engine/executor/, picked by
 `distributed_executor_backend`) starts the followers from a JSON spec: local processes
-(`python -m pdmesh.engine.tp_follower`) that die with rank 0, the same over several nodes
+(`python -m pdmesh.engine.executor.follower`) that die with rank 0, the same over several nodes
 (a static launch), or Ray actors. Each step rank 0 broadcasts the flat step inputs and the KV
 connector's plan; every rank runs the same forward on its shard. Between steps rank 0 sends
 control messages (`pdmesh.kv_transfer.connector`'s codec: typed, JSON, a follower's failure
@@ -21,9 +21,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from pdmesh.engine import step_codec
 from pdmesh.engine.config import EngineConfig
-from pdmesh.engine.distributed import (
+from pdmesh.engine.executor import step_codec
+from pdmesh.engine.executor.base import FollowerSpec, create_launcher
+from pdmesh.engine.parallel.comm import (
     broadcast_bytes,
     broadcast_ints,
     destroy,
@@ -32,10 +33,9 @@ from pdmesh.engine.distributed import (
     serve_store,
     tp_group,
 )
-from pdmesh.engine.executor.base import FollowerSpec, create_launcher
-from pdmesh.engine.parallel import ParallelGroup
-from pdmesh.engine.pipeline import PipelineStage, stage_of
-from pdmesh.engine.step_inputs import StepInputs
+from pdmesh.engine.parallel.group import ParallelGroup
+from pdmesh.engine.parallel.pipeline import PipelineStage, stage_of
+from pdmesh.engine.runner.step_inputs import StepInputs
 from pdmesh.kv_transfer.connector import control_message, decode, encode, raise_failures
 from pdmesh.logger import get_logger
 

@@ -1,5 +1,6 @@
-"""A follower rank of a tensor- or pipeline-parallel worker: `python -m pdmesh.engine.tp_follower`,
-or `serve_rank` inside a Ray actor (engine/executor/ray_actors.py).
+"""A follower rank of a tensor- or pipeline-parallel worker: `python -m
+pdmesh.engine.executor.follower`, or `serve_rank` inside a Ray actor
+(engine/executor/ray_actors.py).
 
 It loads its shard of the model, builds the KV connector rank 0 names (if any), and then runs
 whatever rank 0 broadcasts: steps (the same forward as rank 0 on its shard, with the step's KV
@@ -20,16 +21,11 @@ import torch
 
 from pdmesh import envs
 from pdmesh.checkpoint.source import resolve_model_folder
-from pdmesh.engine import step_codec
 from pdmesh.engine.config import EngineConfig
-from pdmesh.engine.distributed import broadcast_bytes, destroy, gather_bytes
+from pdmesh.engine.eplb.balancer import CountEplb
+from pdmesh.engine.executor import step_codec
 from pdmesh.engine.executor.base import FollowerSpec
-from pdmesh.engine.expert_balancer import CountEplb
-from pdmesh.engine.host_pool import OffloadNow
-from pdmesh.engine.llm_engine import resolve_max_model_len
-from pdmesh.engine.model_info import ModelInfo
-from pdmesh.engine.model_runner import ModelRunner
-from pdmesh.engine.tp_driver import (
+from pdmesh.engine.executor.driver import (
     OP_CONTROL,
     OP_STEP,
     OP_STOP,
@@ -38,6 +34,11 @@ from pdmesh.engine.tp_driver import (
     init_ranks,
     rank_device,
 )
+from pdmesh.engine.kv_cache.host.pool import OffloadNow
+from pdmesh.engine.llm_engine import resolve_max_model_len
+from pdmesh.engine.models.info import ModelInfo
+from pdmesh.engine.parallel.comm import broadcast_bytes, destroy, gather_bytes
+from pdmesh.engine.runner.model_runner import ModelRunner
 from pdmesh.kv_transfer.connector import (
     Failed,
     KVConnector,

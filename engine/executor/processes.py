@@ -1,5 +1,5 @@
-"""Follower ranks as local processes (`python -m pdmesh.engine.tp_follower`), each started with
-its spec as JSON in its environment and dying with the process that started it."""
+"""Follower ranks as local processes (`python -m pdmesh.engine.executor.follower`), each started
+with its spec as JSON in its environment and dying with the process that started it."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from pdmesh.processes import die_with_parent
 def spawn_follower(spec: FollowerSpec) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PDMESH_TP_SPEC": spec.to_json()}
     return subprocess.Popen(
-        [sys.executable, "-m", "pdmesh.engine.tp_follower"], env=env, preexec_fn=die_with_parent
+        [sys.executable, "-m", "pdmesh.engine.executor.follower"],
+        env=env,
+        preexec_fn=die_with_parent,
     )
 
 

@@ -39,7 +39,7 @@ class RankActor:
         return {"node_id": context.get_node_id(), "ip": ip, "pid": os.getpid()}
 
     def run(self, spec: str) -> None:
-        from pdmesh.engine.tp_follower import serve_rank
+        from pdmesh.engine.executor.follower import serve_rank
 
         serve_rank(json.loads(spec))
 

@@ -13,9 +13,9 @@ import itertools
 
 import torch
 
-from pdmesh.engine.distributed import broadcast_device, broadcast_host, broadcast_ints
-from pdmesh.engine.parallel import ParallelGroup
-from pdmesh.engine.step_inputs import HostInputs, StepInputs, padded
+from pdmesh.engine.parallel.comm import broadcast_device, broadcast_host, broadcast_ints
+from pdmesh.engine.parallel.group import ParallelGroup
+from pdmesh.engine.runner.step_inputs import HostInputs, StepInputs, padded
 
 # Header layout (int64): op first, then the sizes below.
 HEADER_LEN = 16

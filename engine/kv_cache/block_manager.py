@@ -10,7 +10,7 @@ prompt's sequence (`fork`). A block held by more than one sequence is never writ
 first write into a shared, partly filled last block gives the writer a copy (copy on write),
 and the (source, copy) pair waits in `take_copies` for the step that must copy the KV first.
 
-With a host tier (`host`, engine/host_index.py), a cached block that is handed out again is
+With a host tier (`host`, engine/kv_cache/host/index.py), a cached block that is handed out again is
 first offered to it, and a prefix continues through it where the device cache has no block: such
 a block gets a fresh device block, and the copies wait in `take_host_copies` for the step that
 must run them (before anything writes those blocks), or in `take_offloads` for a copy at once
@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from pdmesh.engine.host_index import HostCopies, HostHit, HostIndex
+from pdmesh.engine.kv_cache.host.index import HostCopies, HostHit, HostIndex
 from pdmesh.engine.sequence import Sequence
 from pdmesh.prefix_hash import ROOT_HASH, hash_block, hash_chain
 
@@ -70,7 +70,7 @@ NO_PREFIX = Prefix()
 class BlockManager:
     """Protocol: `match_prefix` -> `can_allocate` -> `allocate`, then `cache_full_blocks` after each
     step that computed KV, and `free` when the sequence finishes or is preempted. The engine's
-    scheduler is its only caller (engine/scheduler.py)."""
+    scheduler is its only caller (engine/scheduling/scheduler.py)."""
 
     def __init__(
         self,

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdmesh.engine.parallel import SINGLE, ParallelGroup
+from pdmesh.engine.parallel.group import SINGLE, ParallelGroup
 from pdmesh.engine.weights import CheckpointTensor
 from pdmesh.kernels import linear
 

@@ -1,9 +1,9 @@
 """Logical experts -> physical slots of one MoE layer under expert parallelism.
 
-Without EPLB slot e holds expert e. With EPLB (pdmesh.engine.eplb) an expert may have replicas
-in several slots; a token's pair goes to replica (token index % replicas), so a hot expert's
-tokens are split evenly and deterministically (the same batch always dispatches the same way).
-The tables are buffers updated in place: a placement change keeps every tensor's address.
+Without EPLB slot e holds expert e. With EPLB (pdmesh.engine.eplb.placement) an expert may have
+replicas in several slots; a token's pair goes to replica (token index % replicas), so a hot
+expert's tokens are split evenly and deterministically (the same batch always dispatches the same
+way). The tables are buffers updated in place: a placement change keeps every tensor's address.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from torch import nn
 
 from pdmesh.engine.layers.quantization.base import UNQUANTIZED, LinearMethod
 from pdmesh.engine.layers.quantization.rows import store_rows
-from pdmesh.engine.parallel import SINGLE, ParallelGroup
+from pdmesh.engine.parallel.group import SINGLE, ParallelGroup
 from pdmesh.engine.weights import CheckpointTensor
 
 

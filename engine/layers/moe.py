@@ -6,9 +6,9 @@ parallelism each rank holds E / N whole experts: the tokens (the same on every r
 across ranks, each (token, expert) pair is sent with all-to-all to the rank holding its expert,
 computed there, sent back with all-to-all, combined, and the token slices all-gathered.
 
-With EPLB (pdmesh.engine.eplb) the E experts live in E + R physical slots, (E + R) / N on each
-rank, a hot expert in several; `ExpertMap` sends each pair to one of its expert's slots, and the
-balancer moves weights between slots between steps (`engine/layers/expert_move.py`).
+With EPLB (pdmesh.engine.eplb.placement) the E experts live in E + R physical slots, (E + R) / N on
+each rank, a hot expert in several; `ExpertMap` sends each pair to one of its expert's slots, and
+the balancer moves weights between slots between steps (`engine/layers/expert_move.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch import nn
 from pdmesh.engine.layers.expert_map import ExpertMap
 from pdmesh.engine.layers.linear import ReplicatedLinear
 from pdmesh.engine.layers.quantization.rows import store_rows
-from pdmesh.engine.parallel import SINGLE, ParallelGroup
+from pdmesh.engine.parallel.group import SINGLE, ParallelGroup
 from pdmesh.engine.weights import CheckpointTensor
 from pdmesh.kernels import count_expert_tokens, moe_experts, moe_route
 

@@ -58,13 +58,13 @@ class ModelInfo:
         c = self.hf_config
         num_experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", 0)
         if eplb_redundant is not None:
-            from pdmesh.engine.eplb import check_eplb
+            from pdmesh.engine.eplb.placement import check_eplb
 
             check_eplb(num_experts, eplb_redundant, size)
             num_experts += eplb_redundant  # the physical experts split over the ranks
         if size == 1:
             return
-        from pdmesh.engine.distributed import check_tp_size
+        from pdmesh.engine.parallel.comm import check_tp_size
 
         check_tp_size(size, self.num_heads, self.num_kv_heads)
         sizes = {"intermediate_size": getattr(c, "intermediate_size", 0)}

@@ -22,8 +22,8 @@ from pdmesh.engine.layers.norm import RMSNorm
 from pdmesh.engine.layers.rotary import RotaryEmbedding
 from pdmesh.engine.models.base import CausalLM
 from pdmesh.engine.models.registry import register_model
-from pdmesh.engine.parallel import SINGLE, ParallelGroup
-from pdmesh.engine.pipeline import SINGLE_STAGE, PipelineStage
+from pdmesh.engine.parallel.group import SINGLE, ParallelGroup
+from pdmesh.engine.parallel.pipeline import SINGLE_STAGE, PipelineStage
 
 
 def head_dim_of(config: Any) -> int:

@@ -9,7 +9,7 @@ from torch import nn
 from pdmesh.engine.layers.moe import FusedMoE
 from pdmesh.engine.models.llama import GatedMLP, Qwen3ForCausalLM
 from pdmesh.engine.models.registry import register_model
-from pdmesh.engine.parallel import ParallelGroup
+from pdmesh.engine.parallel.group import ParallelGroup
 
 
 def num_experts_of(config: Any) -> int:

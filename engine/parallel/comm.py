@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from pdmesh import envs
-from pdmesh.engine.parallel import ParallelGroup
+from pdmesh.engine.parallel.group import ParallelGroup
 
 # Followers wait idle in a broadcast for as long as rank 0 has nothing to do; a dead peer is
 # noticed by process monitoring, not by collective timeouts.

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from pdmesh import envs
 from pdmesh.engine.config import EngineConfig
-from pdmesh.engine.parallel import SINGLE, ParallelGroup
+from pdmesh.engine.parallel.group import SINGLE, ParallelGroup
 
 
 def layer_partition(num_layers: int, pp: int, spec: str | None = None) -> list[range]:

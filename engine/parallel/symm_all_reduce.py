@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from pdmesh import envs
-from pdmesh.engine.parallel import ParallelGroup
+from pdmesh.engine.parallel.group import ParallelGroup
 from pdmesh.logger import get_logger
 
 log = get_logger(__name__)

@@ -12,26 +12,26 @@ from typing import Any, Protocol
 import torch
 
 from pdmesh import envs
-from pdmesh.engine import penalties, structured
 from pdmesh.engine.config import EngineConfig
-from pdmesh.engine.cuda_graphs import DecodeGraphs
-from pdmesh.engine.distributed import all_reduce_min
-from pdmesh.engine.expert_balancer import ExpertBalancer
-from pdmesh.engine.host_pool import HostPool, OffloadNow, plan_slots
-from pdmesh.engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
+from pdmesh.engine.eplb.balancer import ExpertBalancer
+from pdmesh.engine.kv_cache.host.pool import HostPool, OffloadNow, plan_slots
+from pdmesh.engine.kv_cache.paged import KVCache, KVCacheSpec, plan_num_blocks
 from pdmesh.engine.layers.moe import FusedMoE
 from pdmesh.engine.layers.quantization.registry import apply_quantization, resolve_quantization
-from pdmesh.engine.logprobs import TopLogprobs, prompt_logprobs, wanted_logprobs
-from pdmesh.engine.model_info import ModelInfo
+from pdmesh.engine.models.info import ModelInfo
 from pdmesh.engine.outputs import PositionLogprobs
-from pdmesh.engine.parallel import SINGLE, ParallelGroup
-from pdmesh.engine.pipeline import SINGLE_STAGE, PipelineStage
-from pdmesh.engine.sampler import Sampler, SamplingBatch
-from pdmesh.engine.scheduler import ScheduledBatch
-from pdmesh.engine.spec_verify import Verify
-from pdmesh.engine.step_handle import StepHandle
-from pdmesh.engine.step_inputs import HostInputs, StepInputs
-from pdmesh.engine.symm_all_reduce import symmetric_all_reduce
+from pdmesh.engine.parallel.comm import all_reduce_min
+from pdmesh.engine.parallel.group import SINGLE, ParallelGroup
+from pdmesh.engine.parallel.pipeline import SINGLE_STAGE, PipelineStage
+from pdmesh.engine.parallel.symm_all_reduce import symmetric_all_reduce
+from pdmesh.engine.runner.cuda_graphs import DecodeGraphs
+from pdmesh.engine.runner.step_handle import StepHandle
+from pdmesh.engine.runner.step_inputs import HostInputs, StepInputs
+from pdmesh.engine.sample import penalties, structured
+from pdmesh.engine.sample.logprobs import TopLogprobs, prompt_logprobs, wanted_logprobs
+from pdmesh.engine.sample.sampler import Sampler, SamplingBatch
+from pdmesh.engine.scheduling.scheduler import ScheduledBatch
+from pdmesh.engine.spec_decode.verify import Verify
 from pdmesh.engine.weights import init_dummy_weights, load_named, load_weights
 from pdmesh.kv_transfer.connector import KVBinding, KVConnector, KVHeads
 
@@ -47,7 +47,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 class Followers(Protocol):
-    """Rank 0's tensor-parallel followers (engine/tp_driver.py)."""
+    """Rank 0's tensor-parallel followers (engine/executor/driver.py)."""
 
     def send_step(self, inputs: StepInputs, plan: torch.Tensor | None) -> None:
         """Hand the step to the other ranks, before rank 0 runs it."""
@@ -85,7 +85,7 @@ class ModelRunner:
     ) -> None:
         """kv_connector: the KV plane's hooks on this rank (bound here, once the cache exists).
         followers: on rank 0 of a parallel worker, the ranks each step is sent to. stage: this
-        rank's pipeline stage (its layers; engine/pipeline.py)."""
+        rank's pipeline stage (its layers; engine/parallel/pipeline.py)."""
         self.info = info
         self.stage = stage
         self.device = device
@@ -129,7 +129,7 @@ class ModelRunner:
             num_blocks = all_reduce_min(num_blocks, world)
         self.kv_cache = KVCache(self.kv_spec, num_blocks, device)
         self.kv_cache.bind(attn_layers)
-        self.host_pool: HostPool | None = None  # the host tier (engine/host_pool.py)
+        self.host_pool: HostPool | None = None  # the host tier (engine/kv_cache/host/pool.py)
         if config.kv_offload_gib > 0 and config.enable_prefix_caching:
             slots = plan_slots(self.kv_spec, config.kv_offload_gib, world.size)
             if world.size > 1:  # every rank must hold the same slots
@@ -182,7 +182,7 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch, next_ids: torch.Tensor | None = None) -> StepInputs:
         """The step's inputs. next_ids ([B] on the device, decode-only batches): each sequence
         runs the token a step still on the device samples for it, at position num_tokens (the
-        host does not know that token yet; see engine/overlap.py)."""
+        host does not know that token yet; see engine/scheduling/overlap.py)."""
         bs = self.block_size
         order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] != 1)
         # input_ids, positions, slots, decode tables and lens, cu_seqlens, prefill lens and

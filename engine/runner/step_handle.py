@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from pdmesh.engine.logprobs import TopLogprobs
 from pdmesh.engine.outputs import PositionLogprobs
+from pdmesh.engine.sample.logprobs import TopLogprobs
 
 
 @dataclass
@@ -30,7 +30,7 @@ class StepHandle:
     logprobs: tuple[TopLogprobs, list[int | None]] | None = None
     # Prompt positions' log-probabilities: (batch row, position, entry) of each.
     prompt_logprobs: list[tuple[int, int, PositionLogprobs]] = field(default_factory=list)
-    # Speculative decoding: the draft tokens this step verifies (engine/spec_verify.py's
+    # Speculative decoding: the draft tokens this step verifies (engine/spec_decode/verify.py's
     # `Verify`); `tokens` then has a row per draft too. None: a plain step.
     verify: Any = None
 

@@ -49,8 +49,8 @@ class HostInputs:
     logits_indices: list[int]  # [S]
     # [2C]: source and copy block of each copy on write, in pairs
     block_copies: list[int] = field(default_factory=list)
-    # The host tier's copies, run before those (engine/host_pool.py): [2O] (device block, host
-    # slot) pairs, then [2L] (host slot, device block) pairs
+    # The host tier's copies, run before those (engine/kv_cache/host/pool.py): [2O] (device block,
+    # host slot) pairs, then [2L] (host slot, device block) pairs
     offloads: list[int] = field(default_factory=list)
     loads: list[int] = field(default_factory=list)
     overlap_loads: bool = False  # no sequence of the step reads the loaded blocks

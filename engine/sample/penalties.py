@@ -3,7 +3,8 @@ penalties, a bias per token, and EOS held back until `min_tokens` (vLLM's defini
 
 Applied on rank 0 to the rows to sample, after the logprobs' raw distribution is taken and before
 temperature and filters. A step's sequences must know every token before it: the engine does not
-launch a step ahead of the tokens of one whose requests shape their logits (engine/overlap.py).
+launch a step ahead of the tokens of one whose requests shape their logits
+(engine/scheduling/overlap.py).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdmesh.engine.distributed import host_to_device
+from pdmesh.engine.parallel.comm import host_to_device
 from pdmesh.sampling_params import SamplingParams
 
 

@@ -6,7 +6,7 @@ past COMPILE_TIMEOUT_S (the engine stays healthy); compiled grammars are cached 
 step, `start_masks` fills the bitmasks on a thread of its own while the forward runs and `mask`
 leaves only the tokens a request's grammar allows in its row of the logits (after penalties,
 before temperature and filters); `Request.add_token` advances the matcher. The
-engine never launches a step ahead of a token a matcher has not seen (engine/overlap.py).
+engine never launches a step ahead of a token a matcher has not seen (engine/scheduling/overlap.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """A request's several sequences (SamplingParams.n and best_of): the ones it starts with, and
 what this worker can ever hold of them.
 
-The sequences of a request share its prompt's KV blocks (see engine/scheduler.py): at the end
-each holds the prompt's full blocks by reference, and a block of its own for the partly filled
+The sequences of a request share its prompt's KV blocks (see engine/scheduling/scheduler.py): at the
+end each holds the prompt's full blocks by reference, and a block of its own for the partly filled
 last prompt block (copied on write) and for each block its output fills.
 """
 

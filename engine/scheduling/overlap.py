@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdmesh.engine import penalties, structured
-from pdmesh.engine.distributed import host_to_device
-from pdmesh.engine.scheduler import ScheduledBatch, Scheduler
+from pdmesh.engine.parallel.comm import host_to_device
+from pdmesh.engine.runner.step_handle import StepHandle
+from pdmesh.engine.sample import penalties, structured
+from pdmesh.engine.scheduling.scheduler import ScheduledBatch, Scheduler
 from pdmesh.engine.sequence import Sequence
-from pdmesh.engine.step_handle import StepHandle
 
 
 @dataclass

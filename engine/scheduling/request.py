@@ -15,7 +15,7 @@ from pdmesh.engine.outputs import (
     RequestOutput,
     StepDelta,
 )
-from pdmesh.engine.sampler import Sampler
+from pdmesh.engine.sample.sampler import Sampler
 from pdmesh.engine.sequence import Sequence
 from pdmesh.text.detokenizer import IncrementalDetokenizer
 

@@ -2,8 +2,8 @@
 
 The scheduler is the only owner of the KV blocks: it gives them to the sequences it schedules,
 to prompts another worker prefills (reservations) and to the decode step launched before the
-current one's tokens are read (the lookahead, see engine/overlap.py); it frees them when a
-sequence ends or is preempted, and publishes full ones to the prefix cache as steps complete.
+current one's tokens are read (the lookahead, see engine/scheduling/overlap.py); it frees them when
+a sequence ends or is preempted, and publishes full ones to the prefix cache as steps complete.
 
 A request with several choices (n, best_of) is one sequence until its prompt is computed: the
 step that completes the prompt forks it (`Sequence.forks`), its choices joining the batch with
@@ -19,8 +19,8 @@ from collections.abc import Collection
 from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
-from pdmesh.engine.block_manager import BlockManager, Prefix
-from pdmesh.engine.host_index import HostCopies
+from pdmesh.engine.kv_cache.block_manager import BlockManager, Prefix
+from pdmesh.engine.kv_cache.host.index import HostCopies
 from pdmesh.engine.outputs import EngineStats, ForkStats
 from pdmesh.engine.sequence import Sequence, SequenceStatus
 from pdmesh.kv_transfer.connector import ExternalBlocks
@@ -40,7 +40,7 @@ class ScheduledBatch(NamedTuple):
     forks: tuple[tuple[int, int], ...] = ()
     # Copy on write: (source, copy) block pairs whose KV every rank copies before the step.
     block_copies: tuple[tuple[int, int], ...] = ()
-    # The host tier's copies, which every rank runs before those (engine/host_index.py).
+    # The host tier's copies, which every rank runs before those (engine/kv_cache/host/index.py).
     host_copies: HostCopies = NO_HOST_COPIES
 
     @property

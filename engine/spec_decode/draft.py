@@ -18,14 +18,14 @@ from typing import Any
 import torch
 
 from pdmesh.checkpoint.source import resolve_model_folder
-from pdmesh.engine.block_manager import BlockManager
 from pdmesh.engine.config import EngineConfig
-from pdmesh.engine.model_info import ModelInfo
-from pdmesh.engine.model_runner import ModelRunner
-from pdmesh.engine.scheduler import ScheduledBatch
+from pdmesh.engine.kv_cache.block_manager import BlockManager
+from pdmesh.engine.models.info import ModelInfo
+from pdmesh.engine.runner.model_runner import ModelRunner
+from pdmesh.engine.scheduling.scheduler import ScheduledBatch
 from pdmesh.engine.sequence import Sequence
-from pdmesh.engine.spec_config import SpeculativeConfig
-from pdmesh.engine.speculative import Proposer, register_proposer
+from pdmesh.engine.spec_decode.config import SpeculativeConfig
+from pdmesh.engine.spec_decode.speculator import Proposer, register_proposer
 from pdmesh.sampling_params import SamplingParams
 
 _GREEDY = SamplingParams(temperature=0, max_tokens=1 << 30, ignore_eos=True)

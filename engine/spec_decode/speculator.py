@@ -2,8 +2,8 @@
 
 Before each step is scheduled, `Speculator.propose` gives every running sequence that decodes
 (one token to run) and may speculate up to k draft tokens (`Sequence.spec_token_ids`); the
-scheduler runs them after its last token, the step verifies them (engine/spec_verify.py) and
-`engine/spec_step.py` appends the tokens accepted and rolls the rest back in the paged cache.
+scheduler runs them after its last token, the step verifies them (engine/spec_decode/verify.py) and
+`engine/spec_decode/step.py` appends the tokens accepted and rolls the rest back in the paged cache.
 
 Who speculates: a request whose logits are shaped by its own history (penalties, logit_bias,
 min_tokens) or by a grammar (structured output) decodes without drafts (its logits would need
@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from pdmesh.engine.sequence import Sequence, SequenceStatus
-from pdmesh.engine.spec_config import SpeculativeConfig
+from pdmesh.engine.spec_decode.config import SpeculativeConfig
 
 
 class Proposer(ABC):
@@ -168,6 +168,6 @@ def make_speculator(
     if config is None:
         return None
     if config.method == "draft_model":
-        from pdmesh.engine import spec_draft  # noqa: F401  registers it (it needs a ModelRunner)
+        from pdmesh.engine.spec_decode import draft as spec_draft  # noqa: F401  registers it (it needs a ModelRunner)
     proposer = _PROPOSERS[config.method](config, **context)
     return Speculator(config, proposer, max_model_len)

@@ -14,11 +14,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pdmesh.engine.outputs import PositionLogprobs, StepDelta, mark_request_ends
-from pdmesh.engine.spec_verify import Verify
+from pdmesh.engine.spec_decode.verify import Verify
 
 if TYPE_CHECKING:
     from pdmesh.engine.llm_engine import LLMEngine
-    from pdmesh.engine.overlap import InFlight
+    from pdmesh.engine.scheduling.overlap import InFlight
 
 
 def verified_step(engine: LLMEngine, cur: InFlight) -> list[StepDelta]:
@@ -32,7 +32,7 @@ def verified_step(engine: LLMEngine, cur: InFlight) -> list[StepDelta]:
     if handle.logprobs is not None:
         top, wanted = handle.logprobs
         entries = verify.logprobs(top, wanted, tokens, emitted)
-    engine._record_prompt_logprobs(cur)
+    engine.record_prompt_logprobs(cur)
     engine.scheduler.complete(batch)
     speculator = engine.speculator
     assert speculator is not None
@@ -41,10 +41,11 @@ def verified_step(engine: LLMEngine, cur: InFlight) -> list[StepDelta]:
         seq, drafts = batch.seqs[i], verify.drafts[j]
         out: list[StepDelta] = []
         if not seq.is_finished:  # else aborted while the step ran
-            request = engine._requests[seq.request_id]
+            request = engine.request(seq.request_id)
+            assert request is not None  # a running sequence's request is known
             for t, token in enumerate(emitted[j]):
                 lp = entries[j][t] if entries is not None else None
-                out.append(engine._append(request, seq, token, lp))
+                out.append(engine.append_token(request, seq, token, lp))
                 if seq.is_finished:
                     break
         accepted = min(len(out), len(emitted[j]) - 1)  # drafts among the tokens appended

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from pdmesh.engine.logprobs import TopLogprobs
 from pdmesh.engine.outputs import PositionLogprobs
-from pdmesh.engine.sampler import Sampler
+from pdmesh.engine.sample.logprobs import TopLogprobs
+from pdmesh.engine.sample.sampler import Sampler
 
 
 @dataclass

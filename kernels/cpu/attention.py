@@ -52,7 +52,7 @@ class _Plan:
 
     def serves(self, tables: torch.Tensor, lens: torch.Tensor, block_size: int) -> bool:
         # Weak references: a later step's tensors never match a freed one's plan. Each step's
-        # metadata is made afresh (engine/step_inputs.py; buffers refilled in place are CUDA
+        # metadata is made afresh (engine/runner/step_inputs.py; buffers refilled in place are CUDA
         # graphs', which never come here), and the lengths are compared as well.
         return (
             self.tables() is tables

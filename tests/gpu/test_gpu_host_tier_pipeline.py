@@ -9,9 +9,9 @@ import torch
 from support import hf_greedy, load_hf, random_prompts
 
 from pdmesh import LLM, SamplingParams
-from pdmesh.engine import host_pool
-from pdmesh.engine.host_pool import HostPool
-from pdmesh.engine.kv_cache import KVCacheSpec
+from pdmesh.engine.kv_cache.host import pool as host_pool
+from pdmesh.engine.kv_cache.host.pool import HostPool
+from pdmesh.engine.kv_cache.paged import KVCacheSpec
 
 pytestmark = pytest.mark.gpu
 

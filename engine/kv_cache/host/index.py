@@ -1,6 +1,6 @@
 """Rank 0's index of the host-memory KV tier: which prefix blocks the host pool holds, and where.
 
-The tier is a second level under the device prefix cache (engine/block_manager.py). A full,
+The tier is a second level under the device prefix cache (engine/kv_cache/block_manager.py). A full,
 cached block that the device cache evicts is offered here (`offload`) and copied into a host
 slot by the step that reuses its device block; a prompt whose prefix continues past the device
 cache's hits is looked up here (`lookup`, its tokens checked) and its blocks are copied back
@@ -11,7 +11,7 @@ Callers may rely on: the copies recorded since the last `take_copies` are what o
 run, every offload before every load (a block offloaded and found again in one step is read
 back after it was written); a slot that one of those copies reads or writes is pinned until
 `take_copies` hands them over, so no two pending copies disagree about a slot. The index never
-touches tensors (engine/host_pool.py does, on every rank).
+touches tensors (engine/kv_cache/host/pool.py does, on every rank).
 """
 
 from __future__ import annotations

@@ -2,16 +2,16 @@
 device cache evicted, and the copies between them and the device cache.
 
 Every rank holds a pool of the same number of slots, each slot the KV of one block for the
-layers and heads this rank's cache holds; rank 0's index (engine/host_index.py) decides what goes
-where, and each step carries its copies to every rank (engine/step_codec.py). `copy` runs them
-before the step's forward. On a GPU they are queued without a host sync (pinned memory): the
-host goes on building the next step meanwhile. Offloads run on the compute stream, loads on a
-stream of their own, chunk by chunk and pipelined (device-to-host and host-to-device copies use
-different copy engines): a load chunk's slots are staged on the device at once, and scattered
-into its blocks once the offloads that read those blocks' old KV are done. Loads a sequence of
-the step reads finish before the forward; loads no sequence of the step reads (`overlap`: their
-request sits the step out, see Scheduler) run beside it, and the next step's work waits for
-them. On the CPU the copies run as they are called: offloads, then loads.
+layers and heads this rank's cache holds; rank 0's index (engine/kv_cache/host/index.py) decides
+what goes where, and each step carries its copies to every rank (engine/executor/step_codec.py).
+`copy` runs them before the step's forward. On a GPU they are queued without a host sync (pinned
+memory): the host goes on building the next step meanwhile. Offloads run on the compute stream,
+loads on a stream of their own, chunk by chunk and pipelined (device-to-host and host-to-device
+copies use different copy engines): a load chunk's slots are staged on the device at once, and
+scattered into its blocks once the offloads that read those blocks' old KV are done. Loads a
+sequence of the step reads finish before the forward; loads no sequence of the step reads
+(`overlap`: their request sits the step out, see Scheduler) run beside it, and the next step's work
+waits for them. On the CPU the copies run as they are called: offloads, then loads.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from pdmesh.engine.distributed import host_to_device
-from pdmesh.engine.kv_cache import KVCacheSpec
+from pdmesh.engine.kv_cache.paged import KVCacheSpec
+from pdmesh.engine.parallel.comm import host_to_device
 from pdmesh.kv_transfer.connector import control_message
 
 # Blocks staged on the device at once: bounds the copies' scratch memory (64 blocks of the
