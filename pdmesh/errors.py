@@ -12,6 +12,7 @@ the name travels and `from_status` rebuilds the error.
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar
 
 _BY_STATUS: dict[str, type[PdmeshError]] = {}
@@ -68,10 +69,25 @@ class Unauthenticated(PdmeshError, status="UNAUTHENTICATED", http_status=401):
     """No valid API key or client certificate."""
 
 
+# A native library's messages (xgrammar's) start with a time and a C++ source location, and its
+# checks name the expression that failed: "[01:53:18] /project/cpp/x.cc:49: Check failed: (a)
+# is false: msg". Callers need the msg only.
+_SOURCE_LOCATION = re.compile(
+    r"\[\d{2}:\d{2}:\d{2}\]\s*\S+:\d+:\s*|Check failed: \(.*?\) is false:\s*"
+)
+
+
+def without_source_locations(message: str) -> str:
+    """`message` without a native library's source locations, on one line."""
+    return " ".join(_SOURCE_LOCATION.sub("", message).split())
+
+
 def from_status(status: str, message: str, field: str | None = None) -> PdmeshError:
     """The error a remote hop reported by status name (an unknown name is INTERNAL), with the
-    field it named for bad input (the FIELD_METADATA trailer)."""
+    field it named for bad input (the FIELD_METADATA trailer). Source locations a native library
+    put in the message are dropped here too: a client never sees them."""
     cls = _BY_STATUS.get(status, PdmeshError)
+    message = without_source_locations(message) or status
     return InvalidRequest(message, field) if cls is InvalidRequest else cls(message)
 
 

@@ -1,8 +1,12 @@
 """A supervisor of local child processes: start, restart with back-off, wait until ready, stop.
 
-Children die with this process even if it is killed outright (`die_with_parent`); `stop_all`
-sends SIGTERM, then SIGKILL after a grace. Nothing here knows what the children are: `pdmesh up`
-(pdmesh/mesh.py) and the benchmarks say which commands to run.
+A child that exits is restarted after a delay that doubles with each exit in a row (2 s, 4 s, ...
+30 s); one that had stayed up for `Backoff.reset_after_s` (60 s) before it exited starts again
+from the shortest delay, as systemd's and Kubernetes' back-offs do: a worker that a rare bad
+request takes down once an hour is back in 2 s, not 30. Children die with this process even if
+it is killed outright (`die_with_parent`); `stop_all` sends SIGTERM, then SIGKILL after a grace.
+Nothing here knows what the children are: `pdmesh up` (pdmesh/mesh.py) and the benchmarks say
+which commands to run.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdmesh.processes import die_with_parent
@@ -19,6 +23,26 @@ from pdmesh.processes import die_with_parent
 STOP_GRACE_S = 10.0
 RESTART_BASE_S = 2.0
 RESTART_MAX_S = 30.0
+RESTART_RESET_S = 60.0
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Restart delays: `base_s` after a first exit, doubling with each exit in a row up to
+    `max_s`; an exit after `reset_after_s` or more of running counts as a first one again."""
+
+    base_s: float = RESTART_BASE_S
+    max_s: float = RESTART_MAX_S
+    reset_after_s: float = RESTART_RESET_S
+
+    def __post_init__(self) -> None:
+        if not 0 < self.base_s <= self.max_s or self.reset_after_s <= 0:
+            raise ValueError(
+                f"a back-off needs 0 < base_s <= max_s and reset_after_s > 0, got {self!r}."
+            )
+
+    def delay(self, exits_in_a_row: int) -> float:
+        return min(self.max_s, self.base_s * 2 ** (exits_in_a_row - 1))
 
 
 @dataclass(frozen=True)
@@ -32,6 +56,7 @@ class ProcessSpec:
     env: dict[str, str] | None = None  # None: this process's environment
     restart: bool = True  # False: its exit ends supervision (`supervise` returns False)
     quiet: bool = False  # its stdout goes to /dev/null
+    backoff: Backoff = field(default_factory=Backoff)
 
 
 @dataclass
@@ -40,8 +65,11 @@ class Child:
 
     spec: ProcessSpec
     proc: subprocess.Popen[bytes]
-    restarts: int = 0
+    restarts: int = 0  # since supervision began
+    exits_in_a_row: int = 0  # each within reset_after_s of its start: what the delay doubles on
+    started_at: float = field(default_factory=time.monotonic)  # of the current process
     restart_at: float | None = None  # monotonic time of a scheduled restart
+    last_delay_s: float = 0.0  # the delay before the restart scheduled last
 
     @property
     def name(self) -> str:
@@ -67,8 +95,8 @@ def spawn(spec: ProcessSpec) -> Child:
 
 
 def supervise(children: list[Child]) -> bool:
-    """One look at the children: restart those that exited (backing off: 2 s, 4 s, ... 30 s);
-    False once a child with `restart=False` has exited."""
+    """One look at the children: restart those that exited, after their spec's back-off; False
+    once a child with `restart=False` has exited."""
     now = time.monotonic()
     for c in children:
         if c.restart_at is not None and now >= c.restart_at:
@@ -76,6 +104,7 @@ def supervise(children: list[Child]) -> bool:
                 f"pdmesh: restarting {c.name} (restart {c.restarts})", file=sys.stderr, flush=True
             )
             c.proc = _start(c.spec)
+            c.started_at = time.monotonic()
             c.restart_at = None
             continue
         if c.restart_at is not None or c.proc.poll() is None:
@@ -83,14 +112,18 @@ def supervise(children: list[Child]) -> bool:
         if not c.spec.restart:
             print(f"pdmesh: {c.name} exited (code {c.proc.returncode}); stopping", file=sys.stderr)
             return False
+        backoff = c.spec.backoff
+        up_s = now - c.started_at
         c.restarts += 1
-        delay = min(RESTART_MAX_S, RESTART_BASE_S * 2 ** (c.restarts - 1))
+        c.exits_in_a_row = 1 if up_s >= backoff.reset_after_s else c.exits_in_a_row + 1
+        c.last_delay_s = backoff.delay(c.exits_in_a_row)
         print(
-            f"pdmesh: {c.name} exited (code {c.proc.returncode}); restarting in {delay:.0f} s",
+            f"pdmesh: {c.name} exited (code {c.proc.returncode}) after {up_s:.0f} s up; "
+            f"restarting in {c.last_delay_s:.0f} s",
             file=sys.stderr,
             flush=True,
         )
-        c.restart_at = now + delay
+        c.restart_at = now + c.last_delay_s
     return True
 
 

@@ -16,6 +16,7 @@ GIL while it works). One thread only: a fast tokenizer used from two threads at 
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +24,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdmesh.errors import InvalidRequest
-from pdmesh.sampling_params import SamplingParams
+from pdmesh.json_input import check_json, check_text, parse_json
+from pdmesh.sampling_params import SamplingParams, StructuredOutputsParams
 from pdmesh.text.chat_template import chat_token_ids
 from pdmesh.text.tokenizer import Tokenizer
 
@@ -33,21 +35,11 @@ MAX_REQUEST_ID_LEN = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
-
-
-def check_text(value: str, name: str) -> str:
-    """`value` when it is text that can be encoded (UTF-8). JSON's `\\ud800` escapes (a lone
-    surrogate, not a character) decode to a Python str that cannot: the tokenizer, protobuf and
-    the workers would all fail on it, so it is refused here, naming the field."""
-    try:
-        value.encode()
-    except UnicodeEncodeError as e:
-        raise InvalidRequest(
-            f"{name} is not valid Unicode text: {value[e.start : e.end]!r} at character "
-            f"{e.start} is a lone surrogate (a \\uD800-\\uDFFF escape that is not half of a pair).",
-            name,
-        ) from None
-    return value
+# A structured-output constraint as text (a JSON schema as JSON, a regex, a grammar, the choices
+# as a JSON list): the grammar compiler's work grows with it, so it is bounded before any.
+MAX_SPEC_CHARS = 65_536
+# The chat roles a request may use: OpenAI's (developer is its newer name for system).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def check_prompt_ids(
@@ -101,6 +93,47 @@ def check_json_text(value: Any, name: str) -> int:
     if isinstance(value, list):
         return sum(check_json_text(v, f"{name}[{i}]") for i, v in enumerate(value))
     return 0
+
+
+def check_roles(messages: Sequence[dict[str, Any]], name: str = "messages") -> None:
+    """InvalidRequest naming `name[i].role` for a message whose role is not in CHAT_ROLES (a
+    template may accept anything, and render a made-up role as a turn of its own)."""
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise InvalidRequest(
+                f"{name}[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r:.40}.",
+                f"{name}[{i}].role",
+            )
+
+
+def check_structured(so: StructuredOutputsParams, field: str | None = None) -> None:
+    """InvalidRequest naming `field` (default `structured_outputs.<kind>`, or where inside it)
+    when the constraint holds text that is not valid Unicode, a JSON schema breaks the JSON
+    limits (pdmesh.json_input), or its text is longer than MAX_SPEC_CHARS. Whether it can be
+    compiled is the workers' to say."""
+    kind = so.kind
+    field = field or f"structured_outputs.{kind}"
+    spec = getattr(so, kind)
+    if kind == "json_object":
+        return
+    if kind == "choice":
+        for i, choice in enumerate(spec):
+            check_text(choice, f"{field}[{i}]")
+        text = json.dumps(list(spec))
+    elif isinstance(spec, str):
+        text = check_text(spec, field)
+        if kind == "json":
+            parse_json(spec, field)
+    else:
+        check_json(spec, field, text=True)
+        text = json.dumps(spec)
+    if len(text) > MAX_SPEC_CHARS:
+        raise InvalidRequest(
+            f"{field} is {len(text):,} characters long as text; at most {MAX_SPEC_CHARS:,} are "
+            "accepted.",
+            field,
+        )
 
 
 @dataclass(frozen=True)
@@ -173,6 +206,7 @@ class Validator:
         if prompt.messages is not None:
             messages, tools = prompt.messages, prompt.tools
             chars = check_json_text(messages, name) + check_json_text(tools, prompt.tools_field)
+            check_roles(messages, name)
             self._check_chars(chars, "the chat", name)
             return await self._run(lambda: chat_token_ids(self.tokenizer, messages, tools, name))
         if prompt.text is not None:
@@ -193,6 +227,20 @@ class Validator:
                 field,
             )
 
+    def _check_vocabulary(self, params: SamplingParams) -> None:
+        """Token ids the sampling names (stop_token_ids, logit_bias' keys) in the vocabulary."""
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", params.logit_bias or ()),
+        ):
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise InvalidRequest(
+                    f"{name} must name token ids in the model's vocabulary, [0, "
+                    f"{self.vocab_size}); got {bad}.",
+                    name,
+                )
+
     async def _run(self, fn: Callable[[], list[int]]) -> list[int]:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn)
 
@@ -211,6 +259,9 @@ class Validator:
             )
         check_stop_rules(spec.sampling.get("stop", ()), spec.sampling.get("stop_token_ids", ()))
         params = self._sampling(spec)
+        self._check_vocabulary(params)
+        if params.structured_outputs is not None:
+            check_structured(params.structured_outputs)
         given, name = spec.max_tokens, spec.max_tokens_field
         if given is not None and not spec.must_fit and given > self.max_model_len:
             raise InvalidRequest(

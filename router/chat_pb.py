@@ -4,11 +4,11 @@ the field as the proto does (`chat.tools[0].parameters`, `chat.tool_choice.mode`
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from typing import Any
 
 from pdmesh.errors import InvalidRequest
+from pdmesh.json_input import parse_json
 from pdmesh.router.tool_choice import MODES, ToolUse
 from pdmesh.router.tool_parsers.base import ToolParser
 from pdmesh.text.chat_messages import check_tools
@@ -48,12 +48,7 @@ def tools_from_pb(chat: gen_pb.ChatMessages) -> list[dict[str, Any]]:
         if t.description:
             function["description"] = t.description
         if t.parameters:
-            field = f"{FIELD}.tools[{i}].parameters"
-            try:
-                function["parameters"] = json.loads(t.parameters)
-            except ValueError as e:
-                message = f"{field} must be a JSON schema as JSON text: {e}."
-                raise InvalidRequest(message, field) from None
+            function["parameters"] = parse_json(t.parameters, f"{FIELD}.tools[{i}].parameters")
         tools.append({"type": "function", "function": function})
     return check_tools(tools, f"{FIELD}.tools")
 

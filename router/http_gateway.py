@@ -13,8 +13,8 @@ which aborts the request on its decode worker and frees its blocks.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, suppress
 from functools import partial
@@ -22,11 +22,12 @@ from typing import Any
 
 from aiohttp import web
 
-from pdmesh.errors import InvalidRequest, as_error
+from pdmesh.errors import as_error
 from pdmesh.logger import get_logger
 from pdmesh.observability.metrics_server import split_host_port
 from pdmesh.router import metrics
 from pdmesh.router.core import Router
+from pdmesh.router.http_body import MAX_BODY_BYTES, read_json, too_large
 from pdmesh.router.openai_answer import Answer
 from pdmesh.router.openai_logprobs import TokenTexts
 from pdmesh.router.openai_protocol import OpenAIRequest, parse
@@ -43,7 +44,6 @@ from pdmesh.v1.generation_pb2 import GenerateResponse as Chunk
 
 log = get_logger(__name__)
 
-MAX_BODY_BYTES = 8 * 1024 * 1024  # a prompt of ~2M tokens: far past any model's context
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers need no key
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -63,14 +63,17 @@ def error_response(status: int, message: str, param: str | None = None) -> web.R
 
 
 def status_of(exc: Exception) -> tuple[int, str, str | None]:
-    """(HTTP status, message, param) for an exception raised while serving a request."""
+    """(HTTP status, message, param) for an exception raised while serving a request. Bad input
+    is caught where it is parsed, as a `pdmesh.errors` class; anything else is a bug: 500 with a
+    message that says nothing of it but an id, and the traceback logged under that id."""
     error = as_error(exc)
     if error is not None:
         return error.http_status, str(error), getattr(error, "field", None)
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
-        return 413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB.", None
-    log.error("internal error in the HTTP gateway", exc_info=exc)
-    return 500, f"internal error: {type(exc).__name__}: {exc}", None
+        return too_large().http_status, str(too_large()), None
+    incident = uuid.uuid4().hex[:12]
+    log.error("internal error %s in the HTTP gateway", incident, exc_info=exc)
+    return 500, f"internal error {incident}: the server failed on this request (logged).", None
 
 
 @web.middleware
@@ -104,16 +107,6 @@ def require_api_key(keys: ApiKeys) -> Any:
         )
 
     return check
-
-
-async def read_json(request: web.Request) -> Any:
-    raw = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge (413)
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InvalidRequest(f"the request body is not valid JSON: {e}.") from None
-    except RecursionError:
-        raise InvalidRequest("the request body is nested too deeply.") from None
 
 
 class Gateway:
@@ -274,7 +267,8 @@ async def start_gateway(router: Router) -> web.AppRunner:
     app.router.add_get("/metrics", gateway.metrics)
     # handler_cancellation: a client that disconnects cancels its handler, so its request is
     # aborted on the workers instead of running to the end for nobody.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # auto_decompress off: the body's coding is undone by http_body.read_json, within limits.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, auto_decompress=False)
     await runner.setup()
     tls = config.tls
     ssl_context = tls.ssl_server_context(config.public_client_auth) if tls is not None else None

@@ -9,6 +9,7 @@ from typing import Any
 
 from pdmesh.errors import InvalidRequest
 from pdmesh.sampling_params import StructuredOutputsParams
+from pdmesh.validation import check_structured
 
 
 def structured_from_body(body: dict[str, Any]) -> StructuredOutputsParams | None:
@@ -38,7 +39,9 @@ def _response_format(fmt: Any) -> StructuredOutputsParams | None:
                 "response_format.json_schema.schema",
             )
         # strict or not, the schema is enforced at every token.
-        return StructuredOutputsParams(json=schema)
+        so = StructuredOutputsParams(json=schema)
+        check_structured(so, "response_format.json_schema.schema")
+        return so
     raise InvalidRequest(
         f"response_format.type must be text, json_object or json_schema, got {kind!r:.50}.",
         "response_format.type",

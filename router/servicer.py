@@ -14,6 +14,7 @@ from pdmesh.router.chat_pb import CallsAtEnd, messages_from_pb, tool_use_from_pb
 from pdmesh.router.core import Router
 from pdmesh.router.tool_choice import NONE
 from pdmesh.router.tool_parsers.registry import pick_parser
+from pdmesh.sampling_params import SamplingParams
 from pdmesh.serving.convert import sampling_fields_from_pb
 from pdmesh.serving.errors import status_name
 from pdmesh.v1 import generation_pb2 as gen_pb
@@ -58,6 +59,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 model=request.model,
                 request_id=request.request_id,
                 max_tokens=sampling.pop("max_tokens", None),
+                # As HTTP: prompt + max_tokens must fit in the model's length (unset: 16, at
+                # most what fits).
+                must_fit=True,
+                default_max_tokens=SamplingParams.max_tokens,
                 sampling=sampling,
                 deadline=time.time() + remaining_s if remaining_s is not None else None,
             )

@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from pdmesh.errors import InvalidRequest
+from pdmesh.json_input import parse_json
 from pdmesh.sampling_params import SamplingParams, StructuredOutputsParams
 from pdmesh.v1 import generation_pb2 as gen_pb
 from pdmesh.validation import check_stop_rules
@@ -18,6 +19,9 @@ FINISH_TO_PB = {
     "abort": gen_pb.FINISH_REASON_ABORT,
 }
 FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
+# The engine ends a request early with "error" (RequestOutput.error): on the wire that is an
+# abort whose status names the error.
+FINISH_TO_PB["error"] = gen_pb.FINISH_REASON_ABORT
 
 E = TypeVar("E")
 
@@ -61,14 +65,7 @@ def structured_from_pb(pb: gen_pb.StructuredOutputs) -> StructuredOutputsParams:
             "structured_outputs",
         )
     if kind == "json":
-        try:
-            schema = json.loads(pb.json)
-        except ValueError:
-            raise InvalidRequest(
-                "structured_outputs.json must be a JSON schema as JSON text.",
-                "structured_outputs.json",
-            ) from None
-        return StructuredOutputsParams(json=schema)
+        return StructuredOutputsParams(json=parse_json(pb.json, "structured_outputs.json"))
     if kind == "choice":
         return StructuredOutputsParams(choice=tuple(pb.choice.choices))
     return StructuredOutputsParams(**{kind: getattr(pb, kind)})

@@ -1,13 +1,15 @@
 """The gRPC edge of `pdmesh.errors`: one interceptor maps exceptions to status codes.
 
 A `PdmeshError` is answered with its `.status` and its message; a `TimeoutError` (an await
-that ran out of time) with DEADLINE_EXCEEDED; anything else is a bug: INTERNAL, logged with its
-traceback, never dressed up as bad input.
+that ran out of time) with DEADLINE_EXCEEDED; anything else is a bug: INTERNAL with a message
+that says nothing of it but an id, its traceback logged under that id, never dressed up as bad
+input (bad input is caught where it is parsed, as an `InvalidRequest` naming the field).
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -74,8 +76,10 @@ def status_name(exc: BaseException) -> str:
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     error = as_error(exc)
     if error is None:
-        log.error("internal error", exc_info=exc)
-        code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+        incident = uuid.uuid4().hex[:12]
+        log.error("internal error %s", incident, exc_info=exc)
+        code = grpc.StatusCode.INTERNAL
+        message = f"internal error {incident}: the server failed on this request (logged)."
     else:
         code = grpc.StatusCode[error.status]
         message = str(error) or code.name.lower().replace("_", " ")
@@ -84,6 +88,8 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     if len(message) > MAX_DETAILS_CHARS:
         message = message[: MAX_DETAILS_CHARS - 1] + "…"
     field = getattr(error, "field", None)  # so the next hop can name it too (HTTP's param)
+    if field:  # metadata values are printable ASCII
+        field = field.encode("unicode_escape").decode()[:MAX_DETAILS_CHARS]
     await context.abort(code, message, ((FIELD_METADATA, field),) if field else ())
 
 

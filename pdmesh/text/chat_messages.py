@@ -11,11 +11,11 @@ message's `tool_call_id`. Tools: OpenAI's `{"type": "function", "function": {"na
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
 from pdmesh.errors import InvalidRequest
+from pdmesh.json_input import parse_json
 
 Message = dict[str, Any]
 MAX_TOOLS = 128  # OpenAI's limit
@@ -81,10 +81,7 @@ def _tool_call(c: Any, field: str) -> dict[str, Any]:
     arguments = function.get("arguments", {})
     where = f"{field}.function.arguments"
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except ValueError as e:
-            raise _fail(f"must be the JSON text of an object: {e}.", where) from None
+        arguments = parse_json(arguments, where) if arguments.strip() else {}
     if not isinstance(arguments, dict):
         raise _fail("must be a JSON object (or its text).", where)
     call: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": arguments}}
