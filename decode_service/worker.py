@@ -304,6 +304,8 @@ class DecodeWorker(WorkerProcess):
         self.engine.release(rid)
         self._deadlines.pop(rid, None)
         status, message = self._errors.pop(rid, ("", ""))
+        if result.error is not None and not status:  # the engine ended it alone (its batch ran on)
+            status, message = result.error.status, result.error.message
         clock = self._clocks.pop(rid, None) or RequestClock(now, now)
         first = clock.first_token_ns or now
         self.metrics.finish(

@@ -21,6 +21,7 @@ from pdmesh.engine.outputs import (
     FirstTokens,
     ForkStats,
     PositionLogprobs,
+    RequestError,
     RequestOutput,
     StepDelta,
     mark_request_ends,
@@ -37,7 +38,7 @@ from pdmesh.engine.scheduling.choices import (
     new_sequences,
 )
 from pdmesh.engine.scheduling.overlap import InFlight, next_decode
-from pdmesh.engine.scheduling.request import Request
+from pdmesh.engine.scheduling.request import Request, RequestFailed
 from pdmesh.engine.scheduling.scheduler import Scheduler
 from pdmesh.engine.sequence import Sequence
 from pdmesh.engine.spec_decode.speculator import make_speculator
@@ -388,10 +389,25 @@ class LLMEngine:
     ) -> StepDelta:
         """Output one sampled token for `seq` (a choice of `request`); its delta, which may end
         the choice (EOS, stop ids and strings, max_tokens, the context)."""
-        delta = request.add_token(seq, token, self.info.eos_token_ids, self.max_model_len, logprobs)
+        try:
+            delta = request.add_token(
+                seq, token, self.info.eos_token_ids, self.max_model_len, logprobs
+            )
+        except RequestFailed as failure:
+            return self._fail(request, seq, failure.error)
         if delta.finish_reason is not None:
             self._end(seq, delta.finish_reason)
         return delta
+
+    def _fail(self, request: Request, seq: Sequence, error: RequestError) -> StepDelta:
+        """End every choice of `request` with finish_reason "error" (its blocks freed as for any
+        other end); the batch runs on. The delta is `seq`'s."""
+        log.warning("request %s ended early: %s", seq.request_id, error.message)
+        request.error = error
+        for choice in request.choices:
+            if not choice.seq.is_finished:
+                self._end(choice.seq, "error")
+        return StepDelta(seq.request_id, [], "", "error", index=seq.index)
 
     # -- results ------------------------------------------------------------------------------
     def get_output(self, request_id: str) -> RequestOutput:

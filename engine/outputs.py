@@ -37,7 +37,9 @@ class StepDelta(NamedTuple):
     request_id: str
     token_ids: list[int]
     text: str
-    finish_reason: str | None  # None while the choice runs; "stop", "length" or "abort"
+    # None while the choice runs; "stop", "length", "abort", or "error": the engine ended the
+    # request early (RequestOutput.error says why) while the rest of its batch ran on.
+    finish_reason: str | None
     # One per token of token_ids when the request asks for log-probabilities (or when best_of >
     # n ranks its sequences by them: then the token's own entry, asked for or not).
     logprobs: list[PositionLogprobs] | None = None
@@ -74,6 +76,17 @@ class FirstTokens:
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # one per prompt token
 
 
+@dataclass(frozen=True)
+class RequestError:
+    """Why the engine ended one request early, its batch running on: the name of a gRPC status
+    (INVALID_ARGUMENT: the request's own constraints left nothing to sample; INTERNAL: a fault
+    while serving it), a sentence for the client, and the request field it names, if any."""
+
+    status: str
+    message: str
+    field: str | None = None
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -95,6 +108,8 @@ class RequestOutput:
     metrics: RequestMetrics | None = field(default=None, repr=False)
     # One per prompt token, None for the first (nothing predicts it), when asked for.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # Set when the engine ended the request early (its choices' finish_reason is "error").
+    error: RequestError | None = None
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.outputs import PositionLogprobs, StepDelta
-from pdmesh.errors import InvalidRequest, Unavailable
+from pdmesh.errors import InvalidRequest, Unavailable, from_status
 from pdmesh.kv_transfer.base import TransferError, check_token, check_transfer_id
 from pdmesh.kv_transfer.push_connector import PushConnector, PushJob
 from pdmesh.kv_transfer.target import KVTarget
@@ -227,7 +227,12 @@ class PrefillWorker(WorkerProcess):
                 self.store.published(self.engine, *publish)
             out = self.engine.get_output(rid)
             self.engine.release(rid)
-            if pending is not None and pending.firsts and self._aio is not None:
+            if pending is not None and out.error is not None and self._aio is not None:
+                # The engine ended it alone (its constraints left nothing to sample, a fault of
+                # its own): the caller gets the error; the batch ran on.
+                error = from_status(out.error.status, out.error.message, out.error.field)
+                self._aio.call_soon_threadsafe(_reject, pending.done, error)
+            elif pending is not None and pending.firsts and self._aio is not None:
                 firsts = [pending.firsts[i] for i in sorted(pending.firsts)]
                 logprobs = [lp for _, lp in firsts if lp is not None]
                 result = _Prefilled(
@@ -242,3 +247,8 @@ class PrefillWorker(WorkerProcess):
 def _resolve(future: asyncio.Future[_Prefilled], value: _Prefilled) -> None:
     if not future.done():
         future.set_result(value)
+
+
+def _reject(future: asyncio.Future[_Prefilled], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

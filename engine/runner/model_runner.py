@@ -30,6 +30,7 @@ from pdmesh.engine.runner.step_inputs import HostInputs, StepInputs
 from pdmesh.engine.sample import penalties, structured
 from pdmesh.engine.sample.logprobs import TopLogprobs, prompt_logprobs, wanted_logprobs
 from pdmesh.engine.sample.sampler import Sampler, SamplingBatch
+from pdmesh.engine.scheduling.request import NO_ALLOWED_TOKEN, NON_FINITE_LOGITS
 from pdmesh.engine.scheduling.scheduler import ScheduledBatch
 from pdmesh.engine.spec_decode.verify import Verify
 from pdmesh.engine.weights import init_dummy_weights, load_named, load_weights
@@ -355,24 +356,42 @@ class ModelRunner:
         if not seqs:
             return
         raw = logits  # logprobs are of the model's own distribution
+        eos = self.info.eos_token_ids
         if penalties.shapes_logits(seqs):
-            logits = penalties.apply(logits, seqs, self.info.eos_token_ids)
+            logits = penalties.apply(logits, seqs, eos)
         if masks is not None:
-            logits = structured.mask(logits, masks)
+            shaped = logits
+            logits = structured.mask(shaped, masks)
+            if penalties.holds_stop_under_grammar(seqs):
+                # The grammar wins over min_tokens: a row whose grammar allows only stop tokens
+                # gets them back rather than nothing at all (no host sync: a select per row).
+                released = structured.mask(penalties.apply(raw, seqs, eos, hold_stop=False), masks)
+                empty = torch.isneginf(logits).all(dim=-1, keepdim=True)
+                logits = torch.where(empty, released, logits)
         if all(s.params.greedy for s in seqs):  # the common case: no per-row tensors to build
-            tokens = logits.argmax(dim=-1)
+            best, tokens = logits.max(dim=-1)
         else:
             sampling = SamplingBatch.build(
                 [s.params for s in seqs], [s.generator for s in seqs], logits.shape[-1], self.device
             )
             tokens = self.sampler(logits, sampling)
+            best = logits.amax(dim=-1)
         handle.tokens = tokens
         wanted = [wanted_logprobs(s.params) for s in seqs]
         if any(k is not None for k in wanted):
             handle.logprobs = TopLogprobs.of(raw, tokens, max(k or 0 for k in wanted)), wanted
+        # The host reads a row it could not sample as a negative "token" (the request then ends
+        # alone, engine/scheduling/request.py); the device keeps a valid id for a step launched
+        # ahead, whose output for that request is dropped.
+        flagged = torch.where(
+            torch.isfinite(best),
+            tokens,
+            torch.where(torch.isneginf(best), NO_ALLOWED_TOKEN, NON_FINITE_LOGITS),
+        )
+        handle.flagged = flagged
         if tokens.is_cuda:
             handle.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            handle.host_tokens.copy_(tokens, non_blocking=True)
+            handle.host_tokens.copy_(flagged, non_blocking=True)
             handle.copied = torch.cuda.Event()
             handle.copied.record()
 

@@ -19,6 +19,9 @@ class StepHandle:
     num_seqs: int
     sample_seq_index: list[int]  # [S]: the batch row of each sampled token
     tokens: torch.Tensor | None  # [S] int64 on the runner's device (None: nothing sampled)
+    # [S] int64: `tokens` with a negative code where a row could not be sampled (what the host
+    # reads; see engine/scheduling/request.py's NO_ALLOWED_TOKEN and NON_FINITE_LOGITS).
+    flagged: torch.Tensor | None = None
     # On a GPU: the tokens' copy in pinned host memory, and an event recorded after it. Waiting
     # on the event, not on the stream, leaves a step launched after this one running.
     host_tokens: torch.Tensor | None = None
@@ -40,7 +43,7 @@ class StepHandle:
         if self.tokens is None:
             return []
         if self.copied is None:
-            return self.tokens.tolist()
+            return (self.flagged if self.flagged is not None else self.tokens).tolist()
         # Lets go of the GIL while it waits: the process's other threads (gRPC, KV receivers)
         # run meanwhile.
         self.copied.synchronize()

@@ -19,9 +19,19 @@ def shapes_logits(seqs: Sequence[Any]) -> bool:
     return any(s.params.shapes_logits for s in seqs)
 
 
-def apply(logits: torch.Tensor, seqs: Sequence[Any], stop_ids: Collection[int]) -> torch.Tensor:
+def holds_stop_under_grammar(seqs: Sequence[Any]) -> bool:
+    """Whether a constrained sequence is still below its min_tokens (its grammar and the hold
+    on stop tokens may then leave it nothing to sample: see `apply`'s hold_stop)."""
+    return any(s.grammar is not None and s.num_output_tokens < s.params.min_tokens for s in seqs)
+
+
+def apply(
+    logits: torch.Tensor, seqs: Sequence[Any], stop_ids: Collection[int], hold_stop: bool = True
+) -> torch.Tensor:
     """logits [S, V] (float32) of `seqs`' sampled rows -> the shaped logits (a new tensor).
-    stop_ids: the model's EOS ids, masked with each row's own stop token ids until min_tokens."""
+    stop_ids: the model's EOS ids, masked with each row's own stop token ids until min_tokens
+    (unless hold_stop is False: the rows a grammar would otherwise leave empty, see
+    ModelRunner._sample; the grammar wins over min_tokens, as in vLLM)."""
     out = logits.float().clone()
     vocab, device = out.shape[1], out.device
     for row, seq in enumerate(seqs):
@@ -44,7 +54,7 @@ def apply(logits: torch.Tensor, seqs: Sequence[Any], stop_ids: Collection[int]) 
             ids = [t for t in p.logit_bias if t < vocab]
             bias = torch.tensor([p.logit_bias[t] for t in ids], dtype=x.dtype, device=device)
             x[torch.tensor(ids, dtype=torch.int64, device=device)] += bias
-        if seq.num_output_tokens < p.min_tokens:
+        if hold_stop and seq.num_output_tokens < p.min_tokens:
             held = [t for t in (*stop_ids, *p.stop_token_ids) if t < vocab]
             if held:
                 x[torch.tensor(held, dtype=torch.int64, device=device)] = float("-inf")

@@ -9,6 +9,10 @@ import torch
 from pdmesh.engine.parallel.comm import host_to_device
 from pdmesh.sampling_params import SamplingParams
 
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing by a smaller one
+# overflows float32 logits to inf, and the softmax of a row of infs is NaN.
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclass
 class SamplingBatch:
@@ -29,7 +33,7 @@ class SamplingBatch:
         vocab_size: int,
         device: torch.device,
     ) -> SamplingBatch:
-        temps = [p.temperature for p in params]
+        temps = [p.temperature if p.temperature >= MIN_TEMPERATURE else 0.0 for p in params]
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
         top_p = [p.top_p for p in params]
         # Pinned, non-blocking copies: a copy from pageable memory would wait for the step
@@ -39,7 +43,7 @@ class SamplingBatch:
             top_k=host_to_device(torch.tensor(top_k, dtype=torch.int64), device),
             top_p=host_to_device(torch.tensor(top_p, dtype=torch.float32), device),
             generators=generators,
-            all_greedy=all(t == 0 for t in temps),
+            all_greedy=all(t == 0 for t in temps),  # a seeded row still draws (see _sample)
             need_filter=any(k < vocab_size for k in top_k) or any(p < 1 for p in top_p),
         )
 

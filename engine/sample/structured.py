@@ -1,18 +1,28 @@
 """Structured output: constraints compiled by xgrammar, a matcher per request, token bitmasks.
 
 Callers may rely on: `Grammars.compile` and `matcher` raise InvalidRequest naming the
-`structured_outputs` field for a constraint xgrammar cannot compile, or whose compilation runs
-past COMPILE_TIMEOUT_S (the engine stays healthy); compiled grammars are cached by constraint. Each
-step, `start_masks` fills the bitmasks on a thread of its own while the forward runs and `mask`
-leaves only the tokens a request's grammar allows in its row of the logits (after penalties,
-before temperature and filters); `Request.add_token` advances the matcher. The
-engine never launches a step ahead of a token a matcher has not seen (engine/scheduling/overlap.py).
+`structured_outputs.<kind>` field for a constraint that is longer than MAX_SPEC_CHARS, that
+xgrammar cannot compile, whose compilation runs past COMPILE_TIMEOUT_S, or that no output can
+ever satisfy (an empty language: nothing the tokenizer can write is allowed at the start; or a
+rule that recurses with no way to end); the messages carry no source locations of the grammar
+library. They raise Overloaded when MAX_CONCURRENT_COMPILES compilations are running already and
+none ends within COMPILE_TIMEOUT_S. Each compilation runs on a thread of its own that leaves the
+GIL while it works, so neither the engine thread nor a cheap constraint behind it waits for a
+slow one; compiled grammars are cached by constraint (the last CACHE_SIZE).
+
+Each step, `start_masks` fills the bitmasks on a thread of its own while the forward runs and
+`mask` leaves only the tokens a request's grammar allows in its row of the logits (after
+penalties, before temperature and filters, so no filter can remove every allowed token);
+`Request.add_token` advances the matcher. The engine never launches a step ahead of a token a
+matcher has not seen (engine/scheduling/overlap.py).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -21,11 +31,24 @@ from typing import Any
 
 import torch
 
-from pdmesh.errors import InvalidRequest
+from pdmesh.engine.sample.grammar_check import productive_root
+from pdmesh.errors import InvalidRequest, Overloaded
 from pdmesh.sampling_params import StructuredOutputsParams
 
 COMPILE_TIMEOUT_S = 10.0
+MAX_SPEC_CHARS = 65_536  # a JSON schema, regex, grammar or the choices' JSON, as text
+MAX_CONCURRENT_COMPILES = 4
+CACHE_SIZE = 256
 _FIELD = "structured_outputs"
+# xgrammar prefixes its errors with a time and a C++ source location, and checks with the
+# expression that failed: "[01:53:18] /project/cpp/x.cc:4944: Check failed: (a) is false: msg".
+_LOCATION = re.compile(r"\[\d{2}:\d{2}:\d{2}\]\s*\S+:\d+:\s*|Check failed: \(.*?\) is false:\s*")
+
+
+def clean_message(error: BaseException) -> str:
+    """An xgrammar error's text without its source locations, on one line."""
+    text = _LOCATION.sub("", str(error)).strip()
+    return " ".join(text.split()) or type(error).__name__
 
 
 class Grammars:
@@ -34,9 +57,9 @@ class Grammars:
     def __init__(self, folder: Path, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
         self._folder, self._vocab_size, self._stop = folder, vocab_size, list(stop_token_ids)
         self._compiler: Any = None
-        self._cache: dict[tuple[str, str], Any] = {}
-        self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lock = threading.Lock()  # the cache and building the compiler
+        self._slots = threading.BoundedSemaphore(MAX_CONCURRENT_COMPILES)
 
     def matcher(self, so: StructuredOutputsParams) -> Any:
         """A fresh matcher (xgrammar.GrammarMatcher) for `so`, from the cache when compiled."""
@@ -45,54 +68,107 @@ class Grammars:
         return xgr.GrammarMatcher(self.compile(so))
 
     def compile(self, so: StructuredOutputsParams) -> Any:
-        """`so` compiled (cached). Thread-safe: servers call it off the engine thread before
-        admitting a request, so a compilation never holds up the running batch."""
+        """`so` compiled and checked (cached). Thread-safe: servers call it off the engine
+        thread before admitting a request, so a compilation never holds up the running batch."""
         kind = so.kind
         spec = getattr(so, kind)
-        key = (kind, json.dumps(spec, sort_keys=True) if not isinstance(spec, str) else spec)
+        field = f"{_FIELD}.{kind}"
+        try:
+            text = spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True)
+        except (RecursionError, ValueError, TypeError):
+            raise InvalidRequest(f"{field} is nested too deeply or is not JSON.", field) from None
+        if len(text) > MAX_SPEC_CHARS:
+            raise InvalidRequest(
+                f"{field} is {len(text)} characters long; at most {MAX_SPEC_CHARS} are accepted.",
+                field,
+            )
+        key = (kind, text)
         with self._lock:
             compiled = self._cache.get(key)
-        if compiled is None:
-            future = self._pool.submit(self._compile, kind, spec)
-            try:
-                compiled = future.result(timeout=COMPILE_TIMEOUT_S)
-            except FutureTimeout:
-                raise InvalidRequest(
-                    f"{_FIELD}.{kind} took more than {COMPILE_TIMEOUT_S:g} s to compile; "
-                    "simplify it.",
-                    f"{_FIELD}.{kind}",
-                ) from None
-            except (RuntimeError, ValueError, TypeError) as e:
-                raise InvalidRequest(
-                    f"{_FIELD}.{kind} cannot be enforced: {e}", f"{_FIELD}.{kind}"
-                ) from None
-            with self._lock:
-                self._cache[key] = compiled
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                return compiled
+        compiled = self._compile_bounded(kind, spec, field)
+        self._check_satisfiable(compiled, field)
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
         return compiled
 
-    def _compile(self, kind: str, spec: Any) -> Any:
+    def _compile_bounded(self, kind: str, spec: Any, field: str) -> Any:
+        """Compile on a thread of its own, at most MAX_CONCURRENT_COMPILES at once. A compilation
+        past the time limit cannot be stopped: it runs on and keeps its slot until it ends."""
         compiler = self._get_compiler()
-        if kind == "json":
-            return compiler.compile_json_schema(spec if isinstance(spec, str) else json.dumps(spec))
-        if kind == "json_object":
-            return compiler.compile_builtin_json_grammar()
-        if kind == "regex":
-            return compiler.compile_regex(spec)
-        if kind == "choice":  # one rule: any of the strings, as EBNF literals
-            return compiler.compile_grammar("root ::= " + " | ".join(map(json.dumps, spec)))
-        return compiler.compile_grammar(spec)
+        if not self._slots.acquire(timeout=COMPILE_TIMEOUT_S):
+            raise Overloaded(
+                f"{MAX_CONCURRENT_COMPILES} structured-output constraints are compiling already; "
+                "try again shortly."
+            )
+        result: Future[Any] = Future()
+
+        def run() -> None:
+            try:
+                result.set_result(_compile(compiler, kind, spec))
+            except BaseException as e:  # handed to the waiting caller
+                result.set_exception(e)
+            finally:
+                self._slots.release()
+
+        threading.Thread(target=run, name="grammar-compile", daemon=True).start()
+        try:
+            return result.result(timeout=COMPILE_TIMEOUT_S)
+        except FutureTimeout:
+            raise InvalidRequest(
+                f"{field} took more than {COMPILE_TIMEOUT_S:g} s to compile; simplify it.", field
+            ) from None
+        except (RuntimeError, ValueError, TypeError, OverflowError, RecursionError) as e:
+            raise InvalidRequest(f"{field} cannot be enforced: {clean_message(e)}", field) from None
+
+    def _check_satisfiable(self, compiled: Any, field: str) -> None:
+        """Refuse a constraint no output can satisfy, before it reaches a batch."""
+        import xgrammar as xgr
+
+        matcher = xgr.GrammarMatcher(compiled)
+        bitmask = xgr.allocate_token_bitmask(1, self._vocab_size)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        if not bool(bitmask.any()) and not matcher.is_completed():
+            raise InvalidRequest(
+                f"{field} allows no output at all: no text this model's tokenizer can write "
+                "satisfies it.",
+                field,
+            )
+        if not productive_root(str(compiled.grammar)):
+            raise InvalidRequest(
+                f"{field} allows no finite output: a rule refers to itself with no way to end "
+                "(recursion without a base case).",
+                field,
+            )
 
     def _get_compiler(self) -> Any:
-        if self._compiler is None:
-            import xgrammar as xgr
-            from transformers import AutoTokenizer
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+                from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(self._folder)
-            info = xgr.TokenizerInfo.from_huggingface(
-                tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._stop
-            )
-            self._compiler = xgr.GrammarCompiler(info)
-        return self._compiler
+                tokenizer = AutoTokenizer.from_pretrained(self._folder)
+                info = xgr.TokenizerInfo.from_huggingface(
+                    tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._stop
+                )
+                self._compiler = xgr.GrammarCompiler(info)
+            return self._compiler
+
+
+def _compile(compiler: Any, kind: str, spec: Any) -> Any:
+    if kind == "json":
+        return compiler.compile_json_schema(spec if isinstance(spec, str) else json.dumps(spec))
+    if kind == "json_object":
+        return compiler.compile_builtin_json_grammar()
+    if kind == "regex":
+        return compiler.compile_regex(spec)
+    if kind == "choice":  # one rule: any of the strings, as EBNF literals
+        return compiler.compile_grammar("root ::= " + " | ".join(map(json.dumps, spec)))
+    return compiler.compile_grammar(spec)
 
 
 def constrained(seqs: Sequence[Any]) -> bool:

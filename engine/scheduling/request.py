@@ -11,6 +11,7 @@ from typing import Any
 from pdmesh.engine.outputs import (
     CompletionOutput,
     PositionLogprobs,
+    RequestError,
     RequestMetrics,
     RequestOutput,
     StepDelta,
@@ -18,6 +19,19 @@ from pdmesh.engine.outputs import (
 from pdmesh.engine.sample.sampler import Sampler
 from pdmesh.engine.sequence import Sequence
 from pdmesh.text.detokenizer import IncrementalDetokenizer
+
+# Sampled "tokens" the model runner reports for a row it could not sample (model_runner.py).
+NO_ALLOWED_TOKEN = -1  # every token's logit was -inf: the request's constraints left none
+NON_FINITE_LOGITS = -2  # the row held NaN or +inf
+
+
+class RequestFailed(Exception):
+    """A failure that belongs to one request (its constraints, its detokenizer, its grammar
+    matcher): the engine ends that request with `error` and runs the rest of the batch on."""
+
+    def __init__(self, error: RequestError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 @dataclass
@@ -41,6 +55,7 @@ class Request:
     tokenizer: Any = None  # decodes the tokens of log-probabilities
     # Per prompt token (None for the first) when asked for (params.prompt_logprobs).
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    error: RequestError | None = None  # why the engine ended it early (finish_reason "error")
 
     @classmethod
     def start(cls, seqs: list[Sequence], tokenizer: Any, vocab_size: int) -> Request:
@@ -87,7 +102,27 @@ class Request:
     ) -> StepDelta:
         """Append a token sampled for choice `seq` (and its log-probabilities, when computed);
         the delta has the text it releases and, when the token is the choice's last, why
-        ("stop" or "length": the caller then finishes the sequence)."""
+        ("stop" or "length": the caller then finishes the sequence). Raises RequestFailed for a
+        row the runner could not sample and for a failure of this request's own detokenizer or
+        grammar matcher."""
+        if token < 0:
+            raise RequestFailed(_unsampled(seq, token))
+        try:
+            return self._add_token(seq, token, eos_token_ids, max_model_len, logprobs)
+        except RequestFailed:
+            raise
+        except Exception as e:  # the tokenizer's or the matcher's, on this request's tokens
+            message = f"the engine could not process output token {token}: {e}"
+            raise RequestFailed(RequestError("INTERNAL", message)) from e
+
+    def _add_token(
+        self,
+        seq: Sequence,
+        token: int,
+        eos_token_ids: Container[int],
+        max_model_len: int,
+        logprobs: PositionLogprobs | None,
+    ) -> StepDelta:
         choice = self.choices[seq.index]
         params, detok = seq.params, choice.detokenizer
         seq.append_token(token)
@@ -137,6 +172,7 @@ class Request:
             outputs=completions,
             finished=self.is_finished,
             num_cached_tokens=first.num_cached_tokens,
+            error=self.error,
             prompt_logprobs=None
             if self.prompt_logprobs is None
             else [p if p is None else self._decoded(p) for p in self.prompt_logprobs],
@@ -171,6 +207,27 @@ class Request:
 def _accept(matcher: Any, token: int) -> bool:
     """Advance a structured-output matcher; whether its grammar has ended."""
     if not matcher.accept_token(token):
-        # The mask allowed only what the grammar accepts: a refusal is a bug, not bad input.
-        raise RuntimeError(f"the structured-output matcher refused token {token}")
+        # The mask allowed only what the grammar accepts: a refusal is a fault (INTERNAL), not
+        # bad input; it ends this request only.
+        message = f"the structured-output matcher refused token {token}, which its mask allowed"
+        raise RequestFailed(RequestError("INTERNAL", message))
     return bool(matcher.is_terminated())
+
+
+def _unsampled(seq: Sequence, token: int) -> RequestError:
+    """Why the runner could not sample `seq`'s row (token: NO_ALLOWED_TOKEN or
+    NON_FINITE_LOGITS)."""
+    n = seq.num_output_tokens
+    if token == NO_ALLOWED_TOKEN and seq.grammar is not None:
+        return RequestError(
+            "INVALID_ARGUMENT",
+            f"structured_outputs allows no token this model can write after {n} output "
+            "tokens; the constraint cannot be completed.",
+            "structured_outputs",
+        )
+    if token == NO_ALLOWED_TOKEN:
+        return RequestError(
+            "INVALID_ARGUMENT",
+            f"the request's sampling settings left no token to sample after {n} output tokens.",
+        )
+    return RequestError("INTERNAL", f"the model's logits were not finite after {n} output tokens")
