@@ -222,8 +222,9 @@ class PrefillWorker(WorkerProcess):
             self._pending.pop(rid, None)
             self.kv.forget(rid)
             publish = pending.publish if pending is not None else None
-            # Computed (not aborted): its blocks are still in the device cache.
-            if publish is not None and self.store is not None and d.finish_reason != "abort":
+            # Computed (not aborted, not ended by an error): its blocks are in the device cache.
+            computed = d.finish_reason not in ("abort", "error")
+            if publish is not None and self.store is not None and computed:
                 self.store.published(self.engine, *publish)
             out = self.engine.get_output(rid)
             self.engine.release(rid)
