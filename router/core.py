@@ -18,6 +18,7 @@ from pdmesh.checkpoint.config import ModelConfig
 from pdmesh.checkpoint.source import model_display_name
 from pdmesh.errors import InvalidRequest, Unavailable
 from pdmesh.logger import get_logger
+from pdmesh.router import metrics
 from pdmesh.router.choices import resume_choices
 from pdmesh.router.config import RouterConfig
 from pdmesh.router.decode_link import LinkLost
@@ -42,12 +43,14 @@ class Failover:
     request_id: str
     max_failovers: int
     sent: list[int] = field(default_factory=list)
-    lost: set[str] = field(default_factory=set)
+    lost: set[str] = field(default_factory=set)  # lost or drained: avoided
     failovers: int = 0
+    workers_lost: int = 0  # decode workers lost while serving it (not drained ones)
 
     def worker_lost(self, gone: LinkLost, telemetry: RequestTelemetry) -> None:
         """Note the loss; Unavailable once the request has moved `max_failovers` times."""
         self.lost.add(gone.address)
+        self.workers_lost += 1
         if self.failovers >= self.max_failovers:
             raise Unavailable(
                 f"decode worker {gone.address} was lost mid-request ({gone.detail}), "
@@ -119,6 +122,10 @@ class Router:
             async for chunk in self._run(inp, failover, telemetry):
                 finished = chunk.HasField("usage")  # before the yield: the client may leave
                 yield chunk
+        except Exception:
+            if failover.workers_lost:
+                metrics.request_failed_worker_lost()
+            raise
         finally:
             self._active_ids.discard(inp.request_id)
             telemetry.end(finished)

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 # Latencies of an LLM request span milliseconds (a cached short prompt) to minutes (long outputs).
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -36,6 +43,30 @@ TTFT = Histogram(
     "Arrival at the router to the first generated token.",
     ["endpoint"],
     buckets=TTFT_BUCKETS_S,
+)
+
+# Workers as this router sees them (router/registry.py): true under pdmesh up, Compose and
+# Kubernetes alike, whoever restarts the workers.
+WORKER_UP = Gauge(
+    "pdmesh_router_worker_up",
+    "1 while the worker is in rotation (its health check says SERVING), else 0.",
+    ["role", "worker"],
+)
+WORKER_DOWN = Counter(
+    "pdmesh_router_worker_down",
+    "Times a worker left the rotation: its health check failed or stopped saying SERVING "
+    "(a crash, a restart, a drain, a network cut).",
+    ["role", "worker"],
+)
+WORKER_RESTARTS = Counter(
+    "pdmesh_router_worker_restarts",
+    "Times a worker came back as a new process (the start time in its stats changed).",
+    ["role", "worker"],
+)
+REQUESTS_FAILED_WORKER_LOST = Counter(
+    "pdmesh_router_requests_failed_worker_lost",
+    "Requests that ended in an error after a decode worker serving them was lost (those moved "
+    "to another worker and finished are pdmesh_router_failovers{reason=worker_lost}).",
 )
 
 
@@ -66,6 +97,21 @@ class RequestRecorder:
         if self.completion_tokens:
             GENERATED_TOKENS.labels(self.endpoint).inc(self.completion_tokens)
         REQUEST_LATENCY.labels(self.endpoint).observe(time.perf_counter() - self.start)
+
+
+def worker_health(role: str, address: str, up: bool) -> None:
+    """A worker joined (`up`) or left the rotation."""
+    WORKER_UP.labels(role, address).set(1 if up else 0)
+    if not up:
+        WORKER_DOWN.labels(role, address).inc()
+
+
+def worker_restarted(role: str, address: str) -> None:
+    WORKER_RESTARTS.labels(role, address).inc()
+
+
+def request_failed_worker_lost() -> None:
+    REQUESTS_FAILED_WORKER_LOST.inc()
 
 
 def count_request(endpoint: str, status: str) -> None:

@@ -1,7 +1,9 @@
 """The workers the router knows, with grpc.health.v1 checks and load from their stats RPC.
 
 A worker enters the rotation when its health check says SERVING and leaves it when a check
-fails or says otherwise; checks keep running, so it comes back when healthy again.
+fails or says otherwise; checks keep running, so it comes back when healthy again. Each exit
+from the rotation is counted, and so is each restart: a worker's stats carry its process's
+start time, and a new one is a new process (router/metrics.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from grpc_health.v1 import health_pb2
 from grpc_health.v1.health_pb2_grpc import HealthStub
 
 from pdmesh.logger import get_logger
+from pdmesh.router import metrics
 from pdmesh.router.config import RouterConfig
 from pdmesh.router.prefix_index import PrefixIndex
 from pdmesh.serving.grpc_server import channel
@@ -85,16 +88,26 @@ class WorkerRegistry:
             ok = await self._check(w)
             if ok != w.healthy:
                 w.healthy = ok
+                metrics.worker_health(w.role, w.address, ok)
                 log.info(
                     "%s worker %s %s the rotation", w.role, w.address, "joins" if ok else "leaves"
                 )
             if ok and loop.time() >= next_stats:
                 with contextlib.suppress(grpc.aio.AioRpcError):
-                    w.load = await w.stub.GetStats(  # type: ignore[attr-defined]
+                    load = await w.stub.GetStats(  # type: ignore[attr-defined]
                         worker_pb2.StatsRequest(), timeout=self.health_interval_s
                     )
+                    self._note_restart(w, load)
+                    w.load = load
                 next_stats = loop.time() + self.stats_interval_s
             await asyncio.sleep(min(self.health_interval_s, self.stats_interval_s))
+
+    @staticmethod
+    def _note_restart(w: Worker, load: worker_pb2.WorkerStats) -> None:
+        before, now = w.load.process_start_unix_s, load.process_start_unix_s
+        if before and now and now != before:
+            metrics.worker_restarted(w.role, w.address)
+            log.warning("%s worker %s restarted (a new process)", w.role, w.address)
 
     async def _check(self, w: Worker) -> bool:
         try:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import urllib.request
 from dataclasses import dataclass, field
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdmesh.bench.serving import exact_request
 from pdmesh.mesh import quiet_up, read_services
@@ -38,6 +40,17 @@ class Mesh:
 
     def stop(self) -> None:
         stop(self.proc, 30)
+
+    def router_metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """The router's /metrics (on its HTTP gateway): (sample name, sorted labels) -> value."""
+        assert self.http is not None, "the mesh was started without HTTP"
+        with urllib.request.urlopen(f"{self.http}/metrics", timeout=10) as r:
+            families = text_string_to_metric_families(r.read().decode())
+            return {
+                (s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in families
+                for s in f.samples
+            }
 
 
 def start_mesh(*args: str, http: bool = False) -> Mesh:

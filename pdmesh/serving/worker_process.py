@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar, Protocol, TypeVar
@@ -28,6 +29,8 @@ from pdmesh.serving.store_link import StoreLink, StoreOptions
 from pdmesh.serving.tls import TLSConfig
 
 log = get_logger(__name__)
+# GetStats reports it: a router that sees it change counts a restart of this worker.
+PROCESS_START_UNIX_S = time.time()
 
 
 class WorkerProcess(ABC):
@@ -137,6 +140,7 @@ class WorkerProcess(ABC):
             "block_size": self.geometry.block_size,
             "tensor_parallel_size": self.engine.config.tensor_parallel_size,
             "pipeline_parallel_size": self.engine.config.pipeline_parallel_size,
+            "process_start_unix_s": PROCESS_START_UNIX_S,
         }
 
 
