@@ -121,17 +121,46 @@ def test_a_slow_compilation_holds_up_no_cheap_one(default_model_folder: Path) ->
     info = ModelInfo.load(default_model_folder)
     grammars = Grammars(default_model_folder, info.vocab_size, info.eos_token_ids)
     grammars.compile(SO(regex="warm"))  # builds the compiler (reads the vocabulary) once
-    slow = SO(grammar="root ::= " + " | ".join(f'"w{i}x"' for i in range(5400)))
+    slow = SO(regex='[^"]{1,6000}')  # a short text that takes seconds to compile
     started = time.perf_counter()
     worker = threading.Thread(target=grammars.compile, args=(slow,))
     worker.start()
     time.sleep(0.05)
     with pytest.raises(InvalidRequest):
         grammars.compile(SO(json={"type": "integer", "minimum": 9, "maximum": 1}))
+    assert grammars.compile(SO(regex="[0-9]+")) is not None
     cheap_done = time.perf_counter() - started
     worker.join()
     slow_done = time.perf_counter() - started
     assert cheap_done < slow_done / 2, (cheap_done, slow_done)
+
+
+def test_compiles_past_the_concurrency_bound_are_refused_as_overload(
+    default_model_folder: Path,
+) -> None:
+    from pdmesh.engine.models.info import ModelInfo
+    from pdmesh.engine.sample.structured import MAX_CONCURRENT_COMPILES, Grammars
+    from pdmesh.errors import Overloaded
+
+    info = ModelInfo.load(default_model_folder)
+    grammars = Grammars(default_model_folder, info.vocab_size, info.eos_token_ids)
+    grammars.compile(SO(regex="warm"))
+
+    def slow(k: int) -> SO:  # distinct texts, none served from the cache; seconds each
+        return SO(regex=f'[^"]{{1,{6000 + k}}}')
+
+    workers = [
+        threading.Thread(target=grammars.compile, args=(slow(k),))
+        for k in range(MAX_CONCURRENT_COMPILES)
+    ]
+    for w in workers:
+        w.start()
+    time.sleep(0.1)
+    with pytest.raises(Overloaded, match="compiling already"):
+        grammars.compile(SO(regex="[0-9]+"))
+    for w in workers:
+        w.join()
+    assert grammars.compile(SO(regex="[0-9]+")) is not None  # a slot is free again
 
 
 @pytest.fixture(scope="module")

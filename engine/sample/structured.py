@@ -6,9 +6,10 @@ xgrammar cannot compile, whose compilation runs past COMPILE_TIMEOUT_S, or that 
 ever satisfy (an empty language: nothing the tokenizer can write is allowed at the start; or a
 rule that recurses with no way to end); the messages carry no source locations of the grammar
 library. They raise Overloaded when MAX_CONCURRENT_COMPILES compilations are running already and
-none ends within COMPILE_TIMEOUT_S. Each compilation runs on a thread of its own that leaves the
-GIL while it works, so neither the engine thread nor a cheap constraint behind it waits for a
-slow one; compiled grammars are cached by constraint (the last CACHE_SIZE).
+none ends within SLOT_WAIT_S (a caller's thread is never parked long behind slow ones). Each
+compilation runs on a thread of its own that leaves the GIL while it works, so neither the
+engine thread nor a cheap constraint behind it waits for a slow one; compiled grammars are
+cached by constraint (the last CACHE_SIZE).
 
 Each step, `start_masks` fills the bitmasks on a thread of its own while the forward runs and
 `mask` leaves only the tokens a request's grammar allows in its row of the logits (after
@@ -38,6 +39,7 @@ from pdmesh.sampling_params import StructuredOutputsParams
 COMPILE_TIMEOUT_S = 10.0
 MAX_SPEC_CHARS = 65_536  # a JSON schema, regex, grammar or the choices' JSON, as text
 MAX_CONCURRENT_COMPILES = 4
+SLOT_WAIT_S = 1.0  # a compile finding every slot taken waits this long, then is refused
 CACHE_SIZE = 256
 _FIELD = "structured_outputs"
 # xgrammar prefixes its errors with a time and a C++ source location, and checks with the
@@ -100,7 +102,7 @@ class Grammars:
         """Compile on a thread of its own, at most MAX_CONCURRENT_COMPILES at once. A compilation
         past the time limit cannot be stopped: it runs on and keeps its slot until it ends."""
         compiler = self._get_compiler()
-        if not self._slots.acquire(timeout=COMPILE_TIMEOUT_S):
+        if not self._slots.acquire(timeout=SLOT_WAIT_S):
             raise Overloaded(
                 f"{MAX_CONCURRENT_COMPILES} structured-output constraints are compiling already; "
                 "try again shortly."
