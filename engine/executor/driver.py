@@ -202,5 +202,13 @@ class TPDriver:
                 broadcast_ints([OP_STOP], step_codec.HEADER_LEN, self.group)
         except RuntimeError as e:
             log.warning("could not stop the followers cleanly: %s", e)
+        # NCCL tears a communicator down with all its ranks (ncclCommFinalize and ncclCommDestroy
+        # wait for the peers), and the followers do so as soon as they are told to stop: rank 0
+        # tears down beside them. Torn down only after they exited, it waited out the launcher's
+        # timeout while they waited for it, then killed them (10 s a rank on two H100s).
+        teardown = threading.Thread(target=destroy, name="tp-teardown", daemon=True)
+        teardown.start()
         self.launcher.stop(timeout_s)
-        destroy()
+        teardown.join(timeout_s)
+        if teardown.is_alive():
+            log.warning("the process groups were not torn down within %.0f s", timeout_s)

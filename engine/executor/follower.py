@@ -34,6 +34,7 @@ from pdmesh.engine.executor.driver import (
     init_ranks,
     rank_device,
 )
+from pdmesh.engine.executor.profiling import ProfileRank, RankProfiler
 from pdmesh.engine.kv_cache.host.pool import OffloadNow
 from pdmesh.engine.llm_engine import resolve_max_model_len
 from pdmesh.engine.models.info import ModelInfo
@@ -67,6 +68,7 @@ def serve_rank(spec: dict[str, Any]) -> None:
     connector = create_connector(options) if options is not None else None
     max_len = resolve_max_model_len(config, info)
     runner = ModelRunner(info, config, device, max_len, tp, connector, stage=stage)
+    profiler = RankProfiler()
     try:
         while True:
             header = step_codec.receive_header(group)
@@ -76,7 +78,11 @@ def serve_rank(spec: dict[str, Any]) -> None:
                 runner.follow_step(inputs, plan)
             elif op == OP_CONTROL:
                 message = decode(broadcast_bytes(None, group))
-                gather_bytes(encode(_control(runner, connector, message)), group)
+                if isinstance(message, ProfileRank):
+                    reply = _profile(profiler, message, group.rank)
+                else:
+                    reply = _control(runner, connector, message)
+                gather_bytes(encode(reply), group)
             elif op == OP_STOP:
                 return
             else:
@@ -102,6 +108,15 @@ def _control(runner: ModelRunner, connector: KVConnector | None, message: object
         return connector.handle(message)
     except Exception as e:
         log.warning("control message %r failed on rank %d: %s", message, runner.tp.rank, e)
+        return Failed.of(e)
+
+
+def _profile(profiler: RankProfiler, message: ProfileRank, rank: int) -> object:
+    try:
+        profiler.handle(message, rank)
+        return None
+    except Exception as e:
+        log.warning("profiling rank %d failed: %s", rank, e)
         return Failed.of(e)
 
 

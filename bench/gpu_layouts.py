@@ -1,0 +1,201 @@
+"""Pipeline, tensor and expert parallelism on two GPUs as a user runs them (`LLM` on random bf16
+weights of real shapes): time per output token against one GPU, each rank's timeline of decode
+steps, and how long `close()` takes.
+
+    python -m pdmesh.bench.gpu_layouts --out DIR [--only dense,moe] [--moe-layers 24]
+    python -m pdmesh.bench.gpu_layouts --out DIR --tiny      # a dry run on CPU (gloo)
+
+Dense: the Llama-3.1-8B shape at one GPU, TP=2 and PP=2. MoE: the Qwen3-30B-A3B shape cut to
+`--moe-layers` of its 48 layers at one GPU, TP=2 and EP=2 (`enable_expert_parallel`). Time per
+output token: `batch` sequences decoding together at about `ctx` tokens of context, the
+seconds of back-to-back engine steps over the tokens each sequence got (with pipeline stages a
+step runs one of the batches in flight, so steps are not tokens). The perfect-scaling ceiling
+of two GPUs at batch 64 is two one-GPU engines of 32 sequences each: one GPU's time per token
+at batch 32 (the GPUs share nothing). Timelines: 8 decode steps profiled on every rank
+(torch.profiler; followers through `ProfileRank`), summarised by bench/step_timeline.py.
+Writes DIR/layouts.json and DIR/timelines.json; prints a table.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdmesh.bench.gpu_models import (
+    TINY,
+    dummy_llm,
+    llama_8b_config,
+    qwen3_moe_30b_config,
+    save_word_tokenizer,
+    write_config,
+)
+from pdmesh.bench.gpu_workloads import _admit, _drain, _sync
+from pdmesh.bench.report import Report, free_memory, out_parser, run_info
+from pdmesh.bench.step_timeline import summarize_file
+from pdmesh.engine.executor.profiling import ProfileRank, RankProfiler
+
+DENSE = {
+    "tp1": {},
+    "tp2": {"tensor_parallel_size": 2},
+    "pp2": {"pipeline_parallel_size": 2},
+}
+MOE = {
+    "tp1": {},
+    "tp2": {"tensor_parallel_size": 2},
+    "ep2": {"tensor_parallel_size": 2, "enable_expert_parallel": True},
+}
+
+
+def token_time(engine: Any, batch: int, ctx: int, rounds: int) -> float:
+    """Seconds per output token of each of `batch` sequences decoding together at about `ctx`
+    tokens of context, over `rounds` tokens a sequence, after 6 warm-up steps."""
+    ids = _admit(engine, batch, ctx, max_tokens=rounds + 24)
+    for _ in range(6):
+        engine.step()
+    _sync()
+    start, tokens = time.perf_counter(), 0
+    while tokens < rounds * batch:
+        tokens += sum(len(d.token_ids) for d in engine.step())
+    elapsed = time.perf_counter() - start
+    _drain(engine, ids)
+    while engine.has_unfinished_requests():  # steps still in flight for aborted requests
+        engine.step()
+    return elapsed * batch / tokens
+
+
+def timeline(llm: Any, batch: int, ctx: int, out: Path, name: str) -> dict[str, Any]:
+    """8 decode steps profiled on every rank: each rank's per-step summary."""
+    engine, steps = llm.engine, 8
+    ids = _admit(engine, batch, ctx, max_tokens=steps + 24)
+    for _ in range(6):
+        engine.step()
+    _sync()
+    driver, here = engine.tp_driver, RankProfiler()
+    if driver is not None:
+        driver.call(ProfileRank())
+    here.start()
+    for _ in range(steps):
+        engine.step()
+    trace = out / f"trace-{name}"
+    here.stop(f"{trace}.rank0.json")
+    ranks = 1
+    if driver is not None:
+        driver.call(ProfileRank(trace=str(trace)))
+        ranks = engine.config.world_size
+    _drain(engine, ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    result = {}
+    for r in range(ranks):
+        path = Path(f"{trace}.rank{r}.json")
+        result[f"rank{r}"] = summarize_file(path, steps)
+        path.unlink()  # large; the summary is what is kept
+    return result
+
+
+def run_layouts(
+    folder: Path,
+    layouts: dict[str, dict[str, Any]],
+    cases: list[tuple[int, int]],
+    tiny: bool,
+    out: Path,
+    report: Report,
+    key: str,
+) -> None:
+    rounds = 8 if tiny else 32
+    common = dict(
+        kv_cache_tokens=8192 if tiny else 80000,
+        max_model_len=2048,
+        max_num_seqs=64,
+        max_num_batched_tokens=8192,
+    )
+    if tiny:
+        common["device"] = "cpu"
+    results: dict[str, Any] = {}
+    for name, options in layouts.items():
+        entry: dict[str, Any] = {"options": options}
+        start = time.perf_counter()
+        llm = dummy_llm(folder, **common, **options)
+        entry["start_s"] = time.perf_counter() - start
+        entry["graphs"] = llm.engine.runner.graphs is not None
+        for batch, ctx in cases + ([(32, cases[-1][1])] if name == "tp1" else []):
+            label = f"b{batch}_ctx{ctx}_ms_per_token"
+            entry[label] = token_time(llm.engine, batch, ctx, rounds) * 1e3
+            print(f"{key} {name} {label}: {entry[label]:.2f}", flush=True)
+        entry["most_in_flight"] = llm.engine.most_in_flight
+        # The dry run profiles batch 1 only: a second profile of a CPU pipeline engine crashed
+        # in torch 2.13's profiler (see engine/executor/profiling.py).
+        for batch, ctx in cases[:1] if tiny else cases:
+            entry[f"timeline_b{batch}"] = timeline(llm, batch, ctx, out, f"{key}-{name}-b{batch}")
+        start = time.perf_counter()
+        llm.close()
+        entry["close_s"] = time.perf_counter() - start
+        print(f"{key} {name} close: {entry['close_s']:.2f} s", flush=True)
+        del llm
+        free_memory()
+        results[name] = entry
+        report.record(key, results)
+    one = results["tp1"]
+    for entry in results.values():
+        for batch, ctx in cases:
+            label = f"b{batch}_ctx{ctx}_ms_per_token"
+            entry[f"b{batch}_over_one_gpu"] = entry[label] / one[label]
+        b, ctx = cases[-1]
+        ceiling = one[f"b32_ctx{ctx}_ms_per_token"] / 2  # two engines of 32 sequences each
+        entry[f"b{b}_ceiling_ms_per_token"] = ceiling
+        entry[f"b{b}_over_ceiling"] = entry[f"b{b}_ctx{ctx}_ms_per_token"] / ceiling
+    report.record(key, results)
+
+
+def table(report: Report, cases: dict[str, list[tuple[int, int]]]) -> str:
+    lines = ["| model | layout | " + " | ".join(["ms/token (x one GPU)"] * 2) + " | close s |"]
+    for key, layout_cases in cases.items():
+        for name, e in report.data.get(key, {}).items():
+            cells = [
+                f"b{b} ctx{c}: {e[f'b{b}_ctx{c}_ms_per_token']:.2f} ({e[f'b{b}_over_one_gpu']:.2f})"
+                for b, c in layout_cases
+                if f"b{b}_over_one_gpu" in e
+            ]
+            lines.append(f"| {key} | {name} | {' | '.join(cells)} | {e['close_s']:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = out_parser(__doc__)
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU (a dry run)")
+    parser.add_argument("--only", default="dense,moe")
+    parser.add_argument("--moe-layers", type=int, default=24)
+    args = parser.parse_args()
+    report = Report(args.out / "layouts.json")
+    report.record("device", {**run_info("name"), "gpus": torch.cuda.device_count()})
+    tmp = Path(tempfile.mkdtemp())
+    cases = {
+        "dense": [(1, 64), (8, 64)] if args.tiny else [(1, 512), (64, 1024)],
+        "moe": [(1, 64), (8, 64)] if args.tiny else [(1, 512), (64, 1024)],
+    }
+    if "dense" in args.only:
+        config = llama_8b_config()
+        if args.tiny:
+            config.update(TINY)
+        folder = write_config(tmp / "dense", config)
+        save_word_tokenizer(folder, config.vocab_size)
+        run_layouts(folder, DENSE, cases["dense"], args.tiny, args.out, report, "dense")
+    if "moe" in args.only:
+        config = qwen3_moe_30b_config()
+        config.num_hidden_layers = args.moe_layers
+        if args.tiny:
+            config.update(TINY | dict(moe_intermediate_size=32, head_dim=16, num_experts=8))
+        folder = write_config(tmp / "moe", config)
+        save_word_tokenizer(folder, config.vocab_size)
+        run_layouts(folder, MOE, cases["moe"], args.tiny, args.out, report, "moe")
+    print(json.dumps(report.data, indent=1, default=float)[-6000:])
+    print(table(report, cases))
+
+
+if __name__ == "__main__":
+    main()
