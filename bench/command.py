@@ -25,6 +25,11 @@ def add_bench(sub: Any) -> None:
         help="mixed load with cancellations on a mesh of its own: leaks and memory growth",
     )
     mode.add_argument(
+        "--fuzz",
+        action="store_true",
+        help="hostile requests on both edges of a mesh: no 5xx, hang or worker death allowed",
+    )
+    mode.add_argument(
         "--speculative",
         action="store_true",
         help="n-gram speculative decoding against none, CPU, default model (bench/speculative.py)",
@@ -87,6 +92,14 @@ def add_bench(sub: Any) -> None:
     v.add_argument(
         "--draft-model", default=None, help="also a draft model at batch 1 (default: itself)"
     )
+    f = b.add_argument_group("fuzz (--fuzz)")
+    f.add_argument("--fuzz-cases", type=int, default=3000, help="hostile requests to send")
+    f.add_argument(
+        "--fuzz-target", default=None, help="a running router's gRPC HOST:PORT (default: own mesh)"
+    )
+    f.add_argument(
+        "--fuzz-http", default=None, help="its HTTP gateway, http://HOST:PORT (with --fuzz-target)"
+    )
     engine_args(b)
     b.set_defaults(func=cmd_bench)
 
@@ -96,5 +109,5 @@ def cmd_bench(args: argparse.Namespace) -> int:
     mode = (
         "serving" if args.target else "relay" if args.relay else "soak" if args.soak else "offline"
     )
-    mode = "speculative" if args.speculative else mode
+    mode = "speculative" if args.speculative else "fuzz" if args.fuzz else mode
     return getattr(importlib.import_module(f"pdmesh.bench.{mode}"), f"run_{mode}_bench")(args)

@@ -130,7 +130,7 @@ def _merge(
             break
         if item.error_code:
             status = _STATUS_NAMES.get(item.error_code, "UNKNOWN")
-            raise from_status(status, item.error_message or status)
+            raise from_status(status, item.error_message or status, item.error_field or None)
         if not (item.token_ids or item.finish_reason):
             continue
         if not chunks or chunks[-1].index != item.index or chunks[-1].finish_reason:

@@ -16,9 +16,16 @@ from pdmesh.v1 import generation_pb2 as gen_pb
 MAX_MODEL_LEN = 64  # bounds what a valid request can generate, so the fuzz stays quick
 
 
-def fuzz_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    """A mesh with HTTP on, stopped when the caller's fixture ends."""
+def fuzz_mesh(
+    tmp_path_factory: pytest.TempPathFactory, eos_token_id: int | None = None
+) -> Iterator[Mesh]:
+    """A mesh with HTTP on, stopped when the caller's fixture ends. `eos_token_id`: the model's
+    EOS (None: it has none; a grammar needs one to end on, so constraints are then refused)."""
     folder = make_tiny_model(tmp_path_factory.mktemp("chat-llama"), "llama")
+    if eos_token_id is not None:
+        model_config = json.loads((folder / "config.json").read_text())
+        model_config["eos_token_id"] = eos_token_id
+        (folder / "config.json").write_text(json.dumps(model_config))
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config["chat_template"] = (
         "{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"

@@ -56,7 +56,7 @@ class StepUpdate(_message.Message):
     def __init__(self, deltas: _Optional[_Iterable[_Union[RequestDelta, _Mapping]]] = ...) -> None: ...
 
 class RequestDelta(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timings", "error_code", "error_message", "logprobs", "prompt_logprobs", "index", "moved")
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timings", "error_code", "error_message", "logprobs", "prompt_logprobs", "index", "moved", "error_field")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class RequestDelta(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     MOVED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -81,7 +82,8 @@ class RequestDelta(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.PositionLogprobs]
     index: int
     moved: Moved
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_generation_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_generation_pb2.Timings, _Mapping]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.PositionLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.PositionLogprobs, _Mapping]]] = ..., index: _Optional[int] = ..., moved: _Optional[_Union[Moved, _Mapping]] = ...) -> None: ...
+    error_field: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_generation_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_generation_pb2.Timings, _Mapping]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.PositionLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.PositionLogprobs, _Mapping]]] = ..., index: _Optional[int] = ..., moved: _Optional[_Union[Moved, _Mapping]] = ..., error_field: _Optional[str] = ...) -> None: ...
 
 class Moved(_message.Message):
     __slots__ = ("handle",)
