@@ -21,7 +21,13 @@ from typing import Any
 
 import grpc
 
-from pdmesh.errors import FIELD_METADATA, Overloaded, Unavailable, from_status
+from pdmesh.errors import (
+    FIELD_METADATA,
+    Overloaded,
+    Unavailable,
+    from_status,
+    without_source_locations,
+)
 from pdmesh.logger import get_logger
 from pdmesh.prefix_hash import hash_prefix_blocks
 from pdmesh.router.config import RouterConfig
@@ -195,8 +201,9 @@ class Dispatcher:
     ) -> Attempt:
         """Submit `inp` with the tokens already `sent` to the client appended to its prompt
         (they count as output), avoiding the decode workers in `lost`; `migrate_from`: the
-        chosen worker pulls its KV from a draining one. Overloaded when every decode worker's
-        queue is full, Unavailable when none is there to take it."""
+        chosen worker pulls its KV from a draining one. Overloaded when every decode worker
+        refuses it for now (its queue is full, or its constraint finds no compile slot),
+        Unavailable when none is there to take it."""
         prompt_ids = inp.prompt + sent if sent else inp.prompt
         params = inp.params
         if sent and params.prompt_logprobs is not None:  # sent with the first token already
@@ -204,14 +211,17 @@ class Dispatcher:
         bs = self.block_size
         held = await self.store.blocks(prompt_ids) if self.store is not None else 0
         prompt = PromptInfo(len(prompt_ids), hash_prefix_blocks(prompt_ids, bs), bs, held)
-        refused: set[str] = set()  # queue full
+        refused: set[str] = set()  # queue full, or no room for its constraint to compile
+        refusal = ""  # the last worker's reason
         unreachable: set[str] = set()
         failures = 0  # Submits that failed for want of a worker (a worker may fail twice)
         while True:
             decode = await self._candidates(lost | unreachable, refused)
             if not decode:
                 if refused:
-                    raise Overloaded("every decode worker's queue is full; retry later.")
+                    raise Overloaded(
+                        f"every decode worker refused the request for now; the last said: {refusal}"
+                    )
                 telemetry.no_worker()
                 raise Unavailable("no decode worker is available; retry later.")
             decision = self.policy.choose(prompt, decode, self.registry.healthy("prefill"))
@@ -251,6 +261,7 @@ class Dispatcher:
                 code = e.code()
                 if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
                     refused.add(d.address)
+                    refusal = without_source_locations(e.details() or "retry later.")
                     telemetry.failover("queue_full")
                     continue
                 if code in _RETRY_SUBMIT and failures < self.config.max_failovers:
