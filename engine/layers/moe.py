@@ -2,9 +2,17 @@
 
 Without expert parallelism every rank holds every expert, with the expert MLPs' intermediate
 dimension split across the tensor-parallel group (partial sums all-reduced). With expert
-parallelism each rank holds E / N whole experts: the tokens (the same on every rank) are split
-across ranks, each (token, expert) pair is sent with all-to-all to the rank holding its expert,
-computed there, sent back with all-to-all, combined, and the token slices all-gathered.
+parallelism each rank holds E / N whole experts, and the ranks exchange in one of two ways
+(EngineConfig.all2all_backend):
+
+- all_to_all: the tokens (the same on every rank) are split across ranks, each (token, expert)
+  pair is sent with all-to-all to the rank holding its expert, computed there, sent back with
+  all-to-all, combined, and the token slices all-gathered. The exchange's sizes are read on the
+  host (a sync per layer), so such steps run eagerly.
+- all_reduce: every rank already holds every token (attention is tensor-parallel), so each routes
+  them all, computes the pairs whose experts it holds, and one all-reduce of [T, H] sums the
+  ranks' parts: 1/k of the bytes the dispatch and combine move for top-k routing, no host sync,
+  and decode steps replay CUDA graphs. (vLLM's allgather-reducescatter, the gather being free.)
 
 With EPLB (pdmesh.engine.eplb.placement) the E experts live in E + R physical slots, (E + R) / N on
 each rank, a hot expert in several; `ExpertMap` sends each pair to one of its expert's slots, and
@@ -113,12 +121,30 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> [T, H]
         if self.experts is not None:
+            if self.tp.moe_all_reduce:
+                return self._forward_all_reduce(x, self.experts)
             return self._forward_expert_parallel(x, self.experts)
         weights, ids = moe_route(self.gate(x), self.top_k, self.renormalize)
         self.expert_counts += count_expert_tokens(ids, self.num_experts)
         w13, w2, first = self.w13_weight, self.w2_weight, self.first_expert
         out = moe_experts(x, w13, w2, weights, ids, first, *self._scales())
         return self.tp.all_reduce(out)
+
+    def _forward_all_reduce(self, x: torch.Tensor, experts: ExpertMap) -> torch.Tensor:
+        # x: [T, H], the same on every rank -> [T, H]
+        g, num_tokens = self.tp, x.shape[0]
+        weights, ids = moe_route(self.gate(x), self.top_k, self.renormalize)  # [T, k]
+        slots = experts.physical(ids, 0)  # [T, k]
+        # Each rank counts its own slice of the tokens, so the counts summed over the ranks
+        # count every pair once (as with all_to_all).
+        per_rank = -(-num_tokens // g.size)
+        lo, hi = min(g.rank * per_rank, num_tokens), min((g.rank + 1) * per_rank, num_tokens)
+        self.expert_counts += count_expert_tokens(ids[lo:hi], self.num_experts)
+        self.physical_counts += count_expert_tokens(slots[lo:hi], experts.num_physical)
+        # Pairs of experts held elsewhere are skipped (they count zero here).
+        w13, w2, first = self.w13_weight, self.w2_weight, self.first_expert
+        out = moe_experts(x, w13, w2, weights, slots, first, *self._scales())
+        return g.all_reduce(out)
 
     def _forward_expert_parallel(self, x: torch.Tensor, experts: ExpertMap) -> torch.Tensor:
         g = self.tp

@@ -6,6 +6,10 @@ and the LM head) and a KV cache for those layers only. Each step, stage s receiv
 states and the residual ([2, T, H]) from the same TP rank of stage s - 1 and sends its own to
 stage s + 1, point to point (NCCL on GPUs, gloo on CPUs: raw tensors, no pickle). TP rank 0 of
 the last stage sends the logits of the rows to sample to global rank 0, which samples for all.
+
+The logits go back over a group of their own (`back`): NCCL runs a communicator's operations in
+the order they were issued, so on one group rank 0's send of batch B's hidden states would wait
+behind its receive of batch A's logits, and the stages would take turns instead of overlapping.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch.distributed as dist
 
 from pdmesh import envs
 from pdmesh.engine.config import EngineConfig
+from pdmesh.engine.parallel.comm import IDLE_TIMEOUT
 from pdmesh.engine.parallel.group import SINGLE, ParallelGroup
 
 
@@ -60,6 +65,8 @@ class PipelineStage:
     tp_rank: int = 0
     tp_size: int = 1
     world: ParallelGroup = field(default=SINGLE)
+    # Every rank again, for what goes back to rank 0 (the logits): see the module's docstring.
+    back: Any = None
     # Sends to the next stage not known to be done: (work, tensor), oldest first.
     pending: deque[tuple[Any, torch.Tensor]] = field(default_factory=deque, compare=False)
 
@@ -89,7 +96,12 @@ class PipelineStage:
             self.pending.popleft()[0].wait()
 
     def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        out = torch.empty(shape, dtype=dtype, device=self.world.comm_device)
+        return self.recv_into(torch.empty(shape, dtype=dtype, device=self.world.comm_device))
+
+    def recv_into(self, out: torch.Tensor) -> torch.Tensor:
+        """The previous stage's hidden states and residual into `out` ([2, T, H], contiguous:
+        a decode graph's input buffer). On a GPU the host does not wait: the current stream
+        does, before what it runs next."""
         dist.recv(out, self._rank(self.index - 1), group=self.world.group)
         return out
 
@@ -99,7 +111,8 @@ class PipelineStage:
         return self.size > 1 and self.is_last and self.tp_rank == 0
 
     def send_logits(self, logits: torch.Tensor) -> None:
-        dist.send(logits.contiguous(), 0, group=self.world.group)
+        # Blocking: the stream waits for the send before it overwrites a graph's logits buffer.
+        dist.send(logits.contiguous(), 0, group=self.back)
 
     def irecv_logits(
         self, shape: tuple[int, ...], dtype: torch.dtype
@@ -108,7 +121,7 @@ class PipelineStage:
         them. Posted at launch, the last stage's send completes while this rank runs the next
         batch: with several batches in flight neither side waits on the other."""
         out = torch.empty(shape, dtype=dtype, device=self.world.comm_device)
-        work = dist.irecv(out, (self.size - 1) * self.tp_size, group=self.world.group)
+        work = dist.irecv(out, (self.size - 1) * self.tp_size, group=self.back)
 
         def wait() -> torch.Tensor:
             work.wait()
@@ -139,6 +152,10 @@ def check_world(config: EngineConfig, num_layers: int) -> None:
 
 
 def stage_of(rank: int, tp: int, pp: int, num_layers: int, world: ParallelGroup) -> PipelineStage:
+    """This rank's stage; with pp > 1 every rank makes the `back` group here, in the same order."""
+    if pp == 1:
+        return PipelineStage(0, 1, None, rank % tp, tp, world)
     index = rank // tp
-    layers = layer_partition(num_layers, pp, envs.pp_layer_partition())[index] if pp > 1 else None
-    return PipelineStage(index, pp, layers, rank % tp, tp, world)
+    layers = layer_partition(num_layers, pp, envs.pp_layer_partition())[index]
+    back = dist.new_group(list(range(world.size)), timeout=IDLE_TIMEOUT)
+    return PipelineStage(index, pp, layers, rank % tp, tp, world, back=back)

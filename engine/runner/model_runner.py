@@ -96,6 +96,12 @@ class ModelRunner:
         self.block_size = block_size = config.block_size
         if config.enable_eplb:  # the MoE layers hold E + R expert slots over the group
             tp = dataclasses.replace(tp, redundant_experts=config.num_redundant_experts)
+        if tp.expert_parallel and tp.size > 1:
+            backend = config.all2all_backend
+            if backend == "auto":  # EPLB's outputs are bit-identical on and off with all_to_all
+                on_gpu = device.type == "cuda" and not config.enable_eplb
+                backend = "all_reduce" if on_gpu else "all_to_all"
+            tp = dataclasses.replace(tp, moe_all_reduce=backend == "all_reduce")
         with torch.device(device), _default_dtype(dtype):
             model = info.model_cls(info.hf_config, max_model_len, tp, stage)
             apply_quantization(model, resolve_quantization(config.quantization, info.hf_config))
@@ -144,9 +150,16 @@ class ModelRunner:
         # The torch reference kernels sync with the host: only the Triton ones are captured.
         capturable = envs.kernel_backend() != "torch"
         max_batch = min(config.max_num_seqs, 512)
-        # Pipeline stages step eagerly: a graph per stage is not built yet.
-        if device.type == "cuda" and capturable and not config.enforce_eager and stage.size == 1:
-            if tp.size > 1 and not tp.expert_parallel:
+        # A pipeline stage captures its own layers (the sends and receives between stages stay
+        # outside its graphs); stages of more than one TP rank step eagerly.
+        if (
+            device.type == "cuda"
+            and capturable
+            and not config.enforce_eager
+            and (stage.size == 1 or tp.size == 1)
+        ):
+            # Expert parallelism's all_to_all sizes its exchange on the host: eager.
+            if tp.size > 1 and (not tp.expert_parallel or tp.moe_all_reduce):
                 hidden = info.hf_config.hidden_size
                 fast = symmetric_all_reduce(tp, max_batch * hidden, dtype)
                 # Every rank replays graphs or none does: a rank stepping eagerly would wait
@@ -155,8 +168,21 @@ class ModelRunner:
                     tp.fast["all_reduce"] = fast
             if tp.size == 1 or "all_reduce" in tp.fast:
                 self.graphs = DecodeGraphs(
-                    model, device, block_size, max_batch, max_model_len, logits=tp.size == 1
+                    model,
+                    device,
+                    block_size,
+                    max_batch,
+                    max_model_len,
+                    logits=tp.size == 1,
+                    stage=stage,
+                    hidden_size=info.hf_config.hidden_size,
+                    dtype=dtype,
                 )
+        # Every stage replays or none does: a stage sends a whole bucket to a graph's buffer,
+        # where an eager one sends and expects the step's rows only.
+        if stage.size > 1 and device.type == "cuda":
+            replays = all_reduce_min(int(self.graphs is not None), stage.world)
+            self.graphs = self.graphs if replays else None
         self.tp = tp
         self.followers = followers
         self.kv_connector = kv_connector
@@ -248,9 +274,17 @@ class ModelRunner:
             self.kv_cache.copy_blocks(inputs.block_copies)
         meta, graphs = inputs.meta, None if self._saving else self.graphs
         n, num_sampled = inputs.input_ids.numel(), len(inputs.sample_seq_index)
-        if graphs is not None and graphs.covers(n, meta.num_decode_tokens, num_sampled):
-            return graphs.run(inputs.input_ids, inputs.positions, meta)
         stage, carry = self.stage, None
+        if graphs is not None and graphs.covers(n, meta.num_decode_tokens, num_sampled):
+            if not stage.is_first:
+                stage.recv_into(graphs.carry(graphs.bucket(n)))
+            out = graphs.run(inputs.input_ids, inputs.positions, meta)
+            if stage.is_last:
+                return out
+            # [2, bs, H]: a copy, as the next replay of this bucket overwrites the graph's
+            # output while the send may still read it (the send runs on NCCL's stream).
+            stage.send_next(out.clone())
+            return None
         if not stage.is_first:
             carry = stage.recv_prev((2, n, self.info.hidden_size), self.dtype)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, carry)
