@@ -48,7 +48,14 @@ MOE = {
     "tp1": {},
     "tp2": {"tensor_parallel_size": 2},
     "ep2": {"tensor_parallel_size": 2, "enable_expert_parallel": True},
+    # The exchange that was the only one before 2026-11-27 (EPLB's): host operators profiled.
+    "ep2-a2a": {
+        "tensor_parallel_size": 2,
+        "enable_expert_parallel": True,
+        "all2all_backend": "all_to_all",
+    },
 }
+HOST_PROFILED = ("ep2-a2a",)
 
 
 def token_time(engine: Any, batch: int, ctx: int, rounds: int) -> float:
@@ -68,8 +75,11 @@ def token_time(engine: Any, batch: int, ctx: int, rounds: int) -> float:
     return elapsed * batch / tokens
 
 
-def timeline(llm: Any, batch: int, ctx: int, out: Path, name: str) -> dict[str, Any]:
-    """8 decode steps profiled on every rank: each rank's per-step summary."""
+def timeline(
+    llm: Any, batch: int, ctx: int, out: Path, name: str, host: bool = False
+) -> dict[str, Any]:
+    """8 decode steps profiled on every rank: each rank's per-step summary. host: the host's
+    operators too."""
     engine, steps = llm.engine, 8
     ids = _admit(engine, batch, ctx, max_tokens=steps + 24)
     for _ in range(6):
@@ -77,8 +87,8 @@ def timeline(llm: Any, batch: int, ctx: int, out: Path, name: str) -> dict[str, 
     _sync()
     driver, here = engine.tp_driver, RankProfiler()
     if driver is not None:
-        driver.call(ProfileRank())
-    here.start()
+        driver.call(ProfileRank(host=host))
+    here.start(host)
     for _ in range(steps):
         engine.step()
     trace = out / f"trace-{name}"
@@ -131,7 +141,10 @@ def run_layouts(
         # The dry run profiles batch 1 only: a second profile of a CPU pipeline engine crashed
         # in torch 2.13's profiler (see engine/executor/profiling.py).
         for batch, ctx in cases[:1] if tiny else cases:
-            entry[f"timeline_b{batch}"] = timeline(llm, batch, ctx, out, f"{key}-{name}-b{batch}")
+            label = f"{key}-{name}-b{batch}"
+            entry[f"timeline_b{batch}"] = timeline(
+                llm, batch, ctx, out, label, host=name in HOST_PROFILED
+            )
         start = time.perf_counter()
         llm.close()
         entry["close_s"] = time.perf_counter() - start

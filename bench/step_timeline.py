@@ -50,6 +50,11 @@ def summarize(trace: dict[str, Any], steps: int) -> dict[str, Any]:
     for e in kernels:
         by_kernel[e["name"][:80]] += e["dur"]
     top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:15]
+    by_op: dict[str, float] = defaultdict(float)  # host operators, inclusive time
+    for e in events:
+        if e.get("cat") == "cpu_op":
+            by_op[e["name"][:80]] += e["dur"]
+    top_ops = sorted(by_op.items(), key=lambda kv: -kv[1])[:20]
     return {
         "window_ms_per_step": (end - start) / per,
         "compute_ms_per_step": _union_us(compute) / per,
@@ -60,6 +65,7 @@ def summarize(trace: dict[str, Any], steps: int) -> dict[str, Any]:
         "host_syncs_per_step": len(syncs) / steps,
         "host_sync_ms_per_step": sum(e["dur"] for e in syncs) / per,
         "top_kernels_ms_per_step": {k: round(v / per, 4) for k, v in top},
+        "top_host_ops_ms_per_step": {k: round(v / per, 4) for k, v in top_ops},
     }
 
 

@@ -21,6 +21,7 @@ class ProfileRank:
     trace to `trace` with `.rank{N}.json` appended. The follower replies None."""
 
     trace: str = ""
+    host: bool = False  # on a GPU, the host's operators too
 
 
 class RankProfiler:
@@ -33,14 +34,17 @@ class RankProfiler:
         # another had run (a segfault in the GC, torch 2.13 on CPU).
         self._done: list[Any] = []
 
-    def start(self) -> None:
+    def start(self, host: bool = False) -> None:
         from torch.profiler import ProfilerActivity, profile
 
         # On a GPU its kernels and the CUDA runtime calls (syncs among them) are the timeline;
-        # host operators are left out: recording them while the step-outbox thread ran
+        # host operators only when asked: recording them while the step-outbox thread ran
         # collectives crashed a later garbage collection (torch 2.13, CPU, pipeline stages).
         cuda = torch.cuda.is_available()
-        self._prof = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+        activities = [ProfilerActivity.CUDA] if cuda else []
+        if host or not cuda:
+            activities.append(ProfilerActivity.CPU)
+        self._prof = profile(activities=activities)
         self._prof.__enter__()
 
     def stop(self, path: str) -> None:
@@ -58,4 +62,4 @@ class RankProfiler:
         if message.trace:
             self.stop(f"{message.trace}.rank{rank}.json")
         else:
-            self.start()
+            self.start(message.host)
