@@ -4,8 +4,9 @@ configured, and API keys (`Authorization: Bearer <key>`, else 401) on everything
 and `/metrics`.
 
 Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: a `pdmesh.errors`
-class answers with its `http_status` (bad input 400 naming the field, 429 with Retry-After, 503,
-504); an unexpected exception is a bug: 500, logged with its traceback. A client
+class answers with its `http_status` (bad input 400 naming the field; a body that cannot be read
+400, 413 or 415, router/http_body.py; 429 with Retry-After, 503, 504); an unexpected exception is
+a bug: 500 with an incident id, logged with its traceback under it. A client
 that disconnects cancels its handler (handler_cancellation), which closes the router's generator,
 which aborts the request on its decode worker and frees its blocks.
 """
@@ -27,7 +28,7 @@ from pdmesh.logger import get_logger
 from pdmesh.observability.metrics_server import split_host_port
 from pdmesh.router import metrics
 from pdmesh.router.core import Router
-from pdmesh.router.http_body import MAX_BODY_BYTES, read_json, too_large
+from pdmesh.router.http_body import MAX_BODY_BYTES, read_json
 from pdmesh.router.openai_answer import Answer
 from pdmesh.router.openai_logprobs import TokenTexts
 from pdmesh.router.openai_protocol import OpenAIRequest, parse
@@ -69,8 +70,6 @@ def status_of(exc: Exception) -> tuple[int, str, str | None]:
     error = as_error(exc)
     if error is not None:
         return error.http_status, str(error), getattr(error, "field", None)
-    if isinstance(exc, web.HTTPRequestEntityTooLarge):
-        return too_large().http_status, str(too_large()), None
     incident = uuid.uuid4().hex[:12]
     log.error("internal error %s in the HTTP gateway", incident, exc_info=exc)
     return 500, f"internal error {incident}: the server failed on this request (logged).", None
