@@ -44,7 +44,10 @@ from pdmesh.validation import ValidRequest
 
 log = get_logger(__name__)
 
-SUBMIT_TIMEOUT_S = 10.0
+# A decode worker admits a request within its structured-output constraint's compile limit
+# (10 s, after up to 1 s waiting for a compile slot): a Submit may take past that, or the router
+# would answer DEADLINE_EXCEEDED for a request the worker was about to refuse or admit.
+SUBMIT_TIMEOUT_S = 20.0
 LINK_WAIT_S = 2.0  # how long a request waits for a decode worker's stream to (re)open
 DEFAULT_BLOCK_SIZE = 16
 # Submit errors after which another decode worker may take the request: the worker is
