@@ -153,6 +153,8 @@ def run_layouts(
         free_memory()
         results[name] = entry
         report.record(key, results)
+    if "tp1" not in results:  # another process measured it (--layouts)
+        return
     one = results["tp1"]
     for entry in results.values():
         for batch, ctx in cases:
@@ -174,6 +176,9 @@ def table(report: Report, cases: dict[str, list[tuple[int, int]]]) -> str:
                 for b, c in layout_cases
                 if f"b{b}_over_one_gpu" in e
             ]
+            if not cells:  # no one-GPU figure in this process
+                ms = [(b, c, e[f"b{b}_ctx{c}_ms_per_token"]) for b, c in layout_cases]
+                cells = [f"b{b} ctx{c}: {t:.2f}" for b, c, t in ms]
             lines.append(f"| {key} | {name} | {' | '.join(cells)} | {e['close_s']:.2f} |")
     return "\n".join(lines)
 
@@ -183,10 +188,21 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU (a dry run)")
     parser.add_argument("--only", default="dense,moe")
     parser.add_argument("--moe-layers", type=int, default=24)
+    parser.add_argument(
+        "--layouts",
+        default=None,
+        help="only these layouts (e.g. ep2): one process each where several would use symmetric "
+        "memory (a second such engine in one process hung at start on two H100s, 2026-11-27)",
+    )
     args = parser.parse_args()
     report = Report(args.out / "layouts.json")
     report.record("device", {**run_info("name"), "gpus": torch.cuda.device_count()})
     tmp = Path(tempfile.mkdtemp())
+
+    def pick(layouts: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        names = args.layouts.split(",") if args.layouts else list(layouts)
+        return {n: o for n, o in layouts.items() if n in names}
+
     cases = {
         "dense": [(1, 64), (8, 64)] if args.tiny else [(1, 512), (64, 1024)],
         "moe": [(1, 64), (8, 64)] if args.tiny else [(1, 512), (64, 1024)],
@@ -197,7 +213,7 @@ def main() -> None:
             config.update(TINY)
         folder = write_config(tmp / "dense", config)
         save_word_tokenizer(folder, config.vocab_size)
-        run_layouts(folder, DENSE, cases["dense"], args.tiny, args.out, report, "dense")
+        run_layouts(folder, pick(DENSE), cases["dense"], args.tiny, args.out, report, "dense")
     if "moe" in args.only:
         config = qwen3_moe_30b_config()
         config.num_hidden_layers = args.moe_layers
@@ -205,7 +221,7 @@ def main() -> None:
             config.update(TINY | dict(moe_intermediate_size=32, head_dim=16, num_experts=8))
         folder = write_config(tmp / "moe", config)
         save_word_tokenizer(folder, config.vocab_size)
-        run_layouts(folder, MOE, cases["moe"], args.tiny, args.out, report, "moe")
+        run_layouts(folder, pick(MOE), cases["moe"], args.tiny, args.out, report, "moe")
     print(json.dumps(report.data, indent=1, default=float)[-6000:])
     print(table(report, cases))
 

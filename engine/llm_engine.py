@@ -133,8 +133,12 @@ class LLMEngine:
         # prefilled elsewhere hold (their KV's arrival is what unblocks it).
         self.stalled = False
         # Async scheduling (see overlap.py): on with CUDA graphs unless the config says.
-        # Pipeline stages have their batches in flight instead (below).
-        self.async_scheduling = config.pipeline_parallel_size == 1 and (
+        # Pipeline stages have their batches in flight too; a step is launched ahead when no
+        # other batch is (one sequence, say), its input ids then on rank 0's device only: only
+        # stages of one rank, whose first stage is rank 0 alone, can take them from there.
+        self.async_scheduling = (
+            config.pipeline_parallel_size == 1 or config.tensor_parallel_size == 1
+        ) and (
             config.async_scheduling
             if config.async_scheduling is not None
             else self.runner.graphs is not None
@@ -318,6 +322,8 @@ class LLMEngine:
         if cur.handle.verify is not None:  # a step that verified draft tokens
             return verified_step(self, cur)
         if self.async_scheduling and not self._inflight:
+            if cur.handle.sample is not None:  # pipeline stages: the tokens, on the device
+                cur.handle.sample()
             nxt = self._launch_next(cur)
             if nxt is not None:
                 self._inflight.append(nxt)

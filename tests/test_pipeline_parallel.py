@@ -92,7 +92,7 @@ def test_pipeline_matches_transformers(tiny_model, monkeypatch, arch, tp, pp, pa
 
 def test_seeded_sampling_over_a_pipeline_with_a_batch_per_stage(tiny_model) -> None:
     """Seeded sampling gives the same tokens over three stages with three batches in flight
-    (one per stage, each of other sequences). Async scheduling stands aside for them."""
+    (one per stage, each of other sequences)."""
     folder = str(tiny_model("qwen3_moe"))
     prompts = [{"prompt_token_ids": p} for p in random_prompts([8, 20, 33])]
     params = [SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=s) for s in (1, 2, 3)]
@@ -102,7 +102,29 @@ def test_seeded_sampling_over_a_pipeline_with_a_batch_per_stage(tiny_model) -> N
     with LLM(folder, kv_cache_tokens=1024, **pipeline) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         assert llm.engine.most_in_flight == 3
-        assert llm.engine.steps_launched_ahead == 0
+    assert got == expected
+
+
+def test_a_step_is_launched_ahead_over_stages_of_one_rank(tiny_model) -> None:
+    """One sequence cannot fill a batch per stage: with async scheduling its next step is
+    launched before the host reads its token, whose id stays on rank 0's device (stage 0
+    embeds it; no other stage reads ids). Greedy and seeded tokens equal one stage's."""
+    folder = str(tiny_model("llama"))
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([9, 40])]
+    params = [
+        SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=16, temperature=1.0, seed=5, ignore_eos=True),
+    ]
+
+    def one_at_a_time(llm: LLM) -> list[list[int]]:
+        pairs = zip(prompts, params, strict=True)
+        return [llm.generate([p], q)[0].outputs[0].token_ids for p, q in pairs]
+
+    with LLM(folder, kv_cache_tokens=1024) as llm:
+        expected = one_at_a_time(llm)
+    with LLM(folder, kv_cache_tokens=1024, pipeline_parallel_size=2, async_scheduling=True) as llm:
+        got = one_at_a_time(llm)
+        assert llm.engine.steps_launched_ahead > 0
     assert got == expected
 
 

@@ -79,19 +79,21 @@ def init_ranks(
 
 class StepOutbox:
     """Rank 0's step broadcasts, in order, on a thread of their own: a gloo broadcast returns
-    only once every rank has received it. Host integers only: with pipeline stages no step's
-    input ids wait on the device (the engine does not launch ahead of a step's tokens)."""
+    only once every rank has received it. Host integers only: a step launched ahead of its
+    input ids (async scheduling) keeps them on rank 0's device, where stage 0 reads them; that
+    needs stages of one rank (`ids_stay`): no follower embeds tokens then."""
 
-    def __init__(self, group: ParallelGroup) -> None:
+    def __init__(self, group: ParallelGroup, ids_stay: bool) -> None:
         self.group = group
+        self.ids_stay = ids_stay
         self._queue: queue.Queue[tuple[StepInputs, torch.Tensor | None]] = queue.Queue()
         self._error: BaseException | None = None
         threading.Thread(target=self._run, name="step-outbox", daemon=True).start()
 
     def put(self, inputs: StepInputs, plan: torch.Tensor | None) -> None:
         self._raise()
-        if len(inputs.host.input_ids) != inputs.host.num_tokens:
-            raise RuntimeError("a pipeline's steps carry their input ids on the host")
+        if len(inputs.host.input_ids) != inputs.host.num_tokens and not self.ids_stay:
+            raise RuntimeError("pipeline stages of several ranks take their input ids on the host")
         self._queue.put((inputs, plan))
 
     def drain(self) -> None:
@@ -108,7 +110,7 @@ class StepOutbox:
             inputs, plan = self._queue.get()
             try:
                 if self._error is None:
-                    step_codec.send(OP_STEP, inputs, plan, self.group)
+                    step_codec.send(OP_STEP, inputs, plan, self.group, ids_travel=False)
             except BaseException as e:  # raised on the engine thread at the next put or drain
                 self._error = e
             finally:
@@ -152,7 +154,9 @@ class TPDriver:
         )
         # With pipeline stages a step's broadcast waits for a later stage still busy with an
         # earlier batch: it runs on a thread of its own while rank 0 computes its stage.
-        self._outbox = StepOutbox(self.group) if self.stage.size > 1 else None
+        self._outbox = None
+        if self.stage.size > 1:
+            self._outbox = StepOutbox(self.group, ids_stay=self.stage.tp_size == 1)
 
     def send_step(self, inputs: StepInputs, plan: torch.Tensor | None) -> None:
         """The step's inputs and KV plan to every follower, before rank 0 runs it."""

@@ -73,11 +73,27 @@ def encode(op: int, host: HostInputs, extra: torch.Tensor | None) -> tuple[list[
     return header, payload
 
 
-def send(op: int, inputs: StepInputs, extra: torch.Tensor | None, group: ParallelGroup) -> None:
+# ids_on_device: 0 the ids are in the payload; 1 they follow over the model's group; 2 they stay
+# on rank 0's device (no follower embeds tokens: pipeline stages of one rank).
+IDS_FOLLOW, IDS_STAY = 1, 2
+
+
+def send(
+    op: int,
+    inputs: StepInputs,
+    extra: torch.Tensor | None,
+    group: ParallelGroup,
+    ids_travel: bool = True,
+) -> None:
+    """ids_travel=False: input ids that exist only on rank 0's device are not sent (the
+    followers then run zeros in their place)."""
     header, payload = encode(op, inputs.host, extra)
+    ids = _FIELDS.index("ids_on_device")
+    if header[ids] and not ids_travel:
+        header[ids] = IDS_STAY
     broadcast_ints(header, HEADER_LEN, group)
     broadcast_host(payload, payload.numel(), torch.int64, group)
-    if header[_FIELDS.index("ids_on_device")]:
+    if header[ids] == IDS_FOLLOW:
         # the ids: queued on the device after the step that samples them
         broadcast_device(inputs.input_ids, inputs.host.num_tokens, torch.int64, group)
 
@@ -114,6 +130,10 @@ def receive_step(
         loads=loads,
         overlap_loads=bool(h["overlap_loads"]),
     )
-    device_ids = broadcast_device(None, t, torch.int64, group) if on_device else None
+    device_ids = None
+    if h["ids_on_device"] == IDS_FOLLOW:
+        device_ids = broadcast_device(None, t, torch.int64, group)
+    elif h["ids_on_device"] == IDS_STAY:  # read by no layer of this rank
+        device_ids = torch.zeros(t, dtype=torch.int64, device=device)
     inputs = host.to_device(device, list(range(s)), device_ids)
     return inputs, (payload[sum(sizes) :] if e else None)
