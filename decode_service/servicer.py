@@ -61,6 +61,7 @@ def delta_to_pb(d: Delta) -> worker_pb2.RequestDelta:
         # The wire carries the status code's number (0: no error).
         error_code=grpc.StatusCode[d.error_status].value[0] if d.error_status else 0,
         error_message=d.error_message,
+        error_field=d.error_field,
         index=d.index,
     )
     if d.moved is not None:

@@ -64,6 +64,7 @@ class Delta:
     timings: Timings | None = None
     error_status: str = ""  # the status name of a pdmesh.errors class when the request failed
     error_message: str = ""
+    error_field: str = ""  # the request field an INVALID_ARGUMENT names, if any
     logprobs: list[Position] | None = None  # one per token, when asked for
     prompt_logprobs: list[Position | None] | None = None  # with the first token, when asked
     index: int = 0  # the choice (n > 1)

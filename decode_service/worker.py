@@ -304,8 +304,10 @@ class DecodeWorker(WorkerProcess):
         self.engine.release(rid)
         self._deadlines.pop(rid, None)
         status, message = self._errors.pop(rid, ("", ""))
+        field = ""
         if result.error is not None and not status:  # the engine ended it alone (its batch ran on)
             status, message = result.error.status, result.error.message
+            field = result.error.field or ""
         clock = self._clocks.pop(rid, None) or RequestClock(now, now)
         first = clock.first_token_ns or now
         self.metrics.finish(
@@ -333,6 +335,7 @@ class DecodeWorker(WorkerProcess):
             timings=timings,
             error_status=status,
             error_message=message,
+            error_field=field,
             logprobs=d.logprobs,
             prompt_logprobs=d.prompt_logprobs,
             index=d.index,
@@ -355,6 +358,11 @@ class DecodeWorker(WorkerProcess):
             for c in result.outputs
         ]
         whole[-1] = dataclasses.replace(
-            whole[-1], usage=usage, timings=timings, error_status=status, error_message=message
+            whole[-1],
+            usage=usage,
+            timings=timings,
+            error_status=status,
+            error_message=message,
+            error_field=field,
         )
         return whole

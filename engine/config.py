@@ -82,13 +82,6 @@ class EngineConfig:
     enable_expert_parallel: bool = option(
         False, "MoE experts split over the tensor-parallel ranks (all-to-all) instead of sharded"
     )
-    all2all_backend: str = option(
-        "auto",
-        "expert parallelism's exchange: all_to_all (tokens split over the ranks, dispatched to "
-        "their experts' ranks and combined back) | all_reduce (every rank computes its experts "
-        "for all tokens, one all-reduce sums them: no host sync, CUDA graphs) | auto (all_reduce "
-        "on GPUs without EPLB, else all_to_all)",
-    )
     enable_eplb: bool = option(
         False, "expert-parallel load balancing: replicate hot experts, re-place them from load"
     )
@@ -158,11 +151,6 @@ class EngineConfig:
             raise ValueError(f"block_size must be at most 1024 tokens, got {self.block_size}.")
 
     def _check_eplb(self) -> None:
-        if self.all2all_backend not in ("auto", "all_to_all", "all_reduce"):
-            raise ValueError(
-                "all2all_backend must be auto, all_to_all or all_reduce, got "
-                f"{self.all2all_backend!r}."
-            )
         # The model-dependent checks (an MoE model; slots divisible by the ranks) are in
         # pdmesh.engine.eplb.placement.check_eplb, run once the model's config is read.
         _check_positive("eplb_window_size", self.eplb_window_size)

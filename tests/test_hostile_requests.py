@@ -75,6 +75,21 @@ def test_constraints_no_output_can_satisfy_are_refused_naming_the_field(
     assert default_llm.generate("Hello", SamplingParams(max_tokens=2))[0].outputs[0].token_ids
 
 
+@pytest.mark.parametrize(
+    "so",
+    [SO(regex="(t1){1000000}"), SO(regex="((ab){200}){200}"), SO(grammar='root ::= ("x"){20000}')],
+    ids=["one-count", "nested-counts", "grammar"],
+)
+def test_repetition_the_compiler_would_unroll_for_minutes_is_refused(
+    default_llm: LLM, so: SO
+) -> None:
+    started = time.perf_counter()
+    with pytest.raises(InvalidRequest, match="at most 10,000") as caught:
+        default_llm.generate("Answer:", SamplingParams(max_tokens=8, structured_outputs=so))
+    assert caught.value.field == f"structured_outputs.{so.kind}"
+    assert time.perf_counter() - started < 5  # refused before compiling
+
+
 def test_a_constraint_past_the_size_limit_is_refused(default_llm: LLM) -> None:
     from pdmesh.engine.sample.structured import MAX_SPEC_CHARS
 
@@ -160,7 +175,16 @@ def test_compiles_past_the_concurrency_bound_are_refused_as_overload(
         grammars.compile(SO(regex="[0-9]+"))
     for w in workers:
         w.join()
-    assert grammars.compile(SO(regex="[0-9]+")) is not None  # a slot is free again
+    # A slot comes back when its compilation ends (one past COMPILE_TIMEOUT_S runs on to its
+    # end: a thread cannot be stopped), whatever the load.
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            assert grammars.compile(SO(regex="[0-9]+")) is not None
+            break
+        except Overloaded:
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")

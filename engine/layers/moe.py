@@ -3,7 +3,7 @@
 Without expert parallelism every rank holds every expert, with the expert MLPs' intermediate
 dimension split across the tensor-parallel group (partial sums all-reduced). With expert
 parallelism each rank holds E / N whole experts, and the ranks exchange in one of two ways
-(EngineConfig.all2all_backend):
+(`ParallelGroup.moe_all_reduce`; the model runner picks all_reduce on GPUs without EPLB):
 
 - all_to_all: the tokens (the same on every rank) are split across ranks, each (token, expert)
   pair is sent with all-to-all to the rank holding its expert, computed there, sent back with

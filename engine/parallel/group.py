@@ -33,7 +33,7 @@ class ParallelGroup:
     fast: dict[str, Any] = field(default_factory=dict, compare=False)
     # EPLB: physical expert slots beyond the model's experts, spread over the group's ranks.
     redundant_experts: int = 0
-    # Expert parallelism's exchange (EngineConfig.all2all_backend): True, each rank computes its
+    # Expert parallelism's exchange (set by the model runner): True, each rank computes its
     # experts' pairs for every token and one all-reduce sums the ranks' parts; False, the tokens
     # are split over the ranks and dispatched and combined with all_to_all.
     moe_all_reduce: bool = False

@@ -97,11 +97,11 @@ class ModelRunner:
         if config.enable_eplb:  # the MoE layers hold E + R expert slots over the group
             tp = dataclasses.replace(tp, redundant_experts=config.num_redundant_experts)
         if tp.expert_parallel and tp.size > 1:
-            backend = config.all2all_backend
-            if backend == "auto":  # EPLB's outputs are bit-identical on and off with all_to_all
-                on_gpu = device.type == "cuda" and not config.enable_eplb
-                backend = "all_reduce" if on_gpu else "all_to_all"
-            tp = dataclasses.replace(tp, moe_all_reduce=backend == "all_reduce")
+            # Expert parallelism's exchange (engine/layers/moe.py): the all-reduce on GPUs (no
+            # host sync, decode graphs); the all-to-all with EPLB, whose outputs are identical
+            # with it on and off only there, and on CPUs, where EPLB's tests hold it to that.
+            all_reduce = device.type == "cuda" and not config.enable_eplb
+            tp = dataclasses.replace(tp, moe_all_reduce=all_reduce)
         with torch.device(device), _default_dtype(dtype):
             model = info.model_cls(info.hf_config, max_model_len, tp, stage)
             apply_quantization(model, resolve_quantization(config.quantization, info.hf_config))

@@ -1,4 +1,6 @@
-"""Whether a compiled grammar has any finite output: its root rule can derive a finite string.
+"""Checks on a constraint before and after it compiles: how often a regex or grammar text
+repeats one part (`repetition`: bounded repetition is unrolled by the compiler), and whether a
+compiled grammar has any finite output (`productive_root`: its root derives a finite string).
 
 A rule that refers only to itself (`root ::= root`, `root ::= "a" root`, a JSON schema whose
 required property is the schema itself) compiles, and its matcher allows tokens forever without
@@ -177,3 +179,59 @@ def _productive(expr: Expr, productive: set[str], rules: dict[str, Expr]) -> boo
         return any(_productive(e, productive, rules) for e in expr[1])
     _, inner, low = expr
     return low == 0 or _productive(inner, productive, rules)
+
+
+MAX_REPETITION = 10_000
+_QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+
+
+def repetition(text: str) -> int:
+    """The largest number of times one piece of a regex or EBNF text repeats: a bounded
+    quantifier's count (`{m}`, `{m,n}`; `{m,}` counts m), times those of the groups around it.
+    The compiler unrolls bounded repetition, so its time grows with this number
+    (`(t1){1000000}` is 12 characters and compiles for minutes). Character classes and quoted
+    literals are skipped."""
+    # Spans of the groups, each with the count its quantifier gives it (1: none).
+    groups: list[tuple[int, int, int]] = []  # (start, end, count)
+    counts: list[tuple[int, int]] = []  # (position, count) of each quantifier
+    opened: list[int] = []
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == "[":  # a character class: up to its closing bracket
+            j = i + 1
+            while j < n and text[j] != "]":
+                j += 2 if text[j] == "\\" else 1
+            i = j + 1
+            continue
+        if c == '"':  # an EBNF literal
+            j = i + 1
+            while j < n and text[j] != '"':
+                j += 2 if text[j] == "\\" else 1
+            i = j + 1
+            continue
+        if c == "(":
+            opened.append(i)
+        elif c == ")" and opened:
+            start = opened.pop()
+            m = _QUANTIFIER.match(text, i + 1)
+            if m is not None:
+                groups.append((start, i, int(m.group(1)) if not m.group(2) else int(m.group(2))))
+        elif c == "{":
+            m = _QUANTIFIER.match(text, i)
+            if m is not None:
+                low, high = int(m.group(1)), m.group(2)
+                counts.append((i, max(low, int(high)) if high else low))
+                i = m.end()
+                continue
+        i += 1
+    worst = 1
+    for position, count in counts:
+        for start, end, times in groups:
+            if start < position and position < end:
+                count *= times
+        worst = max(worst, count)
+    return worst

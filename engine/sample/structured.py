@@ -1,7 +1,8 @@
 """Structured output: constraints compiled by xgrammar, a matcher per request, token bitmasks.
 
 Callers may rely on: `Grammars.compile` and `matcher` raise InvalidRequest naming the
-`structured_outputs.<kind>` field for a constraint that is longer than MAX_SPEC_CHARS, that
+`structured_outputs.<kind>` field for a constraint that is longer than MAX_SPEC_CHARS, a regex
+or grammar that repeats a part more than MAX_REPETITION times (grammar_check.py), one that
 xgrammar cannot compile, whose compilation runs past COMPILE_TIMEOUT_S, or that no output can
 ever satisfy (an empty language: nothing the tokenizer can write is allowed at the start; or a
 rule that recurses with no way to end); the messages carry no source locations of the grammar
@@ -21,7 +22,6 @@ matcher has not seen (engine/scheduling/overlap.py).
 from __future__ import annotations
 
 import json
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -32,25 +32,21 @@ from typing import Any
 
 import torch
 
-from pdmesh.engine.sample.grammar_check import productive_root
-from pdmesh.errors import InvalidRequest, Overloaded
+from pdmesh.engine.sample.grammar_check import MAX_REPETITION, productive_root, repetition
+from pdmesh.errors import InvalidRequest, Overloaded, without_source_locations
 from pdmesh.sampling_params import StructuredOutputsParams
+from pdmesh.validation import MAX_SPEC_CHARS  # the edge's limit, checked again here
 
 COMPILE_TIMEOUT_S = 10.0
-MAX_SPEC_CHARS = 65_536  # a JSON schema, regex, grammar or the choices' JSON, as text
 MAX_CONCURRENT_COMPILES = 4
 SLOT_WAIT_S = 1.0  # a compile finding every slot taken waits this long, then is refused
 CACHE_SIZE = 256
 _FIELD = "structured_outputs"
-# xgrammar prefixes its errors with a time and a C++ source location, and checks with the
-# expression that failed: "[01:53:18] /project/cpp/x.cc:4944: Check failed: (a) is false: msg".
-_LOCATION = re.compile(r"\[\d{2}:\d{2}:\d{2}\]\s*\S+:\d+:\s*|Check failed: \(.*?\) is false:\s*")
 
 
 def clean_message(error: BaseException) -> str:
     """An xgrammar error's text without its source locations, on one line."""
-    text = _LOCATION.sub("", str(error)).strip()
-    return " ".join(text.split()) or type(error).__name__
+    return without_source_locations(str(error)) or type(error).__name__
 
 
 class Grammars:
@@ -82,6 +78,12 @@ class Grammars:
         if len(text) > MAX_SPEC_CHARS:
             raise InvalidRequest(
                 f"{field} is {len(text)} characters long; at most {MAX_SPEC_CHARS} are accepted.",
+                field,
+            )
+        if kind in ("regex", "grammar") and (times := repetition(text)) > MAX_REPETITION:
+            raise InvalidRequest(
+                f"{field} repeats a part {times:,} times; at most {MAX_REPETITION:,} are accepted "
+                "(the compiler unrolls bounded repetition).",
                 field,
             )
         key = (kind, text)
