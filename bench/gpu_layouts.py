@@ -48,14 +48,15 @@ MOE = {
     "tp1": {},
     "tp2": {"tensor_parallel_size": 2},
     "ep2": {"tensor_parallel_size": 2, "enable_expert_parallel": True},
-    # The exchange that was the only one before 2026-11-27 (EPLB's): host operators profiled.
-    "ep2-a2a": {
+    # EPLB (no rebalance within the run) keeps the all_to_all exchange, the only one before
+    # 2026-11-27: its host operators are profiled.
+    "ep2-eplb": {
         "tensor_parallel_size": 2,
         "enable_expert_parallel": True,
-        "all2all_backend": "all_to_all",
+        "enable_eplb": True,
     },
 }
-HOST_PROFILED = ("ep2-a2a",)
+HOST_PROFILED = ("ep2-eplb",)
 
 
 def token_time(engine: Any, batch: int, ctx: int, rounds: int) -> float:
