@@ -5,7 +5,7 @@ with the engine flags given) or one already running (--fuzz-target HOST:PORT for
 class, worker deaths and restarts (the router's /metrics; `pdmesh up`'s own lines), and every
 failure with the request that caused it. Exit code 1 on any failure or worker death.
 
-    pdmesh bench --fuzz [--fuzz-cases 3000] [--seed 0] [--model M --max-model-len 256]
+    pdmesh bench --fuzz [--fuzz-cases 3000] [--seed 0] [--model M] [--max-model-len 256]
     pdmesh bench --fuzz --fuzz-target 127.0.0.1:50051 --fuzz-http http://127.0.0.1:8000
 """
 
@@ -143,11 +143,20 @@ def run_fuzz_bench(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+FUZZ_MAX_MODEL_LEN = 256  # the mesh's context when --max-model-len is not given
+
+
 def _start_mesh(
     args: argparse.Namespace, output: list[str]
 ) -> tuple[subprocess.Popen[str], str, str]:
     port, http_port = free_port("127.0.0.1"), free_port("127.0.0.1")
     flags = ["--prefill", "1", "--decode", "1", "--disagg-min-tokens", "16"]
+    if args.max_model_len is None:
+        # A request may leave max_tokens unset (null): it then runs to the end of the context,
+        # as OpenAI's and vLLM's do. At the default model's 8,192 tokens that is minutes of
+        # CPU time per case, which the per-case time limit would report as a hang; a short
+        # context keeps every case's answer within it.
+        args.max_model_len = FUZZ_MAX_MODEL_LEN
     cmd = quiet_up(port, *flags, *engine_argv(engine_options(args)), http_port=http_port)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
