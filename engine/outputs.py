@@ -76,6 +76,12 @@ class FirstTokens:
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # one per prompt token
 
 
+# Sampled "tokens" the model runner reports for a row it could not sample; the engine loop
+# then ends that request alone (engine/scheduling/request.py).
+NO_ALLOWED_TOKEN = -1  # every token's logit was -inf: the request's constraints left none
+NON_FINITE_LOGITS = -2  # the row held NaN or +inf
+
+
 @dataclass(frozen=True)
 class RequestError:
     """Why the engine ended one request early, its batch running on: the name of a gRPC status

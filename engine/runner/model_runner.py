@@ -19,7 +19,7 @@ from pdmesh.engine.kv_cache.paged import KVCache, KVCacheSpec, plan_num_blocks
 from pdmesh.engine.layers.moe import FusedMoE
 from pdmesh.engine.layers.quantization.registry import apply_quantization, resolve_quantization
 from pdmesh.engine.models.info import ModelInfo
-from pdmesh.engine.outputs import PositionLogprobs
+from pdmesh.engine.outputs import NO_ALLOWED_TOKEN, NON_FINITE_LOGITS, PositionLogprobs
 from pdmesh.engine.parallel.comm import all_reduce_min
 from pdmesh.engine.parallel.group import SINGLE, ParallelGroup
 from pdmesh.engine.parallel.pipeline import SINGLE_STAGE, PipelineStage
@@ -30,7 +30,6 @@ from pdmesh.engine.runner.step_inputs import HostInputs, StepInputs
 from pdmesh.engine.sample import penalties, structured
 from pdmesh.engine.sample.logprobs import TopLogprobs, prompt_logprobs, wanted_logprobs
 from pdmesh.engine.sample.sampler import Sampler, SamplingBatch
-from pdmesh.engine.scheduling.request import NO_ALLOWED_TOKEN, NON_FINITE_LOGITS
 from pdmesh.engine.scheduling.scheduler import ScheduledBatch
 from pdmesh.engine.spec_decode.verify import Verify
 from pdmesh.engine.weights import init_dummy_weights, load_named, load_weights

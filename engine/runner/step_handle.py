@@ -20,7 +20,7 @@ class StepHandle:
     sample_seq_index: list[int]  # [S]: the batch row of each sampled token
     tokens: torch.Tensor | None  # [S] int64 on the runner's device (None: nothing sampled)
     # [S] int64: `tokens` with a negative code where a row could not be sampled (what the host
-    # reads; see engine/scheduling/request.py's NO_ALLOWED_TOKEN and NON_FINITE_LOGITS).
+    # reads; see engine/outputs.py's NO_ALLOWED_TOKEN and NON_FINITE_LOGITS).
     flagged: torch.Tensor | None = None
     # On a GPU: the tokens' copy in pinned host memory, and an event recorded after it. Waiting
     # on the event, not on the stream, leaves a step launched after this one running.

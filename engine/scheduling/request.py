@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdmesh.engine.outputs import (
+    NO_ALLOWED_TOKEN,
     CompletionOutput,
     PositionLogprobs,
     RequestError,
@@ -19,10 +20,6 @@ from pdmesh.engine.outputs import (
 from pdmesh.engine.sample.sampler import Sampler
 from pdmesh.engine.sequence import Sequence
 from pdmesh.text.detokenizer import IncrementalDetokenizer
-
-# Sampled "tokens" the model runner reports for a row it could not sample (model_runner.py).
-NO_ALLOWED_TOKEN = -1  # every token's logit was -inf: the request's constraints left none
-NON_FINITE_LOGITS = -2  # the row held NaN or +inf
 
 
 class RequestFailed(Exception):
