@@ -57,6 +57,12 @@ class EngineConfig:
     pipeline_parallel_size: int = option(
         1, "stages the model's layers are split over (TP x PP ranks)"
     )
+    data_parallel_size: int = option(
+        1,
+        "engine replicas behind this one (each TP x PP ranks), requests spread by load; MoE "
+        "models with enable_expert_parallel run attention data-parallel and split the experts "
+        "over every replica's ranks",
+    )
     distributed_executor_backend: str = option(
         "mp", "where the other ranks run: mp (processes on this node) | ray (a Ray cluster)"
     )
@@ -122,6 +128,7 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}.")
         _check_positive("tensor_parallel_size", self.tensor_parallel_size)
         _check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
+        _check_positive("data_parallel_size", self.data_parallel_size)
         _check_positive("block_size", self.block_size)
         _check_positive("kv_cache_tokens", self.kv_cache_tokens, allow_none=True)
         _check_positive("max_num_seqs", self.max_num_seqs)
@@ -175,12 +182,16 @@ class EngineConfig:
                 f"pipeline_parallel_size={self.pipeline_parallel_size}); use "
                 "tensor_parallel_size with enable_expert_parallel alone."
             )
-        if not self.enable_expert_parallel or self.tensor_parallel_size < 2:
+        if (
+            not self.enable_expert_parallel
+            or self.tensor_parallel_size * self.data_parallel_size < 2
+        ):
             raise ValueError(
                 "enable_eplb balances experts over expert-parallel ranks: it needs "
-                "enable_expert_parallel and tensor_parallel_size >= 2 (got "
+                "enable_expert_parallel and tensor_parallel_size x data_parallel_size >= 2 (got "
                 f"enable_expert_parallel={self.enable_expert_parallel}, "
-                f"tensor_parallel_size={self.tensor_parallel_size})."
+                f"tensor_parallel_size={self.tensor_parallel_size}, "
+                f"data_parallel_size={self.data_parallel_size})."
             )
 
     def _check_nodes(self) -> None:
@@ -198,6 +209,12 @@ class EngineConfig:
             raise ValueError(f"node_rank must be in [0, nnodes - 1] = [0, {n - 1}], got {r!r}.")
         if not isinstance(self.master_port, int) or not 0 < self.master_port < 65536:
             raise ValueError(f"master_port must be a TCP port (1-65535), got {self.master_port!r}.")
+        if self.data_parallel_size > 1 and (n > 1 or backend != "mp"):
+            raise ValueError(
+                f"data_parallel_size={self.data_parallel_size} runs its replicas as processes of "
+                "this node: it needs nnodes=1 and distributed_executor_backend='mp' (for more "
+                "nodes, run a worker per node behind the router)."
+            )
         if n == 1:
             return
         if backend == "ray":

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from pdmesh.engine.config import EngineConfig
+from pdmesh.engine.data_parallel.front import DataParallelEngine
 from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.outputs import RequestOutput
 from pdmesh.sampling_params import SamplingParams
@@ -24,13 +25,16 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
         config = EngineConfig.from_kwargs(model=model, **engine_options)
-        self.engine = LLMEngine(config)
+        self.engine: LLMEngine | DataParallelEngine
+        if config.data_parallel_size > 1:
+            self.engine = DataParallelEngine(config)
+        else:
+            self.engine = LLMEngine(config)
         self._ids = itertools.count()
         self._hf_tokenizer: Any = None
-        # Tensor-parallel ranks stop with this object (or at exit), never outlive it. The
-        # finalizer holds only the driver: holding the engine would keep its memory alive.
-        driver = self.engine.tp_driver
-        self._finalizer = weakref.finalize(self, driver.shutdown if driver else lambda: None)
+        # Other ranks and replicas stop with this object (or at exit), never outlive it. The
+        # finalizer holds only what stops them: holding the engine would keep its memory alive.
+        self._finalizer = weakref.finalize(self, self.engine.stopper())
 
     def close(self) -> None:
         """Stop the engine's other ranks, if any. The LLM is unusable afterwards."""

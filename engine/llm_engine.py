@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import torch
 
@@ -26,7 +26,7 @@ from pdmesh.engine.outputs import (
     StepDelta,
     mark_request_ends,
 )
-from pdmesh.engine.parallel.group import SINGLE
+from pdmesh.engine.parallel.group import SINGLE, ParallelGroup
 from pdmesh.engine.parallel.pipeline import SINGLE_STAGE, check_world
 from pdmesh.engine.runner.model_runner import ModelRunner
 from pdmesh.engine.sample.sampler import Sampler
@@ -66,7 +66,14 @@ class LLMEngine:
     starts itself (see tp_follower). `kv_connector`: the KV plane a service wires in (every
     rank runs one, built from its `follower_options()`)."""
 
-    def __init__(self, config: EngineConfig, kv_connector: KVConnector | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv_connector: KVConnector | None = None,
+        moe_group: ParallelGroup | None = None,
+    ) -> None:
+        """moe_group: data-parallel attention (engine/data_parallel/): every data-parallel
+        rank, which this engine's MoE layers split their experts over."""
         self.config = config
         if (threads := envs.num_threads()) is not None:
             torch.set_num_threads(threads)
@@ -74,7 +81,9 @@ class LLMEngine:
         self.info.check_parallel(
             config.tensor_parallel_size,
             config.enable_expert_parallel,
-            config.num_redundant_experts if config.enable_eplb else None,
+            # Under data-parallel attention EPLB places the experts over every replica's ranks
+            # (checked by the front, engine/data_parallel/front.py).
+            config.num_redundant_experts if config.enable_eplb and moe_group is None else None,
         )
         check_world(config, self.info.num_layers)
         self.tokenizer = None if config.skip_tokenizer_init else Tokenizer.load(self.info.folder)
@@ -87,6 +96,8 @@ class LLMEngine:
             options = kv_connector.follower_options() if kv_connector is not None else None
             self.tp_driver = TPDriver(config, device, self.info.num_layers, options)
             group, stage = self.tp_driver.tp, self.tp_driver.stage
+        if moe_group is not None:
+            group = dataclasses.replace(group, moe=moe_group)
         try:
             self.runner = ModelRunner(
                 self.info, config, rank0, max_len, group, kv_connector, self.tp_driver, stage
@@ -136,8 +147,11 @@ class LLMEngine:
         # Pipeline stages have their batches in flight too; a step is launched ahead when no
         # other batch is (one sequence, say), its input ids then on rank 0's device only: only
         # stages of one rank, whose first stage is rank 0 alone, can take them from there.
+        # Data-parallel ranks run one step each in lockstep (their MoE layers exchange tokens):
+        # none is launched ahead.
         self.async_scheduling = (
-            config.pipeline_parallel_size == 1 or config.tensor_parallel_size == 1
+            moe_group is None
+            and (config.pipeline_parallel_size == 1 or config.tensor_parallel_size == 1)
         ) and (
             config.async_scheduling
             if config.async_scheduling is not None
@@ -315,6 +329,8 @@ class LLMEngine:
         # Nothing to run: requests may wait for blocks that prompts prefilled elsewhere hold.
         self.stalled = cur is None and self.scheduler.num_reserved > 0
         if cur is None:
+            if self.runner.dp is not None:  # the other data-parallel ranks may run a step
+                self.runner.idle_step()
             if self.scheduler.has_unfinished() and not self.stalled:
                 raise RuntimeError("scheduler made no progress with requests pending")
             return []
@@ -454,6 +470,12 @@ class LLMEngine:
         """Stop the other ranks of a tensor-parallel engine (nothing to do for one rank)."""
         if self.tp_driver is not None:
             self.tp_driver.shutdown()
+
+    def stopper(self) -> Callable[[], None]:
+        """What stops this engine's other ranks, holding nothing else (an owner's finalizer
+        must not keep the engine's memory alive)."""
+        driver = self.tp_driver
+        return driver.shutdown if driver is not None else lambda: None
 
     def stats(self) -> EngineStats:
         stats, pool, bs = self.scheduler.stats(), self.runner.host_pool, self.config.block_size

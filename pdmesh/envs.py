@@ -71,6 +71,14 @@ def tp_spec() -> str:
     return value
 
 
+def dp_spec() -> str:
+    """PDMESH_DP_SPEC: the JSON a data-parallel replica is started with (set by the front)."""
+    value = os.environ.get("PDMESH_DP_SPEC")
+    if not value:
+        raise RuntimeError("PDMESH_DP_SPEC is not set: replicas are started by their front end")
+    return value
+
+
 def pp_layer_partition() -> str | None:
     """PDMESH_PP_LAYER_PARTITION: decoder layers per pipeline stage, e.g. "16,16" (default: an
     even split)."""

@@ -128,6 +128,7 @@ def test_every_engine_option_is_a_flag_of_every_engine_command(command: str) -> 
 def test_engine_flags_keep_their_spelling() -> None:
     argv = ["prefill", "--model", "m", "--dtype", "float16", "--device", "cpu"]
     argv += ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "3"]
+    argv += ["--data-parallel-size", "1"]  # more needs nnodes=1
     argv += ["--block-size", "32", "--kv-cache-tokens", "4096", "--kv-offload-gib", "2.5"]
     argv += ["--kv-cache-memory-fraction", "0.5", "--max-num-seqs", "8"]
     argv += ["--max-num-batched-tokens", "512", "--max-model-len", "1024", "--no-prefix-caching"]
@@ -143,6 +144,7 @@ def test_engine_flags_keep_their_spelling() -> None:
         "device": "cpu",
         "tensor_parallel_size": 2,
         "pipeline_parallel_size": 3,
+        "data_parallel_size": 1,
         "distributed_executor_backend": "mp",
         "nnodes": 2,
         "node_rank": 1,

@@ -17,6 +17,16 @@ parallelism each rank holds E / N whole experts, and the ranks exchange in one o
 With EPLB (pdmesh.engine.eplb.placement) the E experts live in E + R physical slots, (E + R) / N on
 each rank, a hot expert in several; `ExpertMap` sends each pair to one of its expert's slots, and
 the balancer moves weights between slots between steps (`engine/layers/expert_move.py`).
+
+With data-parallel attention (engine/data_parallel/) each rank holds tokens of its own requests,
+and the MoE layers' group is the whole data-parallel world (`ParallelGroup.moe`). The ranks then
+exchange in one of two ways:
+
+- all_to_all, as above without the split and the gather: each rank dispatches its own tokens.
+- gather_scatter (`moe_all_reduce` on that group; vLLM's allgather-reducescatter): the ranks'
+  tokens, padded to the step's most on any rank, are all-gathered, each rank computes its
+  experts' pairs for all of them, and a reduce-scatter hands each rank the sums for its own
+  rows. No host sync: decode steps replay CUDA graphs (every rank the same bucket).
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ class FusedMoE(nn.Module):
         tp: ParallelGroup = SINGLE,
     ) -> None:
         super().__init__()
+        tp = tp.moe_group
         self.num_experts = num_experts
         self.top_k = top_k
         self.renormalize = renormalize
@@ -121,6 +132,10 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> [T, H]
         if self.experts is not None:
+            if self.tp.data_parallel:
+                if self.tp.moe_all_reduce:
+                    return self._forward_gather_scatter(x, self.experts)
+                return self._forward_expert_parallel(x, self.experts, split=False)
             if self.tp.moe_all_reduce:
                 return self._forward_all_reduce(x, self.experts)
             return self._forward_expert_parallel(x, self.experts)
@@ -146,18 +161,40 @@ class FusedMoE(nn.Module):
         out = moe_experts(x, w13, w2, weights, slots, first, *self._scales())
         return g.all_reduce(out)
 
-    def _forward_expert_parallel(self, x: torch.Tensor, experts: ExpertMap) -> torch.Tensor:
+    def _forward_gather_scatter(self, x: torch.Tensor, experts: ExpertMap) -> torch.Tensor:
+        # x: [t, H], this rank's own tokens -> [t, H]
+        g, (t, hidden) = self.tp, x.shape
+        width = max(g.step_tokens[0], t)  # the step's most tokens on any rank
+        if width > t:
+            x = torch.cat((x, x.new_zeros(width - t, hidden)))
+        everyone = g.all_gather(x, dim=0)  # [N * width, H], rank r's rows at r * width
+        weights, ids = moe_route(self.gate(everyone), self.top_k, self.renormalize)
+        slots = experts.physical(ids, 0)
+        # Count this rank's own pairs (padding rows route too).
+        lo, real = g.rank * width, t - g.step_tokens[1]
+        self.expert_counts += count_expert_tokens(ids[lo : lo + real], self.num_experts)
+        self.physical_counts += count_expert_tokens(slots[lo : lo + real], experts.num_physical)
+        w13, w2, first = self.w13_weight, self.w2_weight, self.first_expert
+        out = moe_experts(everyone, w13, w2, weights, slots, first, *self._scales())
+        return g.reduce_scatter(out)[:t]
+
+    def _forward_expert_parallel(
+        self, x: torch.Tensor, experts: ExpertMap, split: bool = True
+    ) -> torch.Tensor:
+        """split: x is the same on every rank, which takes a slice of it and all-gathers the
+        results; else (data-parallel attention) x is this rank's own tokens."""
         g = self.tp
         num_tokens, hidden = x.shape
-        per_rank = -(-num_tokens // g.size)
-        lo = min(g.rank * per_rank, num_tokens)
+        per_rank = -(-num_tokens // g.size) if split else num_tokens
+        lo = min(g.rank * per_rank, num_tokens) if split else 0
         mine = x[lo : min(lo + per_rank, num_tokens)]  # [t, H]: this rank's slice of the tokens
         t, k = mine.shape[0], self.top_k
         weights, ids = moe_route(self.gate(mine), k, self.renormalize)  # [t, k]
-        self.expert_counts += count_expert_tokens(ids, self.num_experts)
+        real = t if split else t - g.step_tokens[1]  # an idle rank's padding is not counted
+        self.expert_counts += count_expert_tokens(ids[:real], self.num_experts)
         # Pairs (token, slot) sorted by the rank that holds their expert's physical slot.
         pair_ids = experts.physical(ids, lo).flatten()  # [t * k]
-        self.physical_counts += count_expert_tokens(pair_ids, experts.num_physical)
+        self.physical_counts += count_expert_tokens(pair_ids[: real * k], experts.num_physical)
         dest = torch.div(pair_ids, self.num_local_experts, rounding_mode="floor")
         order = torch.argsort(dest, stable=True)
         send_counts = torch.bincount(dest, minlength=g.size)
@@ -180,4 +217,6 @@ class FusedMoE(nn.Module):
         out_mine = x.new_zeros(per_rank, hidden)
         for j in range(k):
             out_mine[:t] += contrib[:, j]
+        if not split:
+            return out_mine
         return g.all_gather(out_mine, dim=0)[:num_tokens]

@@ -82,6 +82,29 @@ class ModelInfo:
             if value and value % size:
                 raise ValueError(f"tensor_parallel_size {size} does not divide {name} {value}.")
 
+    @property
+    def num_experts(self) -> int:
+        """The routed experts of each MoE layer (0: a dense model)."""
+        c = self.hf_config
+        return getattr(c, "num_experts", None) or getattr(c, "num_local_experts", 0) or 0
+
+    def check_data_parallel(
+        self, size: int, expert_parallel: bool, eplb_redundant: int | None = None
+    ) -> None:
+        """ValueError (naming the counts) when the experts cannot split over `size` data-
+        parallel ranks (expert parallelism with data-parallel attention)."""
+        if not (expert_parallel and self.num_experts):
+            return
+        if eplb_redundant is not None:
+            from pdmesh.engine.eplb.placement import check_eplb
+
+            check_eplb(self.num_experts, eplb_redundant, size)
+        elif self.num_experts % size:
+            raise ValueError(
+                f"expert parallelism over data_parallel_size={size} ranks needs this model's "
+                f"{self.num_experts} experts to divide evenly."
+            )
+
     def kv_block_bytes(self, block_size: int, itemsize: int) -> int:
         """One block's KV over every layer and KV head (what all of a worker's ranks hold)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * block_size * itemsize

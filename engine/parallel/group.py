@@ -37,6 +37,21 @@ class ParallelGroup:
     # experts' pairs for every token and one all-reduce sums the ranks' parts; False, the tokens
     # are split over the ranks and dispatched and combined with all_to_all.
     moe_all_reduce: bool = False
+    # Data-parallel attention (engine/data_parallel/): the group MoE layers split their experts
+    # over when it is not this one: every rank of the data-parallel world, each with tokens of
+    # its own requests (None: MoE layers use this group).
+    moe: ParallelGroup | None = None
+    # On that MoE group: the ranks' tokens differ (each its own batch). `step_tokens`: [the
+    # most tokens any rank runs this step (0: as many as this rank's own, the case in a CUDA
+    # graph's capture and replay, where every rank runs the same bucket), the padding rows at
+    # the end of this rank's own (an idle rank's step), which the expert counts leave out].
+    data_parallel: bool = False
+    step_tokens: list[int] = field(default_factory=lambda: [0, 0], compare=False)
+
+    @property
+    def moe_group(self) -> ParallelGroup:
+        """The group MoE layers split experts (or their intermediate dimension) over."""
+        return self.moe if self.moe is not None else self
 
     @property
     def comm_device(self) -> torch.device:
@@ -64,6 +79,14 @@ class ParallelGroup:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """[N * n, ...] summed over the ranks, this rank's n rows (rank order)."""
+        if self.size == 1:
+            return x
+        out = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
+        dist.reduce_scatter_tensor(out, x.contiguous(), group=self.group)
+        return out
 
     def all_to_all(
         self, x: torch.Tensor, send_counts: list[int], recv_counts: list[int]

@@ -109,13 +109,18 @@ class DecodeGraphs:
         return self._carry[: 2 * bs * self.hidden_size].view(2, bs, self.hidden_size)
 
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        bucket: int | None = None,
     ) -> torch.Tensor:
         """The first rows' logits ([n, V]; hidden states [n, H] with logits=False, the LM head
         then applied here), or on a stage before the last the whole bucket's [2, bs, H] output
-        (a static buffer the next replay overwrites)."""
+        (a static buffer the next replay overwrites). bucket: a larger one than n's own (data-
+        parallel ranks replay the same)."""
         n = input_ids.numel()
-        bs = self.bucket(n)
+        bs = bucket if bucket is not None else self.bucket(n)
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(meta.slot_mapping)
@@ -129,3 +134,10 @@ class DecodeGraphs:
             return self.outputs[bs]
         out = self.outputs[bs][:n]
         return out if self.with_logits else self.model.compute_logits(out)
+
+    def run_padding(self, bs: int) -> None:
+        """Replay bucket `bs` with padding rows only (a data-parallel rank with nothing to run
+        joins its peers' collectives): nothing is stored, the output is not read."""
+        self.slot_mapping[:bs].fill_(-1)
+        self.context_lens[:bs].fill_(1)
+        self.graphs[bs].replay()

@@ -93,14 +93,10 @@ class ModelRunner:
             torch.cuda.set_device(device)  # for this (the building) thread
         self.dtype = dtype = config.torch_dtype(device)
         self.block_size = block_size = config.block_size
-        if config.enable_eplb:  # the MoE layers hold E + R expert slots over the group
-            tp = dataclasses.replace(tp, redundant_experts=config.num_redundant_experts)
-        if tp.expert_parallel and tp.size > 1:
-            # Expert parallelism's exchange (engine/layers/moe.py): the all-reduce on GPUs (no
-            # host sync, decode graphs); the all-to-all with EPLB, whose outputs are identical
-            # with it on and off only there, and on CPUs, where EPLB's tests hold it to that.
-            all_reduce = device.type == "cuda" and not config.enable_eplb
-            tp = dataclasses.replace(tp, moe_all_reduce=all_reduce)
+        tp = _moe_exchange(tp, config, device)
+        # Data-parallel attention: the MoE layers' group is every data-parallel rank, and each
+        # step those ranks agree on its size (`_agree`); None otherwise.
+        self.dp = tp.moe if tp.moe is not None and tp.moe.data_parallel else None
         with torch.device(device), _default_dtype(dtype):
             model = info.model_cls(info.hf_config, max_model_len, tp, stage)
             apply_quantization(model, resolve_quantization(config.quantization, info.hf_config))
@@ -117,7 +113,7 @@ class ModelRunner:
         if config.enable_eplb:
             moe = [m for m in model.modules() if isinstance(m, FusedMoE)]
             self.balancer = ExpertBalancer(
-                moe, config.eplb_window_size, config.eplb_step_interval, tp
+                moe, config.eplb_window_size, config.eplb_step_interval, tp.moe_group
             )
         attn_layers = model.attention_layers()
         self.kv_spec = KVCacheSpec(
@@ -274,10 +270,17 @@ class ModelRunner:
         meta, graphs = inputs.meta, None if self._saving else self.graphs
         n, num_sampled = inputs.input_ids.numel(), len(inputs.sample_seq_index)
         stage, carry = self.stage, None
-        if graphs is not None and graphs.covers(n, meta.num_decode_tokens, num_sampled):
+        fits = graphs is not None and graphs.covers(n, meta.num_decode_tokens, num_sampled)
+        bucket = None
+        if self.dp is not None:  # every data-parallel rank replays the same bucket, or none does
+            most, all_fit = _agree(self.dp, n, fits)
+            fits = fits and all_fit
+            bucket = graphs.bucket(most) if fits and graphs is not None else None
+            self.dp.step_tokens[:] = [0 if fits else most, 0]
+        if graphs is not None and fits:
             if not stage.is_first:
                 stage.recv_into(graphs.carry(graphs.bucket(n)))
-            out = graphs.run(inputs.input_ids, inputs.positions, meta)
+            out = graphs.run(inputs.input_ids, inputs.positions, meta, bucket)
             if stage.is_last:
                 return out
             # [2, bs, H]: a copy, as the next replay of this bucket overwrites the graph's
@@ -293,6 +296,31 @@ class ModelRunner:
         if not inputs.logits_indices.numel():
             return None
         return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    @_on_device
+    @torch.inference_mode()
+    def idle_step(self) -> bool:
+        """A data-parallel rank with nothing to run: join the step the other ranks run (their
+        MoE layers' collectives) with padding rows only. False: no rank ran anything."""
+        assert self.dp is not None, "idle steps are for data-parallel attention"
+        graphs = self.graphs
+        most, all_fit = _agree(self.dp, 0, graphs is not None)
+        if not most:
+            return False
+        if graphs is not None and all_fit:
+            bs = graphs.bucket(most)
+            self.dp.step_tokens[:] = [0, bs]
+            graphs.run_padding(bs)
+        else:
+            # One token that stores nothing (slot -1) and reads one position of block 0.
+            host = HostInputs([0], [0], [-1], [[0]], [1], [0], [], [], [])
+            inputs = host.to_device(self.device, [])
+            self.dp.step_tokens[:] = [most, 1]
+            self.model(inputs.input_ids, inputs.positions, inputs.meta, None)
+        self.dp.step_tokens[1] = 0
+        if self.balancer is not None:
+            self.balancer.after_step()
+        return True
 
     def offload_now(self, pairs: tuple[tuple[int, int], ...]) -> None:
         """Copy these (evicted block, host slot) pairs to the host tier on every rank before
@@ -457,3 +485,27 @@ class ModelRunner:
         if not counts:
             return None
         return torch.stack(counts).sum(0).tolist()
+
+
+def _moe_exchange(tp: ParallelGroup, config: EngineConfig, device: torch.device) -> ParallelGroup:
+    """`tp` with its MoE group set up for expert parallelism: EPLB's redundant slots, and the
+    exchange (engine/layers/moe.py): the all-reduce, or the gather and reduce-scatter under
+    data-parallel attention, on GPUs (no host sync, decode graphs); the all-to-all with EPLB,
+    whose outputs are identical with it on and off only there, and on CPUs, where EPLB's tests
+    hold it to that."""
+    moe = tp.moe_group
+    if config.enable_eplb:  # the MoE layers hold E + R expert slots over the group
+        moe = dataclasses.replace(moe, redundant_experts=config.num_redundant_experts)
+    if moe.expert_parallel and moe.size > 1:
+        all_reduce = device.type == "cuda" and not config.enable_eplb
+        moe = dataclasses.replace(moe, moe_all_reduce=all_reduce)
+    return dataclasses.replace(tp, moe=moe) if tp.moe is not None else moe
+
+
+def _agree(dp: ParallelGroup, num_tokens: int, fits: bool) -> tuple[int, bool]:
+    """Over the data-parallel ranks, on the host: (the most tokens any rank runs this step,
+    whether every rank's step fits a CUDA graph)."""
+    t = torch.tensor([num_tokens, 0 if fits else 1], dtype=torch.int64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=dp.host_group)
+    most, misfit = t.tolist()
+    return most, not misfit

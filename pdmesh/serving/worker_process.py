@@ -218,6 +218,13 @@ async def serve_worker(
     endpoint and its gRPC server; serve until a signal or the worker's `stopped`. `on_sigterm`:
     what SIGTERM awaits (NOT_SERVING already) before the worker stops, e.g. a drain."""
     tracing.setup(f"pdmesh-{role}")
+    if config.engine.data_parallel_size > 1:
+        connector.close()
+        raise ValueError(
+            f"a {role} worker runs one engine so far: data_parallel_size="
+            f"{config.engine.data_parallel_size} is for the offline LLM; in the mesh start a "
+            "worker per replica (the router spreads requests by load)."
+        )
     try:
         engine = await asyncio.to_thread(LLMEngine, config.engine, connector)
     except BaseException:

@@ -1,0 +1,139 @@
+"""A data-parallel replica after the first (`python -m pdmesh.engine.data_parallel.replica`,
+started by the front with its spec in PDMESH_DP_SPEC): one engine that serves the front's
+messages over a ZeroMQ pair socket, one reply to each, in order.
+
+Messages (JSON objects, `op` first): `add` (a request; reply `{}` or the ValueError naming its
+field), `abort`, `step` (run one engine step; reply its deltas, the outputs of the requests it
+finished, which the replica then forgets, and whether requests remain), `eplb` (EPLB's
+counters) and `stop`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import zmq
+
+from pdmesh import envs
+from pdmesh.engine.config import EngineConfig
+from pdmesh.engine.data_parallel import codec
+from pdmesh.engine.llm_engine import LLMEngine
+from pdmesh.engine.parallel.comm import destroy, init_group
+from pdmesh.engine.parallel.group import ParallelGroup
+from pdmesh.kv_transfer.connector import encode
+from pdmesh.logger import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What a replica starts from: the engine's config (its own device), its index among the
+    replicas, the front's socket, and under data-parallel attention the rendezvous of the
+    replicas' MoE group (tcp://HOST:PORT; None: a dense replica of its own)."""
+
+    engine: dict[str, Any]
+    rank: int
+    endpoint: str
+    moe_init_method: str | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @staticmethod
+    def from_json(text: str) -> ReplicaSpec:
+        return ReplicaSpec(**json.loads(text))
+
+
+def moe_group(
+    rank: int, size: int, init_method: str, device: torch.device, store: Any = None
+) -> ParallelGroup:
+    """The data-parallel replicas' MoE group (every replica, rank order); `store`: the front's."""
+    group = init_group(rank, size, init_method, device, True, store)
+    return dataclasses.replace(group, data_parallel=True)
+
+
+def serve(engine: LLMEngine, sock: zmq.Socket[bytes]) -> None:
+    """Answer the front's messages until `stop`."""
+    while True:
+        msg = json.loads(sock.recv())
+        op = msg["op"]
+        if op == "stop":
+            return
+        sock.send(json.dumps(_answer(engine, op, msg)).encode())
+
+
+def _answer(engine: LLMEngine, op: str, msg: dict[str, Any]) -> dict[str, Any]:
+    if op == "add":
+        try:
+            params = codec.params_from_json(msg["params"])
+            engine.add_request(msg["request_id"], msg["prompt"], params)
+        except ValueError as e:
+            return {"error": str(e), "field": getattr(e, "field", None)}
+        return {}
+    if op == "abort":
+        rid = msg["request_id"]
+        delta = engine.abort_request(rid)
+        return {
+            "delta": codec.delta_to_json(delta) if delta is not None else None,
+            "output": _take_output(engine, rid),
+        }
+    if op == "step":
+        deltas = engine.step()
+        outputs = {
+            d.request_id: _take_output(engine, d.request_id) for d in deltas if d.request_finished
+        }
+        return {
+            "deltas": [codec.delta_to_json(d) for d in deltas],
+            "outputs": outputs,
+            "unfinished": engine.has_unfinished_requests(),
+        }
+    if op == "eplb":
+        balancer = engine.runner.balancer
+        return {"counts": encode(balancer.counts()).decode() if balancer is not None else None}
+    raise ValueError(f"unknown data-parallel message {op!r}")
+
+
+def _take_output(engine: LLMEngine, request_id: str) -> dict[str, Any] | None:
+    """A finished request's output, forgotten here (the front keeps it); None if running."""
+    if not engine.is_finished(request_id):
+        return None
+    out = codec.output_to_json(engine.get_output(request_id))
+    engine.release(request_id)
+    return out
+
+
+def main() -> None:
+    spec = ReplicaSpec.from_json(envs.dp_spec())
+    config = EngineConfig(**spec.engine)
+    sock = zmq.Context.instance().socket(zmq.PAIR)
+    sock.connect(spec.endpoint)
+    try:
+        moe = None
+        if spec.moe_init_method is not None:
+            device = config.torch_device()
+            moe = moe_group(spec.rank, config.data_parallel_size, spec.moe_init_method, device)
+        engine = LLMEngine(config, moe_group=moe)
+    except BaseException as e:
+        sock.send(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+        raise
+    sock.send(json.dumps({"ready": True}).encode())
+    try:
+        serve(engine, sock)
+    except BaseException:
+        # The front reads this instead of a reply and raises it there.
+        sock.send(json.dumps({"fatal": traceback.format_exc()}).encode())
+        raise
+    finally:
+        engine.close()
+        destroy()
+        sock.close(linger=1000)
+
+
+if __name__ == "__main__":
+    main()
