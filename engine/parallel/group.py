@@ -76,6 +76,10 @@ class ParallelGroup:
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         if self.size == 1:
             return x
+        if dim == 0:  # straight into one buffer: no list of parts, no concatenation
+            out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
+            dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
+            return out
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)

@@ -1,0 +1,67 @@
+"""Data parallelism on two GPUs: DP=2 + EP=2 (data-parallel attention) replays CUDA graphs on
+both replicas, an idle replica joins its peer's steps, greedy tokens equal one GPU's and
+transformers' (fp32), and the engine closes quickly; dense DP=2 equals one GPU."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from support import hf_greedy, load_hf, random_prompts
+
+from pdmesh import LLM, SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+]
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+CLOSE_S = 2.0
+
+
+def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _closed_in(llm: LLM) -> float:
+    start = time.perf_counter()
+    llm.close()
+    return time.perf_counter() - start
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_dp2_ep2_replays_graphs_and_matches_transformers(tiny_model, arch: str) -> None:
+    folder = tiny_model(arch)
+    prompts = random_prompts([5, 17, 40, 100, 9])
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        kv_cache_tokens=4096,
+        data_parallel_size=2,
+        enable_expert_parallel=True,
+    )
+    runner = llm.engine.local.runner
+    assert runner.graphs is not None and runner.dp is not None and runner.dp.moe_all_reduce
+    got = _tokens(llm, prompts)
+    alone = _tokens(llm, prompts[:1])  # replica 1 idle: it replays padding beside replica 0
+    assert runner.dp.counters["all_to_all"] == 0
+    assert llm.engine.requests_per_replica == [4, 2]
+    hf = load_hf(folder)
+    want = [hf_greedy(hf, p, GREEDY.max_tokens, ignore_eos=True) for p in prompts]
+    assert got == want and alone == want[:1]
+    assert _closed_in(llm) < CLOSE_S
+
+
+def test_dense_dp2_equals_one_gpu(tiny_model) -> None:
+    folder = str(tiny_model("llama"))
+    prompts = random_prompts([7, 33, 64, 90, 5])
+    one = LLM(folder, dtype="float32", kv_cache_tokens=4096)
+    want = _tokens(one, prompts)
+    one.close()
+    del one
+    llm = LLM(folder, dtype="float32", kv_cache_tokens=4096, data_parallel_size=2)
+    assert _tokens(llm, prompts) == want
+    assert _closed_in(llm) < CLOSE_S
