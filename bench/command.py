@@ -81,6 +81,14 @@ def add_bench(sub: Any) -> None:
     r.add_argument("--duration", type=float, default=20.0, help="measured seconds")
     r.add_argument("--warmup", type=float, default=3.0, help="seconds before measuring")
     r.add_argument("--step-ms", type=float, default=1.0, help="token-source step interval")
+    r.add_argument(
+        "--colocated",
+        action="store_true",
+        help="tokens from a decode worker on the model (pdmesh up --colocated), not sources",
+    )
+    r.add_argument(
+        "--http", action="store_true", help="clients stream SSE from the gateway, not gRPC"
+    )
     k = b.add_argument_group("soak (--soak; --duration sets its length, e.g. 600)")
     k.add_argument("--kv-target", type=float, default=0.8, help="share of KV capacity in use")
     k.add_argument("--cancel-fraction", type=float, default=0.2, help="requests the client cancels")

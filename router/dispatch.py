@@ -126,9 +126,15 @@ def _merge(
 ) -> tuple[list[gen_pb.GenerateResponse], LinkLost | None, str | None]:
     """Chunks of a request's pending deltas, one per run of deltas of the same choice (one
     chunk when n is 1), usage and timings on the request's last; and the LinkLost marker if its
-    worker's stream broke after them, or the migration handle if its worker handed it over."""
+    worker's stream broke after them, or the migration handle if its worker handed it over.
+
+    This runs for every message a client is sent. Most of the time `items` is one delta with
+    tokens and text, and no logprobs: its chunk is built in one constructor call, and the
+    fields a delta lacks are not touched (extending a repeated field, even by nothing, costs a
+    wrapper object per field and delta)."""
     chunks: list[gen_pb.GenerateResponse] = []
-    texts: list[list[str]] = []
+    chunk: gen_pb.GenerateResponse | None = None
+    texts: list[str] | None = None  # `chunk`'s texts once a second delta joins it
     lost = moved = None
     for item in items:
         if item.__class__ is LinkLost:
@@ -140,24 +146,34 @@ def _merge(
         if item.error_code:
             status = _STATUS_NAMES.get(item.error_code, "UNKNOWN")
             raise from_status(status, item.error_message or status, item.error_field or None)
-        if not (item.token_ids or item.finish_reason):
+        token_ids, reason = item.token_ids, item.finish_reason
+        if not (token_ids or reason):
             continue
-        if not chunks or chunks[-1].index != item.index or chunks[-1].finish_reason:
-            chunks.append(gen_pb.GenerateResponse(request_id=request_id, index=item.index))
-            texts.append([])
-        chunk = chunks[-1]
-        chunk.token_ids.extend(item.token_ids)
-        chunk.logprobs.extend(item.logprobs)
-        chunk.prompt_logprobs.extend(item.prompt_logprobs)
-        texts[-1].append(item.text)
-        if item.finish_reason:  # the choice's end; usage and timings: the request's
-            chunk.finish_reason = item.finish_reason
+        if chunk is None or chunk.index != item.index or chunk.finish_reason:
+            if chunk is not None and texts is not None:
+                chunk.text = "".join(texts)
+                texts = None
+            chunk = gen_pb.GenerateResponse(
+                request_id=request_id, index=item.index, token_ids=token_ids, text=item.text
+            )
+            chunks.append(chunk)
+        else:
+            chunk.token_ids.extend(token_ids)
+            if texts is None:
+                texts = [chunk.text]
+            texts.append(item.text)
+        if item.logprobs:
+            chunk.logprobs.extend(item.logprobs)
+        if item.prompt_logprobs:
+            chunk.prompt_logprobs.extend(item.prompt_logprobs)
+        if reason:  # the choice's end; usage and timings: the request's
+            chunk.finish_reason = reason
             if item.HasField("usage"):
                 chunk.usage.CopyFrom(item.usage)
                 chunk.timings.CopyFrom(item.timings)
                 break
-    for chunk, parts in zip(chunks, texts, strict=True):
-        chunk.text = "".join(parts)
+    if chunk is not None and texts is not None:
+        chunk.text = "".join(texts)
     return chunks, lost, moved
 
 

@@ -226,10 +226,11 @@ async def _stream(
     status = "200"
     try:
         async for chunk in _through_last(first, chunks, record):
-            for event in answer.events(chunk, writer):
-                await response.write(event)
-        if req.include_usage:
-            await response.write(writer.usage(chunk.usage))
+            events = answer.events(chunk, writer)
+            if req.include_usage and chunk.HasField("usage"):  # the request's last chunk
+                events.append(writer.usage(chunk.usage))
+            if events:  # one write, one send: a chat's first chunk is two events, its last two
+                await response.write(b"".join(events))
     except ConnectionResetError:
         # The client left; leaving this function closes the generator, which aborts.
         record.done(CLIENT_CLOSED)

@@ -98,12 +98,21 @@ def full_body(head: ResponseHead, choices: list[dict[str, Any]], usage: Usage) -
     }
 
 
+# json.dumps with an option set builds a new encoder per call; every event uses this one.
+_encode = json.JSONEncoder(ensure_ascii=False).encode
+
+
 class ChunkWriter:
     """Serialises one stream's SSE events: `data: {json}\\n\\n`, then `data: [DONE]\\n\\n`.
 
     With include_usage every chunk carries `"usage": null` and a last chunk with empty choices
     carries the totals, as OpenAI sends them. Each event is one choice's (`index`), with its
-    tokens' `logprobs` in the endpoint's shape when asked for."""
+    tokens' `logprobs` in the endpoint's shape when asked for.
+
+    An event is written once per streamed message, so its JSON is put together from parts:
+    the fields every event of the stream repeats are encoded once, and a text event without
+    logprobs (nearly all of them) encodes only its text. The bytes are json.dumps's own (its
+    separators, the keys in order)."""
 
     DONE = b"data: [DONE]\n\n"
 
@@ -111,18 +120,21 @@ class ChunkWriter:
         self.head = head
         self.include_usage = include_usage
         self._object = "chat.completion.chunk" if head.chat else "text_completion"
+        fields = {
+            "id": head.id,
+            "object": self._object,
+            "created": head.created,
+            "model": head.model,
+        }
+        # `data: {"id": ..., "model": ...` (its closing brace dropped), then the choices.
+        self._head = f'data: {_encode(fields)[:-1]}, "choices": '
+        self._tail = ', "usage": null}\n\n' if include_usage else "}\n\n"
 
     def _event(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> bytes:
-        body: dict[str, Any] = {
-            "id": self.head.id,
-            "object": self._object,
-            "created": self.head.created,
-            "model": self.head.model,
-            "choices": choices,
-        }
-        if self.include_usage:
-            body["usage"] = usage_body(usage) if usage is not None else None
-        return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
+        tail = self._tail
+        if usage is not None and self.include_usage:
+            tail = f', "usage": {_encode(usage_body(usage))}}}\n\n'
+        return (self._head + _encode(choices) + tail).encode()
 
     def role(self, index: int = 0) -> bytes:
         """A chat choice's first chunk: the assistant role with empty content."""
@@ -137,6 +149,14 @@ class ChunkWriter:
         index: int = 0,
         logprobs: dict[str, Any] | None = None,
     ) -> bytes:
+        if logprobs is None:  # the choice's JSON, as _event would encode it
+            reason = "null" if finish_reason is None else _encode(finish_reason)
+            if not self.head.chat:
+                body = f'"text": {_encode(text)}'
+            else:
+                body = f'"delta": {{"content": {_encode(text)}}}' if text else '"delta": {}'
+            start = f'[{{"index": {index:d}, {body}, "logprobs": null, "finish_reason": '
+            return (self._head + start + reason + "}]" + self._tail).encode()
         if self.head.chat:
             delta = {"content": text} if text else {}
             choice: dict[str, Any] = {"index": index, "delta": delta}

@@ -1,5 +1,5 @@
 """The benchmark tooling on real processes: token sources feeding a real router, the relay
-driver's counts, and `pdmesh bench --target` end to end."""
+driver's counts over gRPC and over the gateway's SSE, and `pdmesh bench --target` end to end."""
 
 from __future__ import annotations
 
@@ -21,23 +21,28 @@ pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture(scope="module")
-def relay_mesh() -> Iterator[tuple[str, list[Child]]]:
-    """Two token sources and a router in front of them."""
-    children, target = start_processes(RelayConfig(sources=2))
+def relay_mesh() -> Iterator[tuple[str, str, list[Child]]]:
+    """Two token sources and a router (with its HTTP gateway) in front of them."""
+    children, target, http = start_processes(RelayConfig(sources=2, http=True))
     try:
         wait_for_workers(target, 0, 2, children, 120)
-        yield target, children
+        yield target, http, children
     finally:
         stop_all(children)
 
 
-def test_relay_streams_exact_lengths(relay_mesh: tuple[str, list[Child]]) -> None:
-    target, children = relay_mesh
-    cfg = RelayConfig(clients=16, sources=2, output_len=64, duration_s=2.0, warmup_s=0.5)
+@pytest.mark.parametrize("http", [False, True], ids=["grpc", "sse"])
+def test_relay_streams_exact_lengths(relay_mesh: tuple[str, str, list[Child]], http: bool) -> None:
+    target, url, children = relay_mesh
+    cfg = RelayConfig(
+        clients=16, sources=2, output_len=64, duration_s=2.0, warmup_s=0.5, idle_s=0.5, http=http
+    )
     pids = {c.name: c.proc.pid for c in children} | {"clients": os.getpid()}
-    result = asyncio.run(drive(cfg, target, pids))
+    result = asyncio.run(drive(cfg, target, url, pids))
     # Every finished stream had exactly 64 tokens, finish_reason LENGTH and matching usage.
     assert result.errors == 0 and result.bad_finishes == 0
+    assert result.edge == ("http" if http else "grpc")
+    assert result.router_cpu_us_per_token > 0
     assert result.requests_per_s > 0
     # Whole requests dominate the window: tokens/s is about requests/s x 64.
     assert result.tokens_per_s > 0.5 * result.requests_per_s * 64
@@ -53,9 +58,9 @@ def test_relay_streams_exact_lengths(relay_mesh: tuple[str, list[Child]]) -> Non
 
 
 def test_serving_bench_cli_writes_its_figures(
-    relay_mesh: tuple[str, list[Child]], tmp_path: Path
+    relay_mesh: tuple[str, str, list[Child]], tmp_path: Path
 ) -> None:
-    target, _ = relay_mesh
+    target, _, _ = relay_mesh
     out = tmp_path / "serving.json"
     proc = subprocess.run(
         [
