@@ -17,7 +17,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -61,6 +60,7 @@ class Replicas:
             for spec in specs
         ]
         self.moe = specs[0].moe_init_method is not None if specs else False
+        self.nccl = bool(specs) and str(specs[0].engine["device"]).startswith("cuda")
         self._stopped = False
 
     def wait_ready(self) -> None:
@@ -95,20 +95,17 @@ class Replicas:
         for sock, proc in zip(self.sockets, self.procs, strict=True):
             if proc.poll() is None:
                 sock.send(json.dumps({"op": "stop"}).encode())
-        # The MoE group's NCCL communicator is torn down by all its ranks together (see
-        # TPDriver.shutdown): this process's part beside the replicas'.
-        teardown = None
-        if self.moe:
-            teardown = threading.Thread(target=destroy, name="dp-teardown", daemon=True)
-            teardown.start()
+        # On GPUs the MoE group stays as it is until this process ends: NCCL's teardown,
+        # graceful or aborted, waited forever on two H100s for the collectives captured in
+        # CUDA graphs (the replicas end without it). On CPUs gloo's is immediate.
+        if self.moe and not self.nccl:
+            destroy()
         for proc in self.procs:
             try:
                 proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        if teardown is not None:
-            teardown.join(timeout_s)
         for sock in self.sockets:
             sock.close(linger=0)
 
@@ -136,6 +133,13 @@ class DataParallelEngine:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // (size * config.world_size)))
         store, init_method = None, None
         if self.moe_data_parallel:
+            if torch.distributed.is_initialized():
+                raise ValueError(
+                    "data_parallel_size with enable_expert_parallel joins this process to a "
+                    "torch.distributed group, and it already is in one (another parallel engine "
+                    "runs here, or one of these closed on GPUs, whose NCCL group lives until "
+                    "the process ends): start this engine in a process of its own."
+                )
             store = serve_store("127.0.0.1", 0)
             init_method = f"tcp://127.0.0.1:{store.port}"
         context = zmq.Context.instance()

@@ -11,7 +11,10 @@ counters) and `stop`.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import json
+import os
+import signal
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -109,12 +112,14 @@ def _take_output(engine: LLMEngine, request_id: str) -> dict[str, Any] | None:
 
 
 def main() -> None:
+    # `kill -USR1 PID` prints where each of a stuck replica's threads is.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     spec = ReplicaSpec.from_json(envs.dp_spec())
     config = EngineConfig(**spec.engine)
     sock = zmq.Context.instance().socket(zmq.PAIR)
     sock.connect(spec.endpoint)
+    moe = None
     try:
-        moe = None
         if spec.moe_init_method is not None:
             device = config.torch_device()
             moe = moe_group(spec.rank, config.data_parallel_size, spec.moe_init_method, device)
@@ -131,8 +136,13 @@ def main() -> None:
         raise
     finally:
         engine.close()
-        destroy()
         sock.close(linger=1000)
+        if moe is not None and moe.device.type == "cuda":
+            # NCCL's teardown, graceful or aborted, waited forever on two H100s for the
+            # collectives captured in CUDA graphs: the process ends without it (the driver
+            # frees the GPU), before Python's finalization runs it.
+            os._exit(0)
+        destroy()
 
 
 if __name__ == "__main__":
