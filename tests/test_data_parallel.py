@@ -97,6 +97,48 @@ def test_default_model_dp2_equals_one_engine_and_uses_both(default_llm: LLM) -> 
         _closes_quickly(llm)
 
 
+def test_aborted_and_finished_requests_free_every_replicas_blocks(tiny_model) -> None:
+    """Requests aborted mid-stream on either replica end with "abort" and hold no block after;
+    the others run on to their end."""
+    folder = str(tiny_model("llama"))
+    llm = LLM(folder, kv_cache_tokens=1024, data_parallel_size=2)
+    engine = llm.engine
+    try:
+        prompts = random_prompts([20, 30, 25, 40])
+        params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, params)
+        assert engine.requests_per_replica == [2, 2]
+        for _ in range(4):
+            engine.step()
+        used = [s.kv_blocks_used for s in engine.replica_stats()]
+        assert all(u > 0 for u in used)
+        aborted = [engine.abort_request("r0"), engine.abort_request("r1")]  # one on each
+        assert [d.finish_reason for d in aborted if d is not None] == ["abort", "abort"]
+        while engine.has_unfinished_requests():
+            engine.step()
+        outputs = {f"r{i}": engine.get_output(f"r{i}") for i in range(4)}
+        assert [outputs[r].outputs[0].finish_reason for r in ("r0", "r1")] == ["abort", "abort"]
+        assert [len(outputs[r].outputs[0].token_ids) for r in ("r2", "r3")] == [40, 40]
+        assert [s.kv_blocks_used for s in engine.replica_stats()] == [0, 0]
+        assert [s.num_running + s.num_waiting for s in engine.replica_stats()] == [0, 0]
+        for r in outputs:
+            engine.release(r)
+    finally:
+        _closes_quickly(llm)
+
+
+def test_a_replica_that_dies_is_named_and_the_engine_still_closes(tiny_model) -> None:
+    folder = str(tiny_model("llama"))
+    llm = LLM(folder, kv_cache_tokens=1024, data_parallel_size=2)
+    try:
+        llm.engine.replicas.procs[0].kill()
+        with pytest.raises(RuntimeError, match="data-parallel replica 1 exited"):
+            llm.generate([{"prompt_token_ids": p} for p in random_prompts([5, 9, 7])], GREEDY)
+    finally:
+        _closes_quickly(llm)
+
+
 def test_dense_replicas_carry_logprobs_and_seeds(tiny_model) -> None:
     """Outputs made on a replica cross to the front whole: log-probabilities, seeded samples."""
     folder = str(tiny_model("qwen3"))

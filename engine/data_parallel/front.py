@@ -32,7 +32,7 @@ from pdmesh.engine.eplb.balancer import EplbCounts, EplbStats
 from pdmesh.engine.executor.driver import rank_device
 from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.models.info import ModelInfo
-from pdmesh.engine.outputs import RequestOutput, StepDelta
+from pdmesh.engine.outputs import EngineStats, RequestOutput, StepDelta
 from pdmesh.engine.parallel.comm import destroy, serve_store
 from pdmesh.errors import InvalidRequest
 from pdmesh.kv_transfer.connector import decode
@@ -253,6 +253,13 @@ class DataParallelEngine:
                 del self._owner[request_id]
         elif r is not None and request_id in self._outputs:
             del self._outputs[request_id], self._owner[request_id]
+
+    def replica_stats(self) -> list[EngineStats]:
+        """Each replica's load and counters, the first's first (between steps)."""
+        stats = [self.local.stats()]
+        for i in range(len(self.replicas.procs)):
+            stats.append(EngineStats(**self.replicas.ask(i, {"op": "stats"})["stats"]))
+        return stats
 
     def eplb_stats(self) -> EplbStats | None:
         """EPLB's figures over every replica's ranks (None: EPLB off)."""
