@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -106,3 +108,16 @@ def load_hf(folder: Path) -> object:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def generated_ids(llm: Any, prompts: list[list[int]], params: Any) -> list[list[int]]:
+    """The first completion's token ids of each token-id prompt, through `LLM.generate`."""
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def close_seconds(llm: Any) -> float:
+    """How long `llm.close()` takes (its other ranks and replicas stopped)."""
+    start = time.perf_counter()
+    llm.close()
+    return time.perf_counter() - start

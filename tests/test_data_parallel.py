@@ -3,12 +3,10 @@ collectives, greedy tokens against transformers."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 import torch.distributed as dist
-from support import hf_greedy, load_hf, random_prompts
+from support import close_seconds, generated_ids, hf_greedy, load_hf, random_prompts
 
 from pdmesh import LLM, SamplingParams
 from pdmesh.engine.eplb.placement import initial_placement
@@ -18,14 +16,11 @@ CLOSE_S = 5.0
 
 
 def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    return [o.outputs[0].token_ids for o in outputs]
+    return generated_ids(llm, prompts, GREEDY)
 
 
 def _closes_quickly(llm: LLM) -> None:
-    start = time.monotonic()
-    llm.close()
-    assert time.monotonic() - start < CLOSE_S
+    assert close_seconds(llm) < CLOSE_S
 
 
 # -- the MoE layer's exchanges under data-parallel attention -------------------------------------

@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from support import hf_greedy, load_hf, random_prompts
+from support import close_seconds, generated_ids, hf_greedy, load_hf, random_prompts
 
 from pdmesh import LLM, SamplingParams
 
@@ -27,14 +26,7 @@ CHILD_TIMEOUT_S = 180
 
 
 def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    return [o.outputs[0].token_ids for o in outputs]
-
-
-def _closed_in(llm: LLM) -> float:
-    start = time.perf_counter()
-    llm.close()
-    return time.perf_counter() - start
+    return generated_ids(llm, prompts, GREEDY)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
@@ -69,4 +61,4 @@ def test_dense_dp2_equals_one_gpu(tiny_model) -> None:
     del one
     llm = LLM(folder, dtype="float32", kv_cache_tokens=4096, data_parallel_size=2)
     assert _tokens(llm, prompts) == want
-    assert _closed_in(llm) < CLOSE_S
+    assert close_seconds(llm) < CLOSE_S

@@ -3,11 +3,9 @@ greedy tokens equal one GPU's and transformers' (fp32), and the engine closes qu
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
-from support import hf_greedy, load_hf, random_prompts
+from support import close_seconds, generated_ids, hf_greedy, load_hf, random_prompts
 
 from pdmesh import LLM, SamplingParams
 
@@ -23,14 +21,7 @@ CLOSE_S = 2.0
 
 
 def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    return [o.outputs[0].token_ids for o in outputs]
-
-
-def _closed_in(llm: LLM) -> float:
-    start = time.perf_counter()
-    llm.close()
-    return time.perf_counter() - start
+    return generated_ids(llm, prompts, GREEDY)
 
 
 def test_pp2_replays_graphs_per_stage_and_equals_one_gpu(tiny_model) -> None:
@@ -48,7 +39,7 @@ def test_pp2_replays_graphs_per_stage_and_equals_one_gpu(tiny_model) -> None:
     assert pp.engine.most_in_flight == 2
     hf = load_hf(tiny_model("llama"))
     assert want[0] == hf_greedy(hf, prompts[0], GREEDY.max_tokens, ignore_eos=True)
-    assert _closed_in(pp) < CLOSE_S
+    assert close_seconds(pp) < CLOSE_S
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
@@ -72,4 +63,4 @@ def test_ep2_all_reduce_replays_graphs_and_matches_transformers(tiny_model, arch
     hf = load_hf(folder)
     assert got == [hf_greedy(hf, p, GREEDY.max_tokens, ignore_eos=True) for p in prompts]
     assert counts is not None and sum(counts) > 0
-    assert _closed_in(llm) < CLOSE_S
+    assert close_seconds(llm) < CLOSE_S
