@@ -1,6 +1,8 @@
 """EPLB on the CPU: a skewed-routing MoE at EP=2, imbalance before and after, tokens/s on and off.
 
-`python -m pdmesh.bench.eplb_cpu [--prompts 16] [--prompt-len 96] [--max-tokens 32]`. The model
+`python -m pdmesh.bench.eplb_cpu [--prompts 16] [--prompt-len 96] [--max-tokens 32]
+[--data-parallel]` (`--data-parallel`: the experts over two data-parallel replicas, each with its
+own requests, instead of two tensor-parallel ranks). The model
 is a random Qwen3-MoE (`make_moe`) whose router favours two experts, both held by rank 0 at
 start: every token's hidden state has a large constant component (one embedding column), and
 the gate rows of the hot experts have a large weight on it. Two engines in turn on the same
@@ -112,6 +114,7 @@ def main() -> None:
     parser.add_argument("--skew", type=float, default=1.0)
     parser.add_argument("--anchor", type=float, default=4.0)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--data-parallel", action="store_true")
     args = parser.parse_args()
     rng = random.Random(0)
     prompts = [[rng.randrange(512) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
@@ -120,7 +123,8 @@ def main() -> None:
             Path(tmp), hidden=512, heads=8, kv_heads=8, layers=4, moe_intermediate=512,
             skew=args.skew, anchor=args.anchor,
         )  # fmt: skip
-        ep = dict(tensor_parallel_size=2, enable_expert_parallel=True)
+        ranks = "data_parallel_size" if args.data_parallel else "tensor_parallel_size"
+        ep = {ranks: 2, "enable_expert_parallel": True}
         eplb = dict(
             enable_eplb=True,
             num_redundant_experts=2,

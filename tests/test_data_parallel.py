@@ -92,6 +92,21 @@ def test_default_model_dp2_equals_one_engine_and_uses_both(default_llm: LLM) -> 
         _closes_quickly(llm)
 
 
+def test_dense_replicas_of_two_tensor_parallel_ranks_equal_one_engine(tiny_model) -> None:
+    """DP=2 x TP=2: four ranks, each replica rank 0 of its own two."""
+    folder = str(tiny_model("llama"))
+    prompts = random_prompts([7, 33, 64, 12])
+    with LLM(folder, kv_cache_tokens=1024) as one:
+        want = _greedy(one, prompts)
+    llm = LLM(folder, kv_cache_tokens=1024, data_parallel_size=2, tensor_parallel_size=2)
+    try:
+        assert _greedy(llm, prompts) == want
+        assert llm.engine.local.tp_driver is not None  # the first replica's own second rank
+        assert llm.engine.requests_per_replica == [2, 2]
+    finally:
+        _closes_quickly(llm)
+
+
 def test_aborted_and_finished_requests_free_every_replicas_blocks(tiny_model) -> None:
     """Requests aborted mid-stream on either replica end with "abort" and hold no block after;
     the others run on to their end."""
