@@ -147,14 +147,13 @@ class LLMEngine:
         # Pipeline stages have their batches in flight too; a step is launched ahead when no
         # other batch is (one sequence, say), its input ids then on rank 0's device only: only
         # stages of one rank, whose first stage is rank 0 alone, can take them from there.
-        # Data-parallel ranks run one step each in lockstep (their MoE layers exchange tokens):
-        # none is launched ahead.
+        # Data-parallel replicas under data-parallel attention launch one step each in lockstep
+        # (`_lockstep`): ahead of the tokens only when asked for (not yet measured on GPUs).
         self.async_scheduling = (
-            moe_group is None
-            and (config.pipeline_parallel_size == 1 or config.tensor_parallel_size == 1)
+            config.pipeline_parallel_size == 1 or config.tensor_parallel_size == 1
         ) and (
-            config.async_scheduling
-            if config.async_scheduling is not None
+            bool(config.async_scheduling)
+            if config.async_scheduling is not None or moe_group is not None
             else self.runner.graphs is not None
         )
         # Steps launched whose tokens are not read yet, oldest first: one launched ahead (async
@@ -325,12 +324,12 @@ class LLMEngine:
     def step(self) -> list[StepDelta]:
         """Run a step and return its deltas. The step handled may be one launched by an earlier
         call (async scheduling, pipeline stages), and others may be on the device on return."""
+        if self.runner.dp is not None:
+            return self._lockstep()
         cur = self._inflight.popleft() if self._inflight else self._launch()
         # Nothing to run: requests may wait for blocks that prompts prefilled elsewhere hold.
         self.stalled = cur is None and self.scheduler.num_reserved > 0
         if cur is None:
-            if self.runner.dp is not None:  # the other data-parallel ranks may run a step
-                self.runner.idle_step()
             if self.scheduler.has_unfinished() and not self.stalled:
                 raise RuntimeError("scheduler made no progress with requests pending")
             return []
@@ -343,6 +342,39 @@ class LLMEngine:
             nxt = self._launch_next(cur)
             if nxt is not None:
                 self._inflight.append(nxt)
+        return self._handle(cur)
+
+    def _lockstep(self) -> list[StepDelta]:
+        """A step of a data-parallel replica under data-parallel attention: exactly one forward
+        launched (the replicas' MoE layers exchange tokens within each; a replica with nothing
+        to run joins with padding) and at most one handled. With async scheduling the forward
+        is the one after the step handled, launched before its tokens are read (or, when it
+        cannot be, a new schedule once they are): a new batch's tokens come a call later."""
+        cur = self._inflight.popleft() if self._inflight else None
+        if cur is None or not self.async_scheduling:
+            launched = self._launch()
+            self.stalled = launched is None and self.scheduler.num_reserved > 0
+            if launched is None:
+                self.runner.idle_step()
+                if self.scheduler.has_unfinished() and not self.stalled:
+                    raise RuntimeError("scheduler made no progress with requests pending")
+                return []
+            if not self.async_scheduling:
+                return self._handle(launched)
+            self._inflight.append(launched)
+            return []
+        nxt = self._launch_next(cur)
+        deltas = self._handle(cur)
+        if nxt is None:  # this call's forward: a new schedule, now that cur's tokens are read
+            nxt = self._launch()
+        if nxt is None:
+            self.runner.idle_step()
+        else:
+            self._inflight.append(nxt)
+        return deltas
+
+    def _handle(self, cur: InFlight) -> list[StepDelta]:
+        """Read a launched step's tokens and output them; its deltas."""
         sampled = self.runner.collect(cur.handle)
         logprobs = self.runner.collect_logprobs(cur.handle, sampled)
         self.record_prompt_logprobs(cur)

@@ -168,10 +168,16 @@ def test_dense_replicas_carry_logprobs_and_seeds(tiny_model) -> None:
 
 
 # -- data-parallel attention, expert-parallel experts --------------------------------------------
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_dp2_expert_parallel_equals_transformers(tiny_model, arch: str) -> None:
+@pytest.mark.parametrize(
+    ("arch", "overlap"),
+    [("qwen3_moe", None), ("mixtral", None), ("qwen3_moe", True)],
+    ids=["qwen3_moe", "mixtral", "qwen3_moe-async"],
+)
+def test_dp2_expert_parallel_equals_transformers(tiny_model, arch: str, overlap) -> None:
     """Chunked prefill (prompts past the 64-token budget), a prefix hit, a KV cache small
-    enough to preempt, and a replica left idle at the end (its peer's longer prompts)."""
+    enough to preempt, and a replica left idle at the end (its peer's longer prompts). async:
+    each replica launches every decode step before reading the last one's tokens, one forward
+    a step on every replica still."""
     folder = tiny_model(arch)
     prompts = random_prompts([5, 100, 40, 150, 23, 9])
     # Requests alternate between the replicas: the fourth shares 4 blocks with the second on
@@ -183,9 +189,12 @@ def test_dp2_expert_parallel_equals_transformers(tiny_model, arch: str) -> None:
         enable_expert_parallel=True,
         kv_cache_tokens=224,
         max_num_batched_tokens=64,
+        async_scheduling=overlap,
     )
     try:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        if overlap:
+            assert llm.engine.local.steps_launched_ahead > 0
         single = _greedy(llm, [prompts[0]])  # one request: the other replica steps idle
     finally:
         _closes_quickly(llm)
