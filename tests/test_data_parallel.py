@@ -223,6 +223,7 @@ def test_dp2_expert_parallel_with_eplb_moves_experts_and_equals_transformers(tin
     try:
         got = _greedy(llm, prompts)
         stats = llm.engine.eplb_stats()
+        counts = llm.engine.expert_counts()
     finally:
         _closes_quickly(llm)
     hf = load_hf(folder)
@@ -231,6 +232,7 @@ def test_dp2_expert_parallel_with_eplb_moves_experts_and_equals_transformers(tin
     # Every (token, expert) pair of both MoE layers went to one physical slot, on some replica.
     tokens = sum(map(len, prompts)) + len(prompts) * (GREEDY.max_tokens - 1)
     assert sum(stats.physical_expert_tokens) == tokens * 2 * 2
+    assert counts is not None and sum(counts) == tokens * 2 * 2
 
 
 @pytest.mark.parametrize(

@@ -254,6 +254,16 @@ class DataParallelEngine:
         elif r is not None and request_id in self._outputs:
             del self._outputs[request_id], self._owner[request_id]
 
+    def expert_counts(self) -> list[int] | None:
+        """Tokens routed to each expert since start, over every replica (None: a dense model)."""
+        counts = self.local.expert_counts()
+        if counts is None:
+            return None
+        for i in range(len(self.replicas.procs)):
+            theirs = self.replicas.ask(i, {"op": "experts"})["counts"]
+            counts = [a + b for a, b in zip(counts, theirs, strict=True)]
+        return counts
+
     def replica_stats(self) -> list[EngineStats]:
         """Each replica's load and counters, the first's first (between steps)."""
         stats = [self.local.stats()]

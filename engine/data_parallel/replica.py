@@ -4,8 +4,8 @@ messages over a ZeroMQ pair socket, one reply to each, in order.
 
 Messages (JSON objects, `op` first): `add` (a request; reply `{}` or the ValueError naming its
 field), `abort`, `step` (run one engine step; reply its deltas, the outputs of the requests it
-finished, which the replica then forgets, and whether requests remain), `stats` (the engine's
-load and counters), `eplb` (EPLB's counters) and `stop`.
+finished, which the replica then forgets, and whether requests remain), `experts` (tokens routed
+to each expert), `stats` (the engine's load and counters), `eplb` (EPLB's counters) and `stop`.
 """
 
 from __future__ import annotations
@@ -96,6 +96,8 @@ def _answer(engine: LLMEngine, op: str, msg: dict[str, Any]) -> dict[str, Any]:
             "outputs": outputs,
             "unfinished": engine.has_unfinished_requests(),
         }
+    if op == "experts":
+        return {"counts": engine.expert_counts()}
     if op == "stats":
         return {"stats": dataclasses.asdict(engine.stats())}
     if op == "eplb":
