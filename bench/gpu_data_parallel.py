@@ -5,6 +5,7 @@ prompts), for one GPU and each two-GPU layout, against the perfect-scaling ceili
 engines run side by side (two processes, a GPU each), each on half the requests.
 
     python -m pdmesh.bench.gpu_data_parallel --out DIR [--model moe,dense] [--layouts ...]
+    python -m pdmesh.bench.gpu_data_parallel --out DIR --gpus 4   # MoE: DP=4 + EP=4, DP=2 + EP=2
     python -m pdmesh.bench.gpu_data_parallel --out DIR --tiny     # a dry run on CPU (gloo)
 
 MoE: the Qwen3-30B-A3B shape cut to `--moe-layers` of its 48 layers; layouts one GPU, DP=2 + EP=2
@@ -52,6 +53,12 @@ LAYOUTS: dict[str, dict[str, dict[str, Any]]] = {
         "tp2": {"tensor_parallel_size": 2},
         "pp2": {"pipeline_parallel_size": 2},
     },
+}
+# Four GPUs (`--gpus 4`), the MoE model: against one GPU, DP=2 + EP=2 and four one-GPU engines.
+MOE4 = {
+    "tp1": {},
+    "dp4ep4": {"data_parallel_size": 4, "enable_expert_parallel": True},
+    "dp2ep2": {"data_parallel_size": 2, "enable_expert_parallel": True},
 }
 LAYOUT_TIMEOUT_S = 300
 
@@ -141,7 +148,7 @@ def _wait(procs: list[subprocess.Popen[bytes]], paths: list[Path]) -> list[dict[
 def run_model(args: argparse.Namespace, name: str, folder: Path, report: Report) -> None:
     device = "cpu" if args.tiny else "cuda:0"
     tmp = Path(tempfile.mkdtemp())
-    layouts = LAYOUTS[name]
+    layouts = MOE4 if args.gpus == 4 else LAYOUTS[name]
     picked = args.layouts.split(",") if args.layouts else list(layouts)
     results: dict[str, Any] = {}
     for layout in picked:
@@ -151,10 +158,11 @@ def run_model(args: argparse.Namespace, name: str, folder: Path, report: Report)
         report.record(name, results)
     if args.skip_ceiling:
         return
-    # The ceiling: two one-GPU engines side by side, each on half the requests.
-    devices = ["cpu", "cpu"] if args.tiny else ["cuda:0", "cuda:1"]
-    paths = [tmp / f"{name}-ceiling-{i}.json" for i in range(2)]
-    procs = [_launch(args, folder, {}, d, f"{i}/2", p, True) for i, (d, p) in
+    # The ceiling: N one-GPU engines side by side, each on 1/N of the requests.
+    n = args.gpus
+    devices = ["cpu"] * n if args.tiny else [f"cuda:{i}" for i in range(n)]
+    paths = [tmp / f"{name}-ceiling-{i}.json" for i in range(n)]
+    procs = [_launch(args, folder, {}, d, f"{i}/{n}", p, True) for i, (d, p) in
              enumerate(zip(devices, paths, strict=True))]  # fmt: skip
     halves = _wait(procs, paths)
     if all("error" not in h for h in halves):
@@ -163,11 +171,11 @@ def run_model(args: argparse.Namespace, name: str, folder: Path, report: Report)
         results["ceiling"] = {"output_tok_s": tok, "halves": halves}
     else:
         results["ceiling"] = {"error": [h.get("error") for h in halves]}
-    ratios(results, args.cases)
+    ratios(results, args.cases, args.gpus)
     report.record(name, results)
 
 
-def ratios(results: dict[str, Any], cases: list[list[int]]) -> None:
+def ratios(results: dict[str, Any], cases: list[list[int]], gpus: int) -> None:
     one, ceiling = results.get("tp1", {}), results.get("ceiling", {})
     for layout, r in results.items():
         if "error" in r or layout == "ceiling":
@@ -180,8 +188,8 @@ def ratios(results: dict[str, Any], cases: list[list[int]]) -> None:
             key = f"tpot_b{batch}_ms"
             if key in r and key in one:
                 r[f"tpot_b{batch}_vs_one_gpu"] = r[key] / one[key]
-        if "tpot_b64_ms" in r and "tpot_b32_ms" in one:
-            r["tpot_b64_vs_ceiling"] = r["tpot_b64_ms"] / one["tpot_b32_ms"]
+        if "tpot_b64_ms" in r and f"tpot_b{64 // gpus}_ms" in one:
+            r["tpot_b64_vs_ceiling"] = r["tpot_b64_ms"] / one[f"tpot_b{64 // gpus}_ms"]
 
 
 def table(data: dict[str, Any]) -> str:
@@ -208,6 +216,7 @@ def table(data: dict[str, Any]) -> str:
 def main() -> None:
     parser = out_parser(__doc__, out_required=False)
     parser.add_argument("--model", default="moe,dense")
+    parser.add_argument("--gpus", type=int, default=2, choices=(2, 4))
     parser.add_argument("--layouts", help="only these layouts (the ceiling always runs)")
     parser.add_argument("--moe-layers", type=int, default=24)
     parser.add_argument("--requests", type=int, default=512)
@@ -231,10 +240,13 @@ def main() -> None:
         return
     if args.out is None:
         parser.error("--out is required")
+    if args.gpus == 4:
+        args.model = "moe"
+        if args.cases == json.loads(parser.get_default("cases")):
+            args.cases.insert(1, [16, 1024])  # four engines of 16: the batch-64 ceiling
     if args.tiny:
         args.requests, args.prompt_len, args.output_len = 16, 32, 8
-        if args.cases == json.loads(parser.get_default("cases")):
-            args.cases = [[1, 16], [32, 16], [64, 16]]
+        args.cases = [[b, 16] for b, _ in args.cases]
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     report = Report(args.out / "data_parallel.json", **run_info(), requests=args.requests,
                     prompt_len=args.prompt_len, output_len=args.output_len)  # fmt: skip
