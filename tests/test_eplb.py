@@ -114,7 +114,10 @@ def test_expert_rows_do_not_depend_on_their_batch() -> None:
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (dict(enable_eplb=True), "needs enable_expert_parallel and tensor_parallel_size >= 2"),
+        (
+            dict(enable_eplb=True),
+            "needs enable_expert_parallel and tensor_parallel_size x data_parallel_size >= 2",
+        ),
         (
             dict(enable_eplb=True, enable_expert_parallel=True, tensor_parallel_size=1),
             "tensor_parallel_size=1",
