@@ -120,5 +120,6 @@ class EngineLoop:
                 item = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if item is not None:
+            # A caller that gave up meanwhile (its future cancelled) is owed nothing.
+            if item is not None and item[1].set_running_or_notify_cancel():
                 item[1].set_exception(RuntimeError("the engine has stopped"))
