@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pdmesh.engine.config import EngineConfig
+from pdmesh.serving.data_parallel import DataParallelRank, check_rank
 from pdmesh.serving.store_link import StoreOptions
 from pdmesh.serving.tls import TLSConfig
 
@@ -29,7 +30,8 @@ class DecodeConfig:
     KV store to read prompts it prefills through and publish them to (None: none).
     drain_on_sigterm: SIGTERM first drains the worker (its running requests move to other
     decode workers, see drain.py), then it exits; a request not pulled within kv_timeout_s is
-    recomputed elsewhere."""
+    recomputed elsewhere. data_parallel: which of its worker's data-parallel ranks this
+    process is (data_parallel_size > 1; serving/data_parallel.py)."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     bind: str = "127.0.0.1:50061"
@@ -45,8 +47,10 @@ class DecodeConfig:
     tls: TLSConfig | None = None
     kvstore: StoreOptions | None = None
     drain_on_sigterm: bool = False
+    data_parallel: DataParallelRank | None = None
 
     def __post_init__(self) -> None:
+        check_rank(self.engine.data_parallel_size, self.data_parallel)
         if self.kvstore is not None and self.engine.world_size != 1:
             raise ValueError(
                 "--kvstore needs a worker of one rank for now (tensor and pipeline parallel size "

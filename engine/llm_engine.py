@@ -143,6 +143,9 @@ class LLMEngine:
         # The last step could do nothing: queued requests wait for blocks that prompts being
         # prefilled elsewhere hold (their KV's arrival is what unblocks it).
         self.stalled = False
+        # Under data-parallel attention: whether any rank ran anything in the last step (an
+        # idle rank keeps stepping while its peers are busy, their MoE layers need it).
+        self.group_busy = False
         # Async scheduling (see overlap.py): on with CUDA graphs unless the config says.
         # Pipeline stages have their batches in flight too; a step is launched ahead when no
         # other batch is (one sequence, say), its input ids then on rank 0's device only: only
@@ -349,13 +352,15 @@ class LLMEngine:
         launched (the replicas' MoE layers exchange tokens within each; a replica with nothing
         to run joins with padding) and at most one handled. With async scheduling the forward
         is the one after the step handled, launched before its tokens are read (or, when it
-        cannot be, a new schedule once they are): a new batch's tokens come a call later."""
+        cannot be, a new schedule once they are): a new batch's tokens come a call later.
+        Sets `group_busy`: whether any rank ran anything in this call's step."""
         cur = self._inflight.popleft() if self._inflight else None
+        self.group_busy = True
         if cur is None or not self.async_scheduling:
             launched = self._launch()
             self.stalled = launched is None and self.scheduler.num_reserved > 0
             if launched is None:
-                self.runner.idle_step()
+                self.group_busy = self.runner.idle_step()
                 if self.scheduler.has_unfinished() and not self.stalled:
                     raise RuntimeError("scheduler made no progress with requests pending")
                 return []
@@ -368,7 +373,7 @@ class LLMEngine:
         if nxt is None:  # this call's forward: a new schedule, now that cur's tokens are read
             nxt = self._launch()
         if nxt is None:
-            self.runner.idle_step()
+            self.group_busy = self.runner.idle_step() or bool(deltas)
         else:
             self._inflight.append(nxt)
         return deltas
@@ -518,7 +523,7 @@ class LLMEngine:
             )
         if self.host_index is None or pool is None:
             return stats
-        block_bytes = self.info.kv_block_bytes(bs, self.runner.dtype.itemsize)
+        block_bytes = self.info.kv_block_bytes(bs, self.runner.kv_spec.dtype.itemsize)
         return dataclasses.replace(stats, **self.host_index.figures(bs, block_bytes, pool.seconds))
 
     def fork_stats(self) -> ForkStats:

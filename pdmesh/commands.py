@@ -72,6 +72,11 @@ def add_up(sub: Any) -> None:
         u.add_argument(f"--{role}-tp", type=int, default=None, help=help)
         help = f"pipeline stages of each {role} worker (default: --pipeline-parallel-size)"
         u.add_argument(f"--{role}-pp", type=int, default=None, help=help)
+        help = (
+            f"data-parallel ranks of each {role} worker, each a worker of its own to the router "
+            "(default: --data-parallel-size)"
+        )
+        u.add_argument(f"--{role}-dp", type=int, default=None, help=help)
     u.add_argument(
         "--kvstore",
         action="store_true",
@@ -129,6 +134,18 @@ def _worker(sub: Any, name: str, port: int, func: Any) -> argparse.ArgumentParse
         default=None,
         metavar="HOST",
         help="the host the store pushes fetched blocks to (default: the bind host)",
+    )
+    p.add_argument(
+        "--data-parallel-rank",
+        type=int,
+        default=0,
+        help="with --data-parallel-size N: which of the worker's N ranks this process is",
+    )
+    p.add_argument(
+        "--data-parallel-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="with --data-parallel-size N: where rank 0 listens for the other ranks",
     )
     engine_args(p)
     return p
@@ -333,10 +350,20 @@ def _serve_worker(config_cls: Any, serve: Any, args: argparse.Namespace, **field
         bind=f"{args.host}:{args.port}",
         metrics_bind=metrics,
         tls=tls_config(args),
+        data_parallel=_data_parallel_rank(args),
         **fields,
     )
     asyncio.run(serve(config))
     return 0
+
+
+def _data_parallel_rank(args: argparse.Namespace) -> Any:
+    """The worker's DataParallelRank (--data-parallel-address given), else None."""
+    if args.data_parallel_address is None:
+        return None
+    from pdmesh.serving.data_parallel import DataParallelRank
+
+    return DataParallelRank(args.data_parallel_rank, args.data_parallel_address)
 
 
 def cmd_decode(args: argparse.Namespace) -> int:

@@ -12,7 +12,6 @@ router through its environment, not its command line.
 from __future__ import annotations
 
 import argparse
-import math
 import re
 import signal
 import sys
@@ -32,7 +31,7 @@ from pdmesh.supervisor import Child, ProcessSpec, spawn, stop_all, supervise, wa
 
 # What `pdmesh up` prints once it is up: a line a service, then READY (`read_services` reads them).
 SERVICE_LINE = re.compile(
-    r"\s+(?P<name>(?P<role>prefill|decode|router|kvstore)(?:-\d+)?): (?P<address>\S+) "
+    r"\s+(?P<name>(?P<role>prefill|decode|router|kvstore)(?:-\d+(?:-dp\d+)?)?): (?P<address>\S+) "
     r"\(pid (?P<pid>\d+)\)"
     r"(?:, metrics (?P<metrics>\S+))?"
 )
@@ -133,12 +132,13 @@ def pdmesh_command(*argv: str) -> list[str]:
     return [sys.executable, "-m", "pdmesh.cli", *argv]
 
 
-def _worker(role: str, index: int, host: str, flags: list[str]) -> ProcessSpec:
-    """A prefill or decode worker on free ports, with its /metrics endpoint."""
+def _worker(role: str, name: str, host: str, flags: list[str]) -> ProcessSpec:
+    """A prefill or decode worker (or a data-parallel rank of one) on free ports, with its
+    /metrics endpoint."""
     port, metrics_port = free_port(host), free_port(host)
     argv = [role, "--host", host, "--port", str(port), "--metrics-port", str(metrics_port)]
     return ProcessSpec(
-        f"{role}-{index}",
+        name,
         pdmesh_command(*argv, *flags),
         f"{host}:{port}",
         f"http://{host}:{metrics_port}/metrics",
@@ -146,11 +146,43 @@ def _worker(role: str, index: int, host: str, flags: list[str]) -> ProcessSpec:
 
 
 def _layout(args: argparse.Namespace, role: str) -> dict[str, int]:
-    """A pool's tensor- and pipeline-parallel sizes (--prefill-tp, --decode-pp, ...; default:
-    --tensor-parallel-size and --pipeline-parallel-size)."""
+    """A pool's tensor-, pipeline- and data-parallel sizes (--prefill-tp, --decode-pp,
+    --decode-dp, ...; default: --tensor-parallel-size, --pipeline-parallel-size and
+    --data-parallel-size)."""
     tp = getattr(args, f"{role}_tp") or args.tensor_parallel_size
     pp = getattr(args, f"{role}_pp") or args.pipeline_parallel_size
-    return {"tensor_parallel_size": tp, "pipeline_parallel_size": pp}
+    dp = getattr(args, f"{role}_dp") or args.data_parallel_size
+    return {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "data_parallel_size": dp}
+
+
+def _ranks(layout: dict[str, int]) -> int:
+    """The GPUs one worker process (one data-parallel rank) of `layout` takes."""
+    return layout["tensor_parallel_size"] * layout["pipeline_parallel_size"]
+
+
+def _pool_worker(
+    role: str,
+    index: int,
+    host: str,
+    layout: dict[str, int],
+    flags: Callable[[range | None], list[str]],
+    gpus: GpuPlacement,
+) -> list[tuple[ProcessSpec, range | None]]:
+    """A pool's worker: one process, or one per data-parallel rank (`role-I-dpR`, each a worker
+    of its own to the router, rank 0 listening for the others), with their GPUs."""
+    size = layout["data_parallel_size"]
+    if size == 1:
+        devices = gpus.take(_ranks(layout))
+        return [(_worker(role, f"{role}-{index}", host, flags(devices)), devices)]
+    address = f"{host}:{free_port(host)}"
+    out = []
+    for rank in range(size):
+        devices = gpus.take(_ranks(layout))
+        dp = ["--data-parallel-rank", str(rank), "--data-parallel-address", address]
+        out.append(
+            (_worker(role, f"{role}-{index}-dp{rank}", host, [*flags(devices), *dp]), devices)
+        )
+    return out
 
 
 def _engine(options: dict[str, Any], layout: dict[str, int], devices: range | None) -> list[str]:
@@ -209,28 +241,32 @@ def plan_mesh(args: argparse.Namespace) -> list[ProcessSpec]:
     decode_flags = ["--max-waiting-requests", str(args.max_waiting_requests)]
     decode_flags += ["--prefill-timeout", str(args.prefill_timeout)]
     gpus = GpuPlacement(args.device)
-    if args.kvstore and any(
-        math.prod(_layout(args, role).values()) != 1 for role in ("prefill", "decode")
-    ):
+    if args.kvstore and any(_ranks(_layout(args, role)) != 1 for role in ("prefill", "decode")):
         raise ValueError("pdmesh up --kvstore needs workers of one rank for now (TP and PP 1).")
     specs: list[ProcessSpec] = [_kvstore(args)] if args.kvstore else []
     # Every worker reads through the store and publishes to it; the router counts its hits.
     store = ["--kvstore", specs[0].address] if args.kvstore else []
     prefill: dict[str, range | None] = {}  # address -> GPUs
+    layout = _layout(args, "prefill")
     for i in range(0 if args.colocated else args.prefill):
-        layout = _layout(args, "prefill")
-        devices = gpus.take(math.prod(layout.values()))
-        flags = [*_engine(options, layout, devices), *tls, *store]
-        specs.append(_worker("prefill", i, args.host, flags))
-        prefill[specs[-1].address] = devices
+
+        def prefill_flags(devices: range | None) -> list[str]:
+            return [*_engine(options, layout, devices), *tls, *store]
+
+        for spec, devices in _pool_worker("prefill", i, args.host, layout, prefill_flags, gpus):
+            specs.append(spec)
+            prefill[spec.address] = devices
     decode: list[str] = []
+    layout = _layout(args, "decode")
     for i in range(args.decode):
-        layout = _layout(args, "decode")
-        devices = gpus.take(math.prod(layout.values()))
-        flags = [*decode_flags, *_engine(options, layout, devices), *tls, *store]
-        flags += pair_transports(args.kv_transport, prefill, devices)
-        specs.append(_worker("decode", i, args.host, flags))
-        decode.append(specs[-1].address)
+
+        def decode_flags_for(devices: range | None) -> list[str]:
+            flags = [*decode_flags, *_engine(options, layout, devices), *tls, *store]
+            return flags + pair_transports(args.kv_transport, prefill, devices)
+
+        for spec, _ in _pool_worker("decode", i, args.host, layout, decode_flags_for, gpus):
+            specs.append(spec)
+            decode.append(spec.address)
     return [*specs, _router(args, list(prefill), decode, store)]
 
 
@@ -280,8 +316,8 @@ def run_up(args: argparse.Namespace) -> int:
     client = RouterClient.from_args(args)  # before any child starts: bad TLS or keys fail here
     children = [spawn(spec) for spec in plan_mesh(args)]
     try:
-        prefill = 0 if args.colocated else args.prefill
-        wait_for_workers(client, prefill, args.decode, children, args.ready_timeout)
+        roles = Counter(c.name.split("-", 1)[0] for c in children)
+        wait_for_workers(client, roles["prefill"], roles["decode"], children, args.ready_timeout)
         wait_for_kvstore(children, client.tls, args.ready_timeout)
         _print_endpoints(args, client, children)
         if args.ask:

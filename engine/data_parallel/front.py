@@ -27,7 +27,8 @@ from pdmesh import envs
 from pdmesh.checkpoint.source import resolve_model_folder
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.data_parallel import codec
-from pdmesh.engine.data_parallel.replica import ReplicaSpec, moe_group
+from pdmesh.engine.data_parallel.group import moe_data_parallel, moe_group
+from pdmesh.engine.data_parallel.replica import ReplicaSpec
 from pdmesh.engine.eplb.balancer import EplbCounts, EplbStats
 from pdmesh.engine.executor.driver import rank_device
 from pdmesh.engine.llm_engine import LLMEngine
@@ -117,9 +118,7 @@ class DataParallelEngine:
         self.config = config
         size = config.data_parallel_size
         info = ModelInfo.load(resolve_model_folder(config.model))
-        self.moe_data_parallel = config.enable_expert_parallel and info.num_experts > 0
-        if self.moe_data_parallel:
-            _check_moe(config, info)
+        self.moe_data_parallel = moe_data_parallel(config, info)
         device = config.torch_device()
         devices = [rank_device(device, r * config.world_size) for r in range(size)]
         if device.type == "cuda" and (need := devices[-1].index + config.world_size) > (
@@ -295,20 +294,3 @@ class DataParallelEngine:
 
     def close(self) -> None:
         self.stopper()()
-
-
-def _check_moe(config: EngineConfig, info: ModelInfo) -> None:
-    """What data-parallel attention supports so far, and the experts' split over the replicas."""
-    if config.world_size > 1:
-        raise ValueError(
-            "data_parallel_size with enable_expert_parallel runs one rank per replica so far: "
-            f"set tensor_parallel_size=1 and pipeline_parallel_size=1 (got "
-            f"{config.tensor_parallel_size} and {config.pipeline_parallel_size})."
-        )
-    if config.speculative_config is not None:
-        raise ValueError(
-            "data_parallel_size with enable_expert_parallel does not support speculative "
-            "decoding yet (the replicas step in lockstep)."
-        )
-    redundant = config.num_redundant_experts if config.enable_eplb else None
-    info.check_data_parallel(config.data_parallel_size, True, redundant)

@@ -19,15 +19,14 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import zmq
 
 from pdmesh import envs
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.data_parallel import codec
+from pdmesh.engine.data_parallel.group import moe_group
 from pdmesh.engine.llm_engine import LLMEngine
-from pdmesh.engine.parallel.comm import destroy, init_group
-from pdmesh.engine.parallel.group import ParallelGroup
+from pdmesh.engine.parallel.comm import destroy
 from pdmesh.kv_transfer.connector import encode
 from pdmesh.logger import get_logger
 
@@ -51,14 +50,6 @@ class ReplicaSpec:
     @staticmethod
     def from_json(text: str) -> ReplicaSpec:
         return ReplicaSpec(**json.loads(text))
-
-
-def moe_group(
-    rank: int, size: int, init_method: str, device: torch.device, store: Any = None
-) -> ParallelGroup:
-    """The data-parallel replicas' MoE group (every replica, rank order); `store`: the front's."""
-    group = init_group(rank, size, init_method, device, True, store)
-    return dataclasses.replace(group, data_parallel=True)
 
 
 def serve(engine: LLMEngine, sock: zmq.Socket[bytes]) -> None:

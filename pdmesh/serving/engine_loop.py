@@ -2,6 +2,11 @@
 
 Every touch of the engine happens on that thread: other threads hand it commands (run between
 steps, in order) and receive each step's deltas through a callback.
+
+A data-parallel rank under data-parallel attention (`lockstep`, see lockstep.py) steps whenever
+any rank of its group has work, since their MoE layers exchange tokens within each step: it
+waits for commands only when the last step ran nothing anywhere, and wakes its peers when work
+comes to it then.
 """
 
 from __future__ import annotations
@@ -32,8 +37,13 @@ class EngineLoop:
         on_tick: Callable[[LLMEngine], None] | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
         name: str = "engine",
+        lockstep: bool = False,
     ) -> None:
+        """lockstep: the engine is a data-parallel rank under data-parallel attention; set
+        `wake_peers` to what tells its peers that it has work (lockstep.PeerWake.notify)."""
         self.engine = engine
+        self.lockstep = lockstep
+        self.wake_peers: Callable[[], None] | None = None
         self._on_deltas = on_deltas
         self._on_tick = on_tick
         self._on_fatal = on_fatal
@@ -67,7 +77,14 @@ class EngineLoop:
             future.set_exception(RuntimeError("the engine has stopped"))
         else:
             self._commands.put((fn, future))
+            # An idle group's ranks wait for their tick: this command's step needs them now.
+            if self.wake_peers is not None and not self.engine.group_busy:
+                self.wake_peers()
         return future
+
+    def wake(self) -> None:
+        """End a wait for commands now (any thread): a peer has work (lockstep)."""
+        self._commands.put((_nothing, Future()))
 
     async def acall(self, fn: Callable[[LLMEngine], T]) -> T:
         return await asyncio.wrap_future(self.call(fn))
@@ -97,6 +114,9 @@ class EngineLoop:
                 future.set_exception(exc)
 
     def _run(self) -> None:
+        if self.lockstep:
+            self._run_lockstep()
+            return
         engine = self.engine
         try:
             while not self._stopped.is_set():
@@ -110,11 +130,38 @@ class EngineLoop:
                     if deltas:
                         self._on_deltas(deltas)
         except BaseException as exc:
-            log.exception("engine loop failed")
-            self._stopped.set()
-            if self._on_fatal is not None:
-                self._on_fatal(exc)
-        # Fail whatever is still queued so no caller waits forever.
+            self._failed(exc)
+        self._fail_queued()
+
+    def _run_lockstep(self) -> None:
+        """Every iteration steps once (one agreement with the peers, which step as often)."""
+        engine = self.engine
+        try:
+            while not self._stopped.is_set():
+                idle_here = not engine.has_unfinished_requests() or engine.stalled
+                self._drain(block=idle_here and not engine.group_busy)
+                if self._stopped.is_set():
+                    break
+                if self._on_tick is not None:
+                    self._on_tick(engine)
+                has_work = engine.has_unfinished_requests() and not engine.stalled
+                if has_work and not engine.group_busy and self.wake_peers is not None:
+                    self.wake_peers()
+                deltas = engine.step()
+                if deltas:
+                    self._on_deltas(deltas)
+        except BaseException as exc:
+            self._failed(exc)
+        self._fail_queued()
+
+    def _failed(self, exc: BaseException) -> None:
+        log.exception("engine loop failed")
+        self._stopped.set()
+        if self._on_fatal is not None:
+            self._on_fatal(exc)
+
+    def _fail_queued(self) -> None:
+        """Fail whatever is still queued so no caller waits forever."""
         while True:
             try:
                 item = self._commands.get_nowait()
@@ -123,3 +170,7 @@ class EngineLoop:
             # A caller that gave up meanwhile (its future cancelled) is owed nothing.
             if item is not None and item[1].set_running_or_notify_cancel():
                 item[1].set_exception(RuntimeError("the engine has stopped"))
+
+
+def _nothing(engine: LLMEngine) -> None:
+    """The command a wake queues: it only ends the wait."""

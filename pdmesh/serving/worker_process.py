@@ -24,6 +24,7 @@ from pdmesh.observability.metrics_server import MetricsServer
 from pdmesh.observability.worker_collector import EplbFigures, TransferTotals, WorkerSnapshot
 from pdmesh.serving.engine_loop import EngineLoop
 from pdmesh.serving.grpc_server import Health, ServiceSpec, build_server
+from pdmesh.serving.lockstep import DataParallelRank, PeerWake, rank_engine
 from pdmesh.serving.runner import serve_until_stopped
 from pdmesh.serving.store_link import StoreLink, StoreOptions
 from pdmesh.serving.tls import TLSConfig
@@ -57,12 +58,21 @@ class WorkerProcess(ABC):
         self._store_options, self._store_tls = store, tls
         self.store: StoreLink | None = None  # made by `start`, on the event loop
         self.geometry = connector.geometry  # bound when the engine was built
-        self.loop = EngineLoop(engine, self._on_engine_deltas, on_tick, self._on_fatal)
+        # A data-parallel rank under data-parallel attention steps with its peers (lockstep.py).
+        lockstep = engine.runner.dp is not None
+        self.loop = EngineLoop(
+            engine, self._on_engine_deltas, on_tick, self._on_fatal, lockstep=lockstep
+        )
+        self.peers: PeerWake | None = None
+        if engine.runner.dp is not None:  # waits for every peer to publish its address
+            self.peers = PeerWake(engine.runner.dp, self.loop.wake)
+            self.loop.wake_peers = self.peers.notify
         if engine.tp_driver is not None:  # a dead rank stops the engine from any thread
             engine.tp_driver.on_rank_death = self.loop.fail
         self.fatal: BaseException | None = None
         self._aio: asyncio.AbstractEventLoop | None = None
         self.health: Health | None = None  # the server's health service, once it serves
+        self.data_parallel_rank = 0  # which of its worker's data-parallel ranks (serve_worker)
 
     def start(self, aio_loop: asyncio.AbstractEventLoop) -> None:
         self._aio = aio_loop
@@ -76,6 +86,8 @@ class WorkerProcess(ABC):
         if self.store is not None:
             await self.store.close()
         self.loop.stop()
+        if self.peers is not None:
+            self.peers.close()
         self.connector.close()
         self.engine.close()
 
@@ -141,6 +153,9 @@ class WorkerProcess(ABC):
             "tensor_parallel_size": self.engine.config.tensor_parallel_size,
             "pipeline_parallel_size": self.engine.config.pipeline_parallel_size,
             "process_start_unix_s": PROCESS_START_UNIX_S,
+            "data_parallel_size": self.engine.config.data_parallel_size,
+            "data_parallel_rank": self.data_parallel_rank,
+            "data_parallel_attention": self.engine.runner.dp is not None,
         }
 
 
@@ -200,6 +215,7 @@ class WorkerSettings(Protocol):
     bind: str
     metrics_bind: str | None
     tls: TLSConfig | None
+    data_parallel: DataParallelRank | None
 
 
 W = TypeVar("W", bound=WorkerProcess)
@@ -218,19 +234,16 @@ async def serve_worker(
     endpoint and its gRPC server; serve until a signal or the worker's `stopped`. `on_sigterm`:
     what SIGTERM awaits (NOT_SERVING already) before the worker stops, e.g. a drain."""
     tracing.setup(f"pdmesh-{role}")
-    if config.engine.data_parallel_size > 1:
-        connector.close()
-        raise ValueError(
-            f"a {role} worker runs one engine so far: data_parallel_size="
-            f"{config.engine.data_parallel_size} is for the offline LLM; in the mesh start a "
-            "worker per replica (the router spreads requests by load)."
-        )
     try:
-        engine = await asyncio.to_thread(LLMEngine, config.engine, connector)
+        engine = await asyncio.to_thread(
+            rank_engine, config.engine, connector, config.data_parallel
+        )
     except BaseException:
         connector.close()
         raise
     worker = make_worker(engine)
+    if config.data_parallel is not None:
+        worker.data_parallel_rank = config.data_parallel.rank
     worker.start(asyncio.get_running_loop())
     bind = config.metrics_bind
     metrics = MetricsServer(bind, worker.metrics.registry) if bind else None
