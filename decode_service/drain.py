@@ -98,6 +98,17 @@ class Drainer:
         self.draining = True
         if w.health is not None:
             await w.health.set(False)
+        return await self.evacuate()
+
+    async def evacuate(self) -> DrainReport:
+        """Move every request away, Submits refused meanwhile (`draining`); returns once none
+        is left here, with what moved this time. `drain` is this with the worker NOT_SERVING
+        for good; a worker that changes role (worker_service) evacuates and then admits again
+        (`draining` False) in its new role."""
+        w = self.worker
+        self.draining = True
+        self._idle.clear()
+        before = (self._migrated, self._recomputed)
         start = time.monotonic()
         rids = list(w._owner)  # every request a router waits on here
         detached = await w.loop.acall(lambda e: self._detach(e, rids))
@@ -123,7 +134,7 @@ class Drainer:
         self._check_idle()
         await self._idle.wait()
         log.info("drained in %.3f s", time.monotonic() - start)
-        return DrainReport(self._migrated, self._recomputed)
+        return DrainReport(self._migrated - before[0], self._recomputed - before[1])
 
     def _detach(self, engine: LLMEngine, rids: list[str]) -> dict[str, Detached]:
         """Engine thread: take the movable requests out, with the worker's records of them."""

@@ -32,9 +32,11 @@ async def serve(config: DecodeConfig, on_ready: Callable[[int], None] | None = N
         config,
         connector,
         lambda engine: DecodeWorker(config, connector, engine),
-        lambda worker: ServiceSpec(
-            SERVICE, worker_pb2_grpc.add_DecodeWorkerServicer_to_server, DecodeServicer(worker)
-        ),
+        lambda worker: [
+            ServiceSpec(
+                SERVICE, worker_pb2_grpc.add_DecodeWorkerServicer_to_server, DecodeServicer(worker)
+            )
+        ],
         on_ready,
         on_sigterm=(lambda worker: worker.drainer.drain) if config.drain_on_sigterm else None,
     )

@@ -142,6 +142,11 @@ class PushConnector(KVConnector):
         self._jobs[request_id] = job
         return job
 
+    @property
+    def pushing(self) -> bool:
+        """Rank 0, engine thread: some prompt's push is planned."""
+        return bool(self._jobs)
+
     def forget(self, request_id: str) -> None:
         """The prompt is computed (or aborted): nothing more to plan for it."""
         self._jobs.pop(request_id, None)

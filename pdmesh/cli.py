@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pdmesh import commands, drain, healthcheck
+from pdmesh import commands, drain, healthcheck, role
 from pdmesh.bench import command as bench_command
 from pdmesh.flags import env_defaults
 
@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_command.add_bench(sub)
     healthcheck.add_healthcheck(sub)
     drain.add_drain(sub)
+    role.add_role(sub)
     env_defaults(parser)
     return parser
 

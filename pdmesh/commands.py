@@ -116,8 +116,10 @@ def _service(sub: Any, name: str, help: str, port: int, func: Any) -> argparse.A
     return p
 
 
-def _worker(sub: Any, name: str, port: int, func: Any) -> argparse.ArgumentParser:
-    p = _service(sub, name, f"run a {name} worker", port, func)
+def _worker(
+    sub: Any, name: str, port: int, func: Any, help: str | None = None
+) -> argparse.ArgumentParser:
+    p = _service(sub, name, help or f"run a {name} worker", port, func)
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics; 0: off")
     p.add_argument(
         "--kvstore",
@@ -191,7 +193,23 @@ def add_services(sub: Any) -> None:
     )
     _front_args(r)
 
-    d = _worker(sub, "decode", 50061, cmd_decode)
+    _decode_args(_worker(sub, "decode", 50061, cmd_decode))
+    w = _worker(sub, "worker", 50061, cmd_worker, "run a worker that takes either role")
+    _decode_args(w)
+    w.add_argument(
+        "--role",
+        default="decode",
+        help="prefill | decode: the role it starts in (`pdmesh role` switches it)",
+    )
+    w.add_argument("--kv-send-timeout", type=float, default=30.0, help="as a prefill worker's")
+
+    p = _worker(sub, "prefill", 50071, cmd_prefill)
+    p.add_argument("--kv-send-timeout", type=float, default=30.0)
+    _kvstore_args(_service(sub, "kvstore", "run a KV store the workers share", 50081, cmd_kvstore))
+
+
+def _decode_args(d: argparse.ArgumentParser) -> None:
+    """A decode worker's own flags (`pdmesh decode`, `pdmesh worker`)."""
     d.add_argument(
         "--kv-transport",
         default="auto",
@@ -221,10 +239,6 @@ def add_services(sub: Any) -> None:
         "migration), then exit (the Kubernetes preStop hook's counterpart)",
     )
     _reliability_args(d)
-
-    p = _worker(sub, "prefill", 50071, cmd_prefill)
-    p.add_argument("--kv-send-timeout", type=float, default=30.0)
-    _kvstore_args(_service(sub, "kvstore", "run a KV store the workers share", 50081, cmd_kvstore))
 
 
 def _kvstore_args(s: argparse.ArgumentParser) -> None:
@@ -370,17 +384,33 @@ def cmd_decode(args: argparse.Namespace) -> int:
     from pdmesh.decode_service.config import DecodeConfig
     from pdmesh.decode_service.server import serve
 
+    return _serve_worker(DecodeConfig, serve, args, **_decode_fields(args))
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from pdmesh.worker_service.config import WorkerConfig
+    from pdmesh.worker_service.server import serve
+
     return _serve_worker(
-        DecodeConfig,
+        WorkerConfig,
         serve,
         args,
-        kv_transport_for=_transport_for(args.kv_transport_for),
-        kv_bind=f"tcp://{args.kv_host or args.host}:{args.kv_port}",
-        kv_timeout_s=args.kv_timeout,
-        prefill_timeout_s=args.prefill_timeout,
-        kvstore=_store_options(args, args.kv_host or args.host),
-        drain_on_sigterm=args.drain_on_sigterm,
+        role=args.role,
+        kv_send_timeout_s=args.kv_send_timeout,
+        **_decode_fields(args),
     )
+
+
+def _decode_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """A decode worker's config fields from its own flags."""
+    return {
+        "kv_transport_for": _transport_for(args.kv_transport_for),
+        "kv_bind": f"tcp://{args.kv_host or args.host}:{args.kv_port}",
+        "kv_timeout_s": args.kv_timeout,
+        "prefill_timeout_s": args.prefill_timeout,
+        "kvstore": _store_options(args, args.kv_host or args.host),
+        "drain_on_sigterm": args.drain_on_sigterm,
+    }
 
 
 def _transport_for(pairs: list[str]) -> dict[str, str]:

@@ -22,8 +22,12 @@ async def serve(config: PrefillConfig, on_ready: Callable[[int], None] | None = 
         config,
         connector,
         lambda engine: PrefillWorker(config, connector, engine),
-        lambda worker: ServiceSpec(
-            SERVICE, worker_pb2_grpc.add_PrefillWorkerServicer_to_server, PrefillServicer(worker)
-        ),
+        lambda worker: [
+            ServiceSpec(
+                SERVICE,
+                worker_pb2_grpc.add_PrefillWorkerServicer_to_server,
+                PrefillServicer(worker),
+            )
+        ],
         on_ready,
     )

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 from pdmesh.errors import InvalidRequest
 from pdmesh.kv_transfer.target import KVTarget
-from pdmesh.prefill_service.worker import PrefillOutcome, PrefillTask, PrefillWorker
+from pdmesh.prefill_service.worker import PrefillOutcome, Prefills, PrefillTask
 from pdmesh.serving.convert import logprobs_to_pb, prompt_logprobs_to_pb, sampling_from_pb
 from pdmesh.v1 import worker_pb2, worker_pb2_grpc
 
@@ -34,12 +36,21 @@ def outcome_to_pb(out: PrefillOutcome) -> worker_pb2.PrefillReply:
     return pb
 
 
+class PrefillServing(Protocol):
+    """What the servicer needs of its worker: a prefill worker, or one that switches roles."""
+
+    requests: Prefills
+
+    async def report(self) -> dict[str, Any]: ...
+
+
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, worker: PrefillWorker) -> None:
+    def __init__(self, worker: PrefillServing) -> None:
         self.worker = worker
 
     async def Prefill(self, request, context):
-        out = await self.worker.prefill(task_from_pb(request, self.worker.config.kv_send_timeout_s))
+        requests = self.worker.requests
+        out = await requests.prefill(task_from_pb(request, requests.timeout_s))
         return outcome_to_pb(out)
 
     async def GetStats(self, request, context):

@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.outputs import PositionLogprobs, StepDelta
@@ -24,7 +25,8 @@ from pdmesh.prefill_service.config import PrefillConfig
 from pdmesh.prefill_service.metrics import PrefillMetrics
 from pdmesh.prefill_service.tracing import record_prefill
 from pdmesh.sampling_params import SamplingParams
-from pdmesh.serving.store_link import Fetched
+from pdmesh.serving.engine_loop import EngineLoop
+from pdmesh.serving.store_link import Fetched, StoreLink
 from pdmesh.serving.worker_process import WorkerProcess
 
 log = get_logger(__name__)
@@ -73,18 +75,38 @@ class _Pending:
     publish: tuple[list[int], int] | None = None
 
 
-class PrefillWorker(WorkerProcess):
-    """Rank 0 of a prefill worker (the only rank without tensor parallelism)."""
+class PrefillHost(Protocol):
+    """What `Prefills` needs of the worker process it runs in (WorkerProcess has it)."""
 
-    role = "prefill"
+    engine: LLMEngine
+    loop: EngineLoop
+    store: StoreLink | None  # made when the worker starts
 
-    def __init__(self, config: PrefillConfig, connector: PushConnector, engine: LLMEngine) -> None:
-        super().__init__(engine, connector, store=config.kvstore, tls=config.tls)
-        self.config = config
-        self.kv = connector
-        self.prefills = {"remote": 0}
+    def check_serving(self) -> None: ...
+
+
+class Prefills:
+    """The Prefill calls of one worker: each prompt runs in the host's engine with its KV pushed
+    layer by layer through `kv`, and the call returns its first token. A worker of one role
+    (PrefillWorker) takes them always; one that switches roles (worker_service) only while it
+    serves prefill: `accepting` says so, and `finish` waits for the calls under way.
+
+    Callers may rely on: `prefill` and `finish` on the event loop; `owns` and `on_deltas` on
+    the engine thread."""
+
+    def __init__(
+        self, host: PrefillHost, kv: PushConnector, metrics: PrefillMetrics, timeout_s: float
+    ) -> None:
+        """timeout_s: how long a push may take when its request names no timeout."""
+        self.host = host
+        self.kv = kv
+        self.metrics = metrics
+        self.timeout_s = timeout_s
+        self.served = 0  # prompts prefilled for decode workers
+        self.accepting = True
+        self._calls = 0  # Prefill calls under way (event loop)
+        self._idle: asyncio.Event | None = None  # set when none is
         self._pending: dict[str, _Pending] = {}  # engine thread only
-        self.metrics = PrefillMetrics(self.metrics_snapshot)
 
     def check(self, task: PrefillTask) -> None:
         """Reject a task this worker cannot serve (InvalidRequest naming the field)."""
@@ -99,10 +121,11 @@ class PrefillWorker(WorkerProcess):
                 check()
             except ValueError as e:
                 raise InvalidRequest(f"kv_target.{name}: {e}", f"kv_target.{name}") from None
-        if target.block_size != self.geometry.block_size:
+        block_size = self.kv.geometry.block_size
+        if target.block_size != block_size:
             raise InvalidRequest(
                 f"kv_target.block_size {target.block_size} differs from this worker's "
-                f"{self.geometry.block_size}; prefill and decode workers need one block size.",
+                f"{block_size}; prefill and decode workers need one block size.",
                 "kv_target.block_size",
             )
         prompt_blocks = -(-len(task.prompt) // target.block_size)
@@ -118,13 +141,34 @@ class PrefillWorker(WorkerProcess):
                 "kv_target.endpoints must name at least one decode rank.", "kv_target.endpoints"
             )
 
+    async def finish(self) -> int:
+        """Stop accepting Prefill calls and wait for those under way; how many there were."""
+        self.accepting = False
+        under_way = self._calls
+        if self._calls:
+            self._idle = self._idle or asyncio.Event()
+            await self._idle.wait()
+        return under_way
+
     async def prefill(self, task: PrefillTask) -> PrefillOutcome:
+        if not self.accepting:
+            raise Unavailable("this worker serves decode now; prefill the prompt elsewhere.")
         self.check(task)
-        self.check_serving()
+        self.host.check_serving()
+        self._calls += 1
+        try:
+            return await self._prefill(task)
+        finally:
+            self._calls -= 1
+            if not self._calls and self._idle is not None:
+                self._idle.set()
+                self._idle = None
+
+    async def _prefill(self, task: PrefillTask) -> PrefillOutcome:
+        host = self.host
         started = time.perf_counter_ns()
         received_ns = time.time_ns()
-        assert self._aio is not None
-        pending = _Pending(self._aio.create_future())
+        pending = _Pending(asyncio.get_running_loop().create_future())
         # The first token is sampled as the request asks (its penalties and bias included, and
         # not EOS or a stop token if min_tokens says so); nothing stops it early.
         params = dataclasses.replace(
@@ -136,12 +180,12 @@ class PrefillWorker(WorkerProcess):
         )
         timeout_s = task.target.timeout_s
         if params.structured_outputs is not None:  # compiled here, not on the engine thread
-            await asyncio.to_thread(self.engine.grammars.compile, params.structured_outputs)
+            await asyncio.to_thread(host.engine.grammars.compile, params.structured_outputs)
         try:
             fetched = None
-            if self.store is not None:
-                fetched = await self.store.read_through(task.prompt)
-            await self.loop.acall(lambda e: self._begin(e, task, params, pending, fetched))
+            if host.store is not None:
+                fetched = await host.store.read_through(task.prompt)
+            await host.loop.acall(lambda e: self._begin(e, task, params, pending, fetched))
             job = pending.job
             assert job is not None
             prefilled = await pending.done
@@ -151,22 +195,22 @@ class PrefillWorker(WorkerProcess):
             else:
                 stats = await asyncio.to_thread(self.kv.finish, job.job_id, timeout_s)
             if self.kv.followers is not None:  # no hop to the engine thread without them
-                await self.loop.acall(lambda e: self.kv.end(job, timeout_s))
+                await host.loop.acall(lambda e: self.kv.end(job, timeout_s))
         except BaseException as exc:
             # Off the engine thread's books first, so no layer hook sends on an aborted handle.
-            await self.loop.acall(lambda e: self._cancel(e, task.request_id, pending))
+            await host.loop.acall(lambda e: self._cancel(e, task.request_id, pending))
             forward_ns = pending.job.forward_ns if pending.job is not None else 0
-            record_prefill(task, self.geometry.num_layers, received_ns, forward_ns, 0, (), exc)
+            record_prefill(task, self.kv.geometry.num_layers, received_ns, forward_ns, 0, (), exc)
             if isinstance(exc, TransferError):
                 raise Unavailable(f"KV transfer failed: {exc}") from None
             raise
         first_token_ns = received_ns + prefill_ns
         record_prefill(
-            task, self.geometry.num_layers, received_ns, job.forward_ns, first_token_ns, stats
+            task, self.kv.geometry.num_layers, received_ns, job.forward_ns, first_token_ns, stats
         )
         transfer_s = max((s.seconds for s in stats), default=0.0)
         self.metrics.prefilled(prefill_ns, job.forward_ns - received_ns, transfer_s)
-        self.prefills["remote"] += 1
+        self.served += 1
         tokens = prefilled.first_token_ids
         return PrefillOutcome(
             first_token_id=tokens[0],
@@ -188,8 +232,9 @@ class PrefillWorker(WorkerProcess):
         pending: _Pending,
         fetched: Fetched | None = None,
     ) -> None:
-        if self.store is not None:  # fetched blocks join the prefix cache, whatever comes next
-            known = self.store.settle(engine, task.prompt, fetched)
+        store = self.host.store
+        if store is not None:  # fetched blocks join the prefix cache, whatever comes next
+            known = store.settle(engine, task.prompt, fetched)
             pending.publish = (list(task.prompt), known)
         job = self.kv.start(task.request_id, task.target)
         try:
@@ -207,7 +252,13 @@ class PrefillWorker(WorkerProcess):
         if pending.job is not None:
             self.kv.end(pending.job, None)
 
-    def _on_engine_deltas(self, deltas: list[StepDelta]) -> None:
+    def owns(self, request_id: str) -> bool:
+        """Whether a request of the engine is one of these prefills."""
+        return request_id in self._pending
+
+    def on_deltas(self, deltas: list[StepDelta]) -> None:
+        """Each step's deltas of these prefills (engine thread)."""
+        store, engine = self.host.store, self.host.engine
         for d in deltas:
             if d.finish_reason is None:
                 continue
@@ -224,16 +275,19 @@ class PrefillWorker(WorkerProcess):
             publish = pending.publish if pending is not None else None
             # Computed (not aborted, not ended by an error): its blocks are in the device cache.
             computed = d.finish_reason not in ("abort", "error")
-            if publish is not None and self.store is not None and computed:
-                self.store.published(self.engine, *publish)
-            out = self.engine.get_output(rid)
-            self.engine.release(rid)
-            if pending is not None and out.error is not None and self._aio is not None:
+            if publish is not None and store is not None and computed:
+                store.published(engine, *publish)
+            out = engine.get_output(rid)
+            engine.release(rid)
+            if pending is None:
+                continue
+            aio = pending.done.get_loop()
+            if out.error is not None:
                 # The engine ended it alone (its constraints left nothing to sample, a fault of
                 # its own): the caller gets the error; the batch ran on.
                 error = from_status(out.error.status, out.error.message, out.error.field)
-                self._aio.call_soon_threadsafe(_reject, pending.done, error)
-            elif pending is not None and pending.firsts and self._aio is not None:
+                aio.call_soon_threadsafe(_reject, pending.done, error)
+            elif pending.firsts:
                 firsts = [pending.firsts[i] for i in sorted(pending.firsts)]
                 logprobs = [lp for _, lp in firsts if lp is not None]
                 result = _Prefilled(
@@ -242,7 +296,27 @@ class PrefillWorker(WorkerProcess):
                     logprobs if len(logprobs) == len(firsts) else None,
                     pending.prompt_logprobs,
                 )
-                self._aio.call_soon_threadsafe(_resolve, pending.done, result)
+                aio.call_soon_threadsafe(_resolve, pending.done, result)
+
+
+class PrefillWorker(WorkerProcess):
+    """Rank 0 of a prefill worker (the only rank without tensor parallelism)."""
+
+    role = "prefill"
+
+    def __init__(self, config: PrefillConfig, connector: PushConnector, engine: LLMEngine) -> None:
+        super().__init__(engine, connector, store=config.kvstore, tls=config.tls)
+        self.config = config
+        self.kv = connector
+        self.metrics = PrefillMetrics(self.metrics_snapshot)
+        self.requests = Prefills(self, connector, self.metrics, config.kv_send_timeout_s)
+
+    @property
+    def prefills(self) -> dict[str, int]:  # type: ignore[override]
+        return {"remote": self.requests.served}
+
+    def _on_engine_deltas(self, deltas: list[StepDelta]) -> None:
+        self.requests.on_deltas(deltas)
 
 
 def _resolve(future: asyncio.Future[_Prefilled], value: _Prefilled) -> None:

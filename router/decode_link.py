@@ -20,7 +20,7 @@ import grpc
 
 from pdmesh.logger import get_logger
 from pdmesh.router.registry import Worker
-from pdmesh.v1 import worker_pb2
+from pdmesh.v1 import worker_pb2, worker_pb2_grpc
 
 log = get_logger(__name__)
 
@@ -70,6 +70,10 @@ class DeltaQueue:
 class DecodeLink:
     def __init__(self, worker: Worker, router_id: str) -> None:
         self.worker = worker
+        # Its own stub: the worker's may become a prefill worker's (router/roles.py), and the
+        # stream goes on serving the requests it still has.
+        assert worker.channel is not None
+        self.stub = worker_pb2_grpc.DecodeWorkerStub(worker.channel)
         # A fresh id per connection: a decode worker aborts the requests of a closed stream.
         self._router_id = router_id
         self.subscriber_id = ""
@@ -96,7 +100,7 @@ class DecodeLink:
     async def _run(self) -> None:
         while True:
             self.subscriber_id = f"{self._router_id}-{uuid.uuid4().hex[:8]}"
-            call = self.worker.stub.Subscribe(  # type: ignore[attr-defined]
+            call = self.stub.Subscribe(
                 worker_pb2.SubscribeRequest(subscriber_id=self.subscriber_id)
             )
             detail = "stream ended"

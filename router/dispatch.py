@@ -185,14 +185,28 @@ class Dispatcher:
         self.registry = registry
         self.policy = create_policy(config.policy, config.overlap_weight, config.disagg_min_tokens)
         self.store = StoreHits(config.kvstore, config.tls) if config.kvstore else None
-        router_id = f"router-{uuid.uuid4().hex[:8]}"
-        self.links = {w.address: DecodeLink(w, router_id) for w in registry.by_role("decode")}
+        self._router_id = f"router-{uuid.uuid4().hex[:8]}"
+        self.links: dict[str, DecodeLink] = {}
+        self._started = False
+        for w in registry.by_role("decode"):
+            self.link(w)
         self._background: set[asyncio.Task[Any]] = set()
         self._submits = 0
 
     def start(self) -> None:
+        self._started = True
         for link in self.links.values():
             link.start()
+
+    def link(self, worker: Worker) -> DecodeLink:
+        """The decode worker's token stream to this router, opened on first need (for a worker
+        that became a decode worker: router/roles.py)."""
+        link = self.links.get(worker.address)
+        if link is None:
+            link = self.links[worker.address] = DecodeLink(worker, self._router_id)
+            if self._started:
+                link.start()
+        return link
 
     async def close(self) -> None:
         for link in self.links.values():
@@ -203,7 +217,7 @@ class Dispatcher:
     def decode_ready(self) -> list[Worker]:
         """Decode workers in rotation whose token stream to this router is open."""
         healthy = self.registry.healthy("decode")
-        return [w for w in healthy if self.links[w.address].connected.is_set()]
+        return [w for w in healthy if self.link(w).connected.is_set()]
 
     @property
     def block_size(self) -> int:
@@ -254,7 +268,7 @@ class Dispatcher:
             attempt = Attempt(
                 inp.request_id,
                 f"{inp.request_id}~{self._submits}" if resumed else inp.request_id,
-                self.links[d.address],
+                self.link(d),
                 d,
                 prefill,
                 prompt.num_blocks,
@@ -274,7 +288,7 @@ class Dispatcher:
             )
             try:
                 with telemetry.active():
-                    await d.stub.Submit(request, timeout=SUBMIT_TIMEOUT_S)  # type: ignore[attr-defined]
+                    await attempt.link.stub.Submit(request, timeout=SUBMIT_TIMEOUT_S)
             except grpc.aio.AioRpcError as e:
                 self.end(attempt)
                 code = e.code()
@@ -322,7 +336,7 @@ class Dispatcher:
         # handed over has ended there (an Abort now could free KV another worker pulls).
         if not attempt.finished and attempt.moved is None:
             task = asyncio.get_running_loop().create_task(
-                _abort(attempt.decode.stub, attempt.wire_id)
+                _abort(attempt.link.stub, attempt.wire_id)
             )
             self._background.add(task)
             task.add_done_callback(self._background.discard)

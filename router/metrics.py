@@ -6,6 +6,7 @@ metric by declaring it below and recording it through `RequestRecorder` or a fun
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from prometheus_client import (
@@ -63,6 +64,11 @@ WORKER_RESTARTS = Counter(
     "Times a worker came back as a new process (the start time in its stats changed).",
     ["role", "worker"],
 )
+WORKER_ROLE_SWITCHES = Counter(
+    "pdmesh_router_worker_role_switches",
+    "Times a worker changed role (`pdmesh role`, SetWorkerRole), by the role it took.",
+    ["worker", "role"],
+)
 REQUESTS_FAILED_WORKER_LOST = Counter(
     "pdmesh_router_requests_failed_worker_lost",
     "Requests that ended in an error after a decode worker serving them was lost (those moved "
@@ -104,6 +110,15 @@ def worker_health(role: str, address: str, up: bool) -> None:
     WORKER_UP.labels(role, address).set(1 if up else 0)
     if not up:
         WORKER_DOWN.labels(role, address).inc()
+
+
+def worker_role(address: str, old: str, new: str, up: bool) -> None:
+    """A worker changed role: its up gauge moves to the new role's label (counters keep the
+    old role's series)."""
+    with contextlib.suppress(KeyError):  # not made yet
+        WORKER_UP.remove(old, address)
+    WORKER_UP.labels(new, address).set(1 if up else 0)
+    WORKER_ROLE_SWITCHES.labels(address, new).inc()
 
 
 def worker_restarted(role: str, address: str) -> None:

@@ -4,6 +4,10 @@ A worker enters the rotation when its health check says SERVING and leaves it wh
 fails or says otherwise; checks keep running, so it comes back when healthy again. Each exit
 from the rotation is counted, and so is each restart: a worker's stats carry its process's
 start time, and a new one is a new process (router/metrics.py).
+
+A worker's role is the one of the router's list it is in, until the worker says otherwise: a
+worker that takes either role (`pdmesh worker`) reports the one it serves in its stats, and the
+registry follows it (router/roles.py switches one; a restarted router finds the roles again).
 """
 
 from __future__ import annotations
@@ -38,6 +42,23 @@ class Worker:
     channel: grpc.aio.Channel | None = None
     stub: object = None
     health_stub: HealthStub | None = None
+    # Changing role (router/roles.py): in no role's rotation until it serves the new one.
+    switching: bool = False
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The roles it can take, as its last stats say (before any: its own)."""
+        return tuple(self.load.roles) or (self.role,)
+
+    def take_role(self, role: str) -> None:
+        """Serve `role` from now on: its stub becomes that role's."""
+        if role == self.role:
+            return
+        metrics.worker_role(self.address, self.role, role, self.healthy)
+        log.info("worker %s now serves %s (was %s)", self.address, role, self.role)
+        self.role = role
+        assert self.channel is not None
+        self.stub = _STUBS[role](self.channel)
 
     @property
     def kv_usage(self) -> float:
@@ -45,19 +66,23 @@ class Worker:
         return (self.load.kv_blocks_used + self.inflight_blocks) / total
 
 
+_STUBS = {
+    "prefill": worker_pb2_grpc.PrefillWorkerStub,
+    "decode": worker_pb2_grpc.DecodeWorkerStub,
+}
+
+
 class WorkerRegistry:
     """The workers of a router's config, checked and polled while started."""
 
     def __init__(self, config: RouterConfig) -> None:
         self.workers: list[Worker] = []
-        for role, addresses, stub in (
-            ("prefill", config.prefill, worker_pb2_grpc.PrefillWorkerStub),
-            ("decode", config.decode, worker_pb2_grpc.DecodeWorkerStub),
-        ):
+        for role, addresses in (("prefill", config.prefill), ("decode", config.decode)):
             for address in addresses:
                 ch = channel(address, config.tls)
+                stub = _STUBS[role](ch)
                 self.workers.append(
-                    Worker(address, role, channel=ch, stub=stub(ch), health_stub=HealthStub(ch))
+                    Worker(address, role, channel=ch, stub=stub, health_stub=HealthStub(ch))
                 )
         self.health_interval_s = config.health_interval_s
         self.stats_interval_s = config.stats_interval_s
@@ -76,7 +101,11 @@ class WorkerRegistry:
                 await w.channel.close()
 
     def healthy(self, role: str) -> list[Worker]:
-        return [w for w in self.workers if w.role == role and w.healthy]
+        """In `role`'s rotation: healthy, and not changing role."""
+        return [w for w in self.workers if w.role == role and w.healthy and not w.switching]
+
+    def find(self, address: str) -> Worker | None:
+        return next((w for w in self.workers if w.address == address), None)
 
     def by_role(self, role: str) -> list[Worker]:
         return [w for w in self.workers if w.role == role]
@@ -99,6 +128,8 @@ class WorkerRegistry:
                     )
                     self._note_restart(w, load)
                     w.load = load
+                    if load.role in _STUBS and not w.switching:
+                        w.take_role(load.role)
                 next_stats = loop.time() + self.stats_interval_s
             await asyncio.sleep(min(self.health_interval_s, self.stats_interval_s))
 

@@ -11,15 +11,16 @@ from pdmesh.logger import get_logger
 from pdmesh.observability import tracing
 from pdmesh.router.config import RouterConfig
 from pdmesh.router.core import Router
-from pdmesh.router.servicer import GenerationServicer
+from pdmesh.router.servicer import GenerationServicer, MeshControlServicer
 from pdmesh.serving.auth import ApiKeyInterceptor
 from pdmesh.serving.grpc_server import ServiceSpec, build_server
 from pdmesh.serving.runner import serve_until_stopped
 from pdmesh.text.tokenizer import Tokenizer
-from pdmesh.v1 import generation_pb2_grpc
+from pdmesh.v1 import generation_pb2_grpc, worker_pb2_grpc
 
 log = get_logger(__name__)
 SERVICE = "pdmesh.v1.Generation"
+CONTROL_SERVICE = "pdmesh.v1.MeshControl"
 
 
 async def serve(config: RouterConfig, on_ready: Callable[[int], None] | None = None) -> None:
@@ -35,7 +36,12 @@ async def serve(config: RouterConfig, on_ready: Callable[[int], None] | None = N
                 SERVICE,
                 generation_pb2_grpc.add_GenerationServicer_to_server,
                 GenerationServicer(router),
-            )
+            ),
+            ServiceSpec(
+                CONTROL_SERVICE,
+                worker_pb2_grpc.add_MeshControlServicer_to_server,
+                MeshControlServicer(router),
+            ),
         ],
         interceptors=[ApiKeyInterceptor(config.api_keys)] if config.api_keys.required else [],
         tls=config.tls,

@@ -12,13 +12,14 @@ from pdmesh.errors import InvalidRequest
 from pdmesh.router import metrics
 from pdmesh.router.chat_pb import CallsAtEnd, messages_from_pb, tool_use_from_pb, tools_from_pb
 from pdmesh.router.core import Router
+from pdmesh.router.roles import RoleSwitcher
 from pdmesh.router.tool_choice import NONE
 from pdmesh.router.tool_parsers.registry import pick_parser
 from pdmesh.sampling_params import SamplingParams
 from pdmesh.serving.convert import sampling_fields_from_pb
 from pdmesh.serving.errors import status_name
 from pdmesh.v1 import generation_pb2 as gen_pb
-from pdmesh.v1 import generation_pb2_grpc
+from pdmesh.v1 import generation_pb2_grpc, worker_pb2_grpc
 from pdmesh.validation import Prompt, RequestSpec
 
 GRPC_ENDPOINT = "grpc"  # the `endpoint` label of the router's metrics for gRPC requests
@@ -114,3 +115,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise InvalidRequest("input must be text or chat (none was set).", "input")
         ids = await self.router.validator.tokenize(prompt, field)
         return gen_pb.TokenizeResponse(token_ids=ids)
+
+
+class MeshControlServicer(worker_pb2_grpc.MeshControlServicer):
+    """The router's control of its workers (operators, `pdmesh role`)."""
+
+    def __init__(self, router: Router) -> None:
+        self.roles = RoleSwitcher(router.registry, router.dispatcher)
+
+    async def SetWorkerRole(self, request, context):
+        return await self.roles.set_role(request.worker, request.role)

@@ -23,6 +23,7 @@ ENGINE_COMMANDS = {
     "up": [],
     "decode": [],
     "prefill": [],
+    "worker": ["--role", "prefill"],
     "bench": ["--offline"],
 }
 

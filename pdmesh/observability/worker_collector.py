@@ -40,6 +40,7 @@ class WorkerSnapshot:
     prefills: Mapping[str, int] = field(default_factory=dict)  # by mode: local, remote, fallback
     eplb: EplbFigures | None = None  # None: EPLB off
     store: Mapping[str, float] | None = None  # StoreLink.figures(); None: no KV store
+    role: str | None = None  # the role now, for a worker that changes role; None: its one
 
 
 @dataclass(frozen=True)
@@ -63,11 +64,18 @@ class WorkerCollector:
         return self._families(self._snapshot())
 
     def _families(self, s: WorkerSnapshot | None) -> Iterator[Metric]:
+        role = (s.role if s is not None else None) or self.role
+        now = GaugeMetricFamily(
+            "pdmesh_worker_role", "1 for the role the worker serves now.", labels=["role"]
+        )
+        if s is not None:
+            now.add_metric([role], 1)
+        yield now
         values = _engine_values(s.engine) if s is not None else {}
         for key, (kind, name, doc) in _ENGINE_FAMILIES.items():
             family = kind(name, doc, labels=["role"])
             if s is not None:
-                family.add_metric([self.role], values[key])
+                family.add_metric([role], values[key])
             yield family
         yield from _transfer_families(s.transfers if s else ())
         experts = CounterMetricFamily(
@@ -78,16 +86,16 @@ class WorkerCollector:
         )
         if s is not None:
             for expert, n in enumerate(s.expert_token_counts):
-                experts.add_metric([self.role, str(expert)], n)
+                experts.add_metric([role, str(expert)], n)
             for mode, n in s.prefills.items():
-                prefills.add_metric([self.role, mode], n)
+                prefills.add_metric([role, mode], n)
         yield experts
         yield prefills
-        yield from _eplb_families(self.role, s.eplb if s is not None else None)
+        yield from _eplb_families(role, s.eplb if s is not None else None)
         for key, (kind, name, doc) in _STORE_FAMILIES.items():
             family = kind(name, doc, labels=["role"])
             if s is not None and s.store is not None:
-                family.add_metric([self.role], s.store[key])
+                family.add_metric([role], s.store[key])
             yield family
 
 

@@ -113,7 +113,11 @@ class WorkerProcess(ABC):
     # -- figures ------------------------------------------------------------------------------
     def transfer_totals(self) -> list[TransferTotals]:
         """Rank 0's KV transfer counters per transport (any thread)."""
-        return [_totals(n, s) for n, s in self.connector.stats_by_transport().items()]
+        return [_totals(n, s) for n, s in self.transfer_stats()]
+
+    def transfer_stats(self) -> list[tuple[str, SenderStats | ReceiverStats]]:
+        """Rank 0's KV senders' and receivers' counters, with their transports (any thread)."""
+        return list(self.connector.stats_by_transport().items())
 
     def metrics_snapshot(self) -> WorkerSnapshot:
         """State for a Prometheus scrape, read from the scraping thread (no engine wait)."""
@@ -147,6 +151,7 @@ class WorkerProcess(ABC):
         fields = await self.loop.acall(read)
         return {
             "role": self.role,
+            "roles": [self.role],
             **fields,
             **(self.store.figures() if self.store is not None else {}),
             "block_size": self.geometry.block_size,
@@ -226,7 +231,7 @@ async def serve_worker(
     config: WorkerSettings,
     connector: KVConnector,
     make_worker: Callable[[LLMEngine], W],
-    service: Callable[[W], ServiceSpec],
+    services: Callable[[W], list[ServiceSpec]],
     on_ready: Callable[[int], None] | None = None,
     on_sigterm: Callable[[W], Callable[[], Awaitable[object]]] | None = None,
 ) -> None:
@@ -247,7 +252,7 @@ async def serve_worker(
     worker.start(asyncio.get_running_loop())
     bind = config.metrics_bind
     metrics = MetricsServer(bind, worker.metrics.registry) if bind else None
-    server, health, port = build_server(config.bind, [service(worker)], tls=config.tls)
+    server, health, port = build_server(config.bind, services(worker), tls=config.tls)
     worker.health = health
     await server.start()
     log.info("%s worker on port %d%s", role, port, worker.banner())

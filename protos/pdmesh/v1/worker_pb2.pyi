@@ -7,6 +7,34 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SetRoleRequest(_message.Message):
+    __slots__ = ("role",)
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    def __init__(self, role: _Optional[str] = ...) -> None: ...
+
+class SetRoleReply(_message.Message):
+    __slots__ = ("role", "previous", "migrated", "recomputed", "prefills_finished")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATED_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
+    PREFILLS_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    previous: str
+    migrated: int
+    recomputed: int
+    prefills_finished: int
+    def __init__(self, role: _Optional[str] = ..., previous: _Optional[str] = ..., migrated: _Optional[int] = ..., recomputed: _Optional[int] = ..., prefills_finished: _Optional[int] = ...) -> None: ...
+
+class SetWorkerRoleRequest(_message.Message):
+    __slots__ = ("worker", "role")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    role: str
+    def __init__(self, worker: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
+
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "subscriber_id", "prompt_token_ids", "sampling", "prefill_address", "disagg_min_tokens", "deadline_unix_ms", "arrival_unix_ns", "num_output_tokens_sent", "migrate_from")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -136,7 +164,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("role", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "prefix_queried_tokens", "prefix_hit_tokens", "num_preemptions", "kv_bytes_received", "kv_bytes_sent", "kv_seconds", "kv_transfers", "kv_frames_dropped", "local_prefills", "remote_prefills", "prefill_fallbacks", "expert_token_counts", "block_size", "tensor_parallel_size", "steps_launched_ahead", "pipeline_parallel_size", "physical_expert_token_counts", "eplb_rebalances", "eplb_imbalance", "fork_blocks_shared", "fork_blocks_copied", "host_tier_blocks_total", "host_tier_blocks_used", "host_tier_hit_blocks", "host_tier_hit_tokens", "host_tier_offloaded_bytes", "host_tier_loaded_bytes", "host_tier_copy_seconds", "spec_draft_tokens", "spec_accepted_tokens", "store_lookups", "store_lookup_blocks", "store_hit_blocks", "store_hit_tokens", "store_fetch_failures", "store_fetched_bytes", "store_fetch_seconds", "store_published_blocks", "store_published_bytes", "store_publish_seconds", "store_hit_rate", "migrations_out", "migrations_in", "migration_fallbacks", "migration_bytes_sent", "migration_bytes_received", "draining", "process_start_unix_s", "data_parallel_size", "data_parallel_rank", "data_parallel_attention")
+    __slots__ = ("role", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "prefix_queried_tokens", "prefix_hit_tokens", "num_preemptions", "kv_bytes_received", "kv_bytes_sent", "kv_seconds", "kv_transfers", "kv_frames_dropped", "local_prefills", "remote_prefills", "prefill_fallbacks", "expert_token_counts", "block_size", "tensor_parallel_size", "steps_launched_ahead", "pipeline_parallel_size", "physical_expert_token_counts", "eplb_rebalances", "eplb_imbalance", "fork_blocks_shared", "fork_blocks_copied", "host_tier_blocks_total", "host_tier_blocks_used", "host_tier_hit_blocks", "host_tier_hit_tokens", "host_tier_offloaded_bytes", "host_tier_loaded_bytes", "host_tier_copy_seconds", "spec_draft_tokens", "spec_accepted_tokens", "store_lookups", "store_lookup_blocks", "store_hit_blocks", "store_hit_tokens", "store_fetch_failures", "store_fetched_bytes", "store_fetch_seconds", "store_published_blocks", "store_published_bytes", "store_publish_seconds", "store_hit_rate", "migrations_out", "migrations_in", "migration_fallbacks", "migration_bytes_sent", "migration_bytes_received", "draining", "process_start_unix_s", "data_parallel_size", "data_parallel_rank", "data_parallel_attention", "roles")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +222,7 @@ class WorkerStats(_message.Message):
     DATA_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     DATA_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
     DATA_PARALLEL_ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    ROLES_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_running: int
     num_waiting: int
@@ -251,7 +280,8 @@ class WorkerStats(_message.Message):
     data_parallel_size: int
     data_parallel_rank: int
     data_parallel_attention: bool
-    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., kv_transfers: _Optional[int] = ..., kv_frames_dropped: _Optional[int] = ..., local_prefills: _Optional[int] = ..., remote_prefills: _Optional[int] = ..., prefill_fallbacks: _Optional[int] = ..., expert_token_counts: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., steps_launched_ahead: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., physical_expert_token_counts: _Optional[_Iterable[int]] = ..., eplb_rebalances: _Optional[int] = ..., eplb_imbalance: _Optional[float] = ..., fork_blocks_shared: _Optional[int] = ..., fork_blocks_copied: _Optional[int] = ..., host_tier_blocks_total: _Optional[int] = ..., host_tier_blocks_used: _Optional[int] = ..., host_tier_hit_blocks: _Optional[int] = ..., host_tier_hit_tokens: _Optional[int] = ..., host_tier_offloaded_bytes: _Optional[int] = ..., host_tier_loaded_bytes: _Optional[int] = ..., host_tier_copy_seconds: _Optional[float] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., store_lookups: _Optional[int] = ..., store_lookup_blocks: _Optional[int] = ..., store_hit_blocks: _Optional[int] = ..., store_hit_tokens: _Optional[int] = ..., store_fetch_failures: _Optional[int] = ..., store_fetched_bytes: _Optional[int] = ..., store_fetch_seconds: _Optional[float] = ..., store_published_blocks: _Optional[int] = ..., store_published_bytes: _Optional[int] = ..., store_publish_seconds: _Optional[float] = ..., store_hit_rate: _Optional[float] = ..., migrations_out: _Optional[int] = ..., migrations_in: _Optional[int] = ..., migration_fallbacks: _Optional[int] = ..., migration_bytes_sent: _Optional[int] = ..., migration_bytes_received: _Optional[int] = ..., draining: _Optional[bool] = ..., process_start_unix_s: _Optional[float] = ..., data_parallel_size: _Optional[int] = ..., data_parallel_rank: _Optional[int] = ..., data_parallel_attention: _Optional[bool] = ...) -> None: ...
+    roles: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., kv_transfers: _Optional[int] = ..., kv_frames_dropped: _Optional[int] = ..., local_prefills: _Optional[int] = ..., remote_prefills: _Optional[int] = ..., prefill_fallbacks: _Optional[int] = ..., expert_token_counts: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., steps_launched_ahead: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., physical_expert_token_counts: _Optional[_Iterable[int]] = ..., eplb_rebalances: _Optional[int] = ..., eplb_imbalance: _Optional[float] = ..., fork_blocks_shared: _Optional[int] = ..., fork_blocks_copied: _Optional[int] = ..., host_tier_blocks_total: _Optional[int] = ..., host_tier_blocks_used: _Optional[int] = ..., host_tier_hit_blocks: _Optional[int] = ..., host_tier_hit_tokens: _Optional[int] = ..., host_tier_offloaded_bytes: _Optional[int] = ..., host_tier_loaded_bytes: _Optional[int] = ..., host_tier_copy_seconds: _Optional[float] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., store_lookups: _Optional[int] = ..., store_lookup_blocks: _Optional[int] = ..., store_hit_blocks: _Optional[int] = ..., store_hit_tokens: _Optional[int] = ..., store_fetch_failures: _Optional[int] = ..., store_fetched_bytes: _Optional[int] = ..., store_fetch_seconds: _Optional[float] = ..., store_published_blocks: _Optional[int] = ..., store_published_bytes: _Optional[int] = ..., store_publish_seconds: _Optional[float] = ..., store_hit_rate: _Optional[float] = ..., migrations_out: _Optional[int] = ..., migrations_in: _Optional[int] = ..., migration_fallbacks: _Optional[int] = ..., migration_bytes_sent: _Optional[int] = ..., migration_bytes_received: _Optional[int] = ..., draining: _Optional[bool] = ..., process_start_unix_s: _Optional[float] = ..., data_parallel_size: _Optional[int] = ..., data_parallel_rank: _Optional[int] = ..., data_parallel_attention: _Optional[bool] = ..., roles: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KVTarget(_message.Message):
     __slots__ = ("transport", "transfer_id", "token", "first_block", "block_ids", "block_size", "endpoints", "timeout_ms", "trace_context")

@@ -442,3 +442,166 @@ class PrefillWorker:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class WorkerRoleStub:
+    """A worker that can take either role (`pdmesh worker`): it serves DecodeWorker and
+    PrefillWorker over one engine, and its role is what the router sends it.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.SetRole = channel.unary_unary(
+                '/pdmesh.v1.WorkerRole/SetRole',
+                request_serializer=pdmesh_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_v1_dot_worker__pb2.SetRoleReply.FromString,
+                _registered_method=True)
+
+
+class WorkerRoleServicer:
+    """A worker that can take either role (`pdmesh worker`): it serves DecodeWorker and
+    PrefillWorker over one engine, and its role is what the router sends it.
+    """
+
+    def SetRole(self, request, context):
+        """Take `role`: a decode worker becoming a prefill worker first moves its running requests
+        to other decode workers with their KV (as Drain does, but it stays SERVING); a prefill
+        worker becoming a decode worker first finishes its prefills. Returns once switched.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_WorkerRoleServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'SetRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRole,
+                    request_deserializer=pdmesh_dot_v1_dot_worker__pb2.SetRoleRequest.FromString,
+                    response_serializer=pdmesh_dot_v1_dot_worker__pb2.SetRoleReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdmesh.v1.WorkerRole', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdmesh.v1.WorkerRole', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class WorkerRole:
+    """A worker that can take either role (`pdmesh worker`): it serves DecodeWorker and
+    PrefillWorker over one engine, and its role is what the router sends it.
+    """
+
+    @staticmethod
+    def SetRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.v1.WorkerRole/SetRole',
+            pdmesh_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
+            pdmesh_dot_v1_dot_worker__pb2.SetRoleReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class MeshControlStub:
+    """The router's control of its workers, served beside pdmesh.v1.Generation (operators,
+    `pdmesh role`, and later the planner).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.SetWorkerRole = channel.unary_unary(
+                '/pdmesh.v1.MeshControl/SetWorkerRole',
+                request_serializer=pdmesh_dot_v1_dot_worker__pb2.SetWorkerRoleRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_v1_dot_worker__pb2.SetRoleReply.FromString,
+                _registered_method=True)
+
+
+class MeshControlServicer:
+    """The router's control of its workers, served beside pdmesh.v1.Generation (operators,
+    `pdmesh role`, and later the planner).
+    """
+
+    def SetWorkerRole(self, request, context):
+        """Switch a worker the router knows between prefill and decode (see WorkerRole.SetRole); the
+        router stops sending it work of its old role at once and dispatches by its new role once
+        the worker has switched. Refused: an unknown role, an unknown worker, a worker that
+        cannot switch, or the last worker in rotation of its role.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_MeshControlServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'SetWorkerRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetWorkerRole,
+                    request_deserializer=pdmesh_dot_v1_dot_worker__pb2.SetWorkerRoleRequest.FromString,
+                    response_serializer=pdmesh_dot_v1_dot_worker__pb2.SetRoleReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdmesh.v1.MeshControl', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdmesh.v1.MeshControl', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class MeshControl:
+    """The router's control of its workers, served beside pdmesh.v1.Generation (operators,
+    `pdmesh role`, and later the planner).
+    """
+
+    @staticmethod
+    def SetWorkerRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.v1.MeshControl/SetWorkerRole',
+            pdmesh_dot_v1_dot_worker__pb2.SetWorkerRoleRequest.SerializeToString,
+            pdmesh_dot_v1_dot_worker__pb2.SetRoleReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
