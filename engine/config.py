@@ -31,6 +31,10 @@ _DTYPES = {
 # reading this config does not import torch).
 QUANTIZATIONS = ("fp8",)
 
+# KV cache dtypes, vLLM's names: auto is the model's dtype; fp8 (alias fp8_e4m3) is float8 e4m3
+# (torch.float8_e4m3fn), with a scale per layer for K and one for V (docs/kv-cache.md).
+KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
+
 
 def _check_positive(name: str, value: Any, allow_none: bool = False) -> None:
     if value is None and allow_none:
@@ -102,6 +106,11 @@ class EngineConfig:
         "fp8: float8 e4m3 weights (per-channel scales, quantized at load) and per-token "
         "activations; unset: as the checkpoint is (an FP8 checkpoint runs fp8)",
     )
+    kv_cache_dtype: str = option(
+        "auto",
+        "auto (the model's dtype) | fp8 (float8 e4m3: half of bf16's KV bytes; alias fp8_e4m3); "
+        "prefill and decode workers need the same one",
+    )
     load_format: str = option("auto", "auto (the checkpoint's) | dummy (random weights: speed)")
     skip_tokenizer_init: bool = option(False, "no tokenizer: token ids in and out, no text")
     enforce_eager: bool = option(False, "no CUDA graphs (GPU decode steps run eagerly)")
@@ -150,6 +159,11 @@ class EngineConfig:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATIONS)} or unset, got "
                 f"{self.quantization!r}."
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                f"{self.kv_cache_dtype!r} (fp8 is float8 e4m3; fp8_e5m2 is not supported)."
             )
         self._check_eplb()
         self._check_nodes()
@@ -280,3 +294,10 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return getattr(torch, _DTYPES[self.dtype])
+
+    def kv_cache_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """What the paged KV cache stores: the model's dtype (auto) or float8 e4m3 (fp8)."""
+        import torch
+
+        name = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        return model_dtype if name is None else getattr(torch, name)

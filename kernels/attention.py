@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from pdmesh.kernels.backend import pick
+from pdmesh.kernels.kv_quant import dequantize, is_fp8, quantize
 
 
 def store_kv_cache(
@@ -19,17 +20,27 @@ def store_kv_cache(
     k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64; -1 skips the token (padding)
+    k_scale: float = 1.0,  # an fp8 cache stores key / k_scale (kernels/kv_quant.py)
+    v_scale: float = 1.0,
 ) -> None:
-    pick("store_kv_cache", key, store_kv_cache_ref)(key, value, k_cache, v_cache, slot_mapping)
+    fn = pick("store_kv_cache", key, store_kv_cache_ref)
+    fn(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
 
-def store_kv_cache_ref(key, value, k_cache, v_cache, slot_mapping) -> None:
+def store_kv_cache_ref(
+    key, value, k_cache, v_cache, slot_mapping, *, k_scale: float = 1.0, v_scale: float = 1.0
+) -> None:
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    key = quantize(key, k_cache.dtype, k_scale)
+    value = quantize(value, v_cache.dtype, v_scale)
+    if is_fp8(k_cache.dtype):  # torch's CPU index_copy_ has no fp8: the same bytes as uint8
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        key, value = key.view(torch.uint8), value.view(torch.uint8)
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
 def paged_decode_attention(
@@ -40,9 +51,12 @@ def paged_decode_attention(
     context_lens: torch.Tensor,  # [B]: keys per sequence, the query's own included
     scale: float,
     max_context_len: int | None = None,
+    k_scale: float = 1.0,  # an fp8 cache's keys are k_cache * k_scale (kernels/kv_quant.py)
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [B, H, D]
     fn = pick("paged_decode_attention", query, paged_decode_attention_ref)
-    return fn(query, k_cache, v_cache, block_tables, context_lens, scale, max_context_len)
+    args = (query, k_cache, v_cache, block_tables, context_lens, scale, max_context_len)
+    return fn(*args, k_scale=k_scale, v_scale=v_scale)
 
 
 def gather_pages(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
@@ -60,9 +74,19 @@ DECODE_GROUP = 8
 
 
 def paged_decode_attention_ref(
-    query, k_cache, v_cache, block_tables, context_lens, scale, max_context_len=None
+    query,
+    k_cache,
+    v_cache,
+    block_tables,
+    context_lens,
+    scale,
+    max_context_len=None,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ):
     batch = query.shape[0]
+    scales = (k_scale, v_scale)
     if batch > DECODE_GROUP and not query.is_cuda:
         lens = context_lens.tolist()
         order = sorted(range(batch), key=lens.__getitem__)
@@ -78,15 +102,16 @@ def paged_decode_attention_ref(
                 context_lens[idx],
                 scale,
                 lens[rows[-1]],
+                scales,
             )
         return out
     return _decode_attention(
-        query, k_cache, v_cache, block_tables, context_lens, scale, max_context_len
+        query, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, scales
     )
 
 
 def _decode_attention(
-    query, k_cache, v_cache, block_tables, context_lens, scale, max_context_len=None
+    query, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, scales
 ):
     block_size = k_cache.shape[1]
     if max_context_len is None:
@@ -101,8 +126,8 @@ def _decode_attention(
     mask = (positions.unsqueeze(0) < context_lens.unsqueeze(1)).view(batch, 1, 1, -1)
     out = F.scaled_dot_product_attention(
         query.unsqueeze(2),
-        keys.to(query.dtype),
-        values.to(query.dtype),
+        dequantize(keys, query.dtype, scales[0]),
+        dequantize(values, query.dtype, scales[1]),
         attn_mask=mask,
         scale=scale,
         enable_gqa=True,
@@ -120,6 +145,8 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int | None = None,
     max_context_len: int | None = None,
+    k_scale: float = 1.0,  # an fp8 cache's keys are k_cache * k_scale (kernels/kv_quant.py)
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, H, D]
     """Causal attention of each sequence's new tokens over its whole context. The new tokens are
     the last `q_len` of the context, so a prefix held in cached pages is attended too."""
@@ -134,11 +161,22 @@ def paged_prefill_attention(
         scale,
         max_query_len,
         max_context_len,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
 def paged_prefill_attention_ref(
-    query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, *_length_hints
+    query,
+    k_cache,
+    v_cache,
+    cu_seqlens_q,
+    context_lens,
+    block_tables,
+    scale,
+    *_length_hints,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ):
     # _length_hints: max_query_len and max_context_len, which only the Triton kernel uses.
     block_size = k_cache.shape[1]
@@ -149,8 +187,10 @@ def paged_prefill_attention_ref(
         q_start, q_end = starts[i], starts[i + 1]
         q_len = q_end - q_start
         pages = block_tables[i, : -(-ctx // block_size)].long()
-        keys = gather_pages(k_cache, pages).flatten(0, 1)[:ctx].transpose(0, 1).to(query.dtype)
-        values = gather_pages(v_cache, pages).flatten(0, 1)[:ctx].transpose(0, 1).to(query.dtype)
+        keys = gather_pages(k_cache, pages).flatten(0, 1)[:ctx].transpose(0, 1)
+        values = gather_pages(v_cache, pages).flatten(0, 1)[:ctx].transpose(0, 1)
+        keys = dequantize(keys, query.dtype, k_scale)  # [Hkv, ctx, D]
+        values = dequantize(values, query.dtype, v_scale)
         q = query[q_start:q_end].transpose(0, 1)  # [H, q_len, D]
         if q_len == ctx:
             o = F.scaled_dot_product_attention(

@@ -46,6 +46,9 @@ class _Pending:
     bytes: int = 0
     frames: int = 0
     first_frame_at: float | None = None
+    # Why authentic frames of it were refused, when they can never fit (another KV dtype): said
+    # when the transfer fails. The transfer is not failed at once: a refused frame never is.
+    refused: str = ""
 
 
 class TransferInbox:
@@ -125,7 +128,8 @@ class TransferInbox:
             if pending is not None:
                 self._failed += 1
         if pending is not None:
-            _fail(pending.future, TransferError(f"transfer {transfer_id} was cancelled"))
+            error = f"transfer {transfer_id} was cancelled{pending.refused}"
+            _fail(pending.future, TransferError(error))
 
     def expire(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -140,6 +144,7 @@ class TransferInbox:
                 TransferError(
                     f"transfer {pending.spec.transfer_id} timed out with {missing} of "
                     f"{pending.coverage.numel()} (layer, block, head) pages missing"
+                    f"{pending.refused}"
                 ),
             )
 
@@ -200,6 +205,8 @@ class TransferInbox:
             verdict = self._check(header, payload, pending, layers)
             if verdict is not Verdict.ACCEPTED or pending is None:
                 self._dropped[verdict] += layers
+                if pending is not None and verdict is Verdict.BAD_SIZE:
+                    pending.refused = pending.refused or self._dtype_mismatch(header)
                 return verdict, header
             try:
                 self._write(header, payload, pending, arrived, layers)
@@ -223,6 +230,18 @@ class TransferInbox:
             with contextlib.suppress(InvalidStateError):  # cancelled by its owner meanwhile
                 pending.future.set_result(stats)
         return Verdict.ACCEPTED, header
+
+    def _dtype_mismatch(self, h: FrameHeader) -> str:
+        """Why an authentic frame of another KV dtype can never fit; "" for any other."""
+        ours = self.geometry.dtype
+        if h.dtype == ours:
+            return ""
+        theirs = str(h.dtype or f"code {h.dtype_code}").removeprefix("torch.")
+        return (
+            f"; its frames carry KV of dtype {theirs}, this cache holds "
+            f"{str(ours).removeprefix('torch.')}: both workers need the same kv_cache_dtype "
+            "(and model dtype)"
+        )
 
     def _check(
         self,

@@ -36,6 +36,8 @@ def scatter_blocks(dst: torch.Tensor, dim: int, ids: torch.Tensor, src: torch.Te
     """`dst.index_copy_(dim, ids, src)`, moved as words when both sides allow it."""
     dst_words, src_words = _words(dst, dim), _words(src, dim)
     if dst_words is None or src_words is None:
+        if dst.element_size() == 1:  # torch's CPU index_copy_ has no fp8: the same bytes as uint8
+            dst, src = dst.view(torch.uint8), src.view(torch.uint8)
         dst.index_copy_(dim, ids, src)
     else:
         dst_words.index_copy_(dim, ids, src_words)

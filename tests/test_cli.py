@@ -135,6 +135,7 @@ def test_engine_flags_keep_their_spelling() -> None:
     argv += ["--max-num-batched-tokens", "512", "--max-model-len", "1024", "--no-prefix-caching"]
     argv += ["--enable-expert-parallel", "--seed", "7", "--enforce-eager", "--no-async-scheduling"]
     argv += ["--load-format", "dummy", "--skip-tokenizer-init", "--quantization", "fp8"]
+    argv += ["--kv-cache-dtype", "fp8"]
     argv += ["--eplb-window-size", "10", "--eplb-step-interval", "20"]
     argv += ["--distributed-executor-backend", "mp", "--nnodes", "2", "--node-rank", "1"]
     argv += ["--master-addr", "10.0.0.1", "--master-port", "29600"]
@@ -166,6 +167,7 @@ def test_engine_flags_keep_their_spelling() -> None:
         "eplb_step_interval": 20,
         "seed": 7,
         "quantization": "fp8",
+        "kv_cache_dtype": "fp8",
         "load_format": "dummy",
         "skip_tokenizer_init": True,
         "enforce_eager": True,

@@ -34,7 +34,10 @@ class Attention(nn.Module):
     """Stores this step's K/V in the cache, then attends over each sequence's pages.
 
     `k_cache`/`v_cache` ([num_blocks, block_size, Hkv, D]) are bound by the model runner once the
-    cache is allocated.
+    cache is allocated. An fp8 cache (`kv_cache_dtype="fp8"`) holds K / k_scale and V / v_scale:
+    one scale per layer for each, 1.0 as vLLM's default for uncalibrated models. They are fixed
+    for the life of the weights, so every worker, the host tier and the KV store agree on what a
+    stored byte means and blocks move as bytes (docs/kv-cache.md says why 1.0).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
@@ -45,12 +48,15 @@ class Attention(nn.Module):
         self.scale = scale
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         # q: [T, H, D], k/v: [T, Hkv, D] -> [T, H * D]
-        store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, **scales)
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:
             out = self._decode(q, meta)
@@ -63,10 +69,21 @@ class Attention(nn.Module):
     def _decode(self, q: torch.Tensor, m: AttentionMetadata) -> torch.Tensor:
         k, v, scale = self.k_cache, self.v_cache, self.scale
         tables, lens = m.decode_block_tables, m.decode_context_lens
-        return paged_decode_attention(q, k, v, tables, lens, scale, m.max_decode_context_len)
+        return paged_decode_attention(
+            q,
+            k,
+            v,
+            tables,
+            lens,
+            scale,
+            m.max_decode_context_len,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
+        )
 
     def _prefill(self, q: torch.Tensor, m: AttentionMetadata) -> torch.Tensor:
         k, v, scale = self.k_cache, self.v_cache, self.scale
         cu, lens, tables = m.prefill_cu_seqlens, m.prefill_context_lens, m.prefill_block_tables
         max_q, max_ctx = m.max_prefill_query_len, m.max_prefill_context_len
-        return paged_prefill_attention(q, k, v, cu, lens, tables, scale, max_q, max_ctx)
+        scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        return paged_prefill_attention(q, k, v, cu, lens, tables, scale, max_q, max_ctx, **scales)

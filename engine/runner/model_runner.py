@@ -121,7 +121,7 @@ class ModelRunner:
             num_kv_heads=attn_layers[0].num_kv_heads,
             head_dim=info.head_dim,
             block_size=block_size,
-            dtype=dtype,
+            dtype=config.kv_cache_torch_dtype(dtype),  # fp8: float8 e4m3 (layers/attention.py)
         )
         num_blocks = plan_num_blocks(
             self.kv_spec, device, config.kv_cache_tokens, config.kv_cache_memory_fraction

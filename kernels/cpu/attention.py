@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from pdmesh.kernels.attention import gather_pages, paged_prefill_attention_ref
 from pdmesh.kernels.backend import register_cpu
 from pdmesh.kernels.cpu import paged_decode
+from pdmesh.kernels.kv_quant import dequantize, is_fp8
 
 GROUP = 4  # sequences per gather: measured best of 1, 2, 4 and 8 at batches 6 and 16
 # Prefills of at most this many tokens (a speculative verify step's k + 1, a short continuation
@@ -97,12 +98,16 @@ def paged_decode_attention(
     context_lens: torch.Tensor,  # [B]
     scale: float,
     max_context_len: int | None = None,
+    *,
+    k_scale: float = 1.0,  # an fp8 cache's keys are k_cache * k_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [B, H, D]
     if paged_decode.fits(query, k_cache, v_cache):  # fp32: read in place, no gathered copy
         return paged_decode.paged_decode_attention(
             query, k_cache, v_cache, block_tables, context_lens, scale
         )
-    return grouped_sdpa_decode(query, k_cache, v_cache, block_tables, context_lens, scale)
+    args = (query, k_cache, v_cache, block_tables, context_lens, scale)
+    return grouped_sdpa_decode(*args, k_scale, v_scale)
 
 
 def grouped_sdpa_decode(
@@ -112,8 +117,11 @@ def grouped_sdpa_decode(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,  # an fp8 cache's keys are k_cache * k_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """The SDPA path (the module's docstring), for any dtype."""
+    """The SDPA path (the module's docstring), for any dtype; an fp8 cache's pages are
+    dequantized as they are gathered, a group at a time."""
     heads, dim = query.shape[1:]
     kv_heads = k_cache.shape[2]
     out = torch.empty_like(query)
@@ -124,7 +132,11 @@ def grouped_sdpa_decode(
         values = gather_pages(v_cache, g.tables).flatten(1, 2)[:, : g.length].transpose(1, 2)
         q = query.index_select(0, g.rows).view(b, kv_heads, heads // kv_heads, dim)
         o = F.scaled_dot_product_attention(
-            q, keys.to(query.dtype), values.to(query.dtype), attn_mask=g.mask, scale=scale
+            q,
+            dequantize(keys, query.dtype, k_scale),
+            dequantize(values, query.dtype, v_scale),
+            attn_mask=g.mask,
+            scale=scale,
         )  # [b, Hkv, G, D]
         out.index_copy_(0, g.rows, o.reshape(b, heads, dim))
     return out
@@ -140,12 +152,16 @@ def paged_prefill_attention(
     block_tables: torch.Tensor,  # [S, max_blocks]
     scale: float,
     *length_hints: int | None,
+    k_scale: float = 1.0,  # an fp8 cache's keys are k_cache * k_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, H, D]
     """Sequences with at most FEW_QUERIES new tokens: the Numba kernel, reading their pages in
-    place; the others (and other dtypes): the reference, as a batch of their own."""
+    place; the others (and other dtypes, fp8 caches among them): the reference, as a batch of
+    their own."""
     args = (cu_seqlens_q, context_lens, block_tables, scale)
     if not paged_decode.fits(query, k_cache, v_cache):
-        return paged_prefill_attention_ref(query, k_cache, v_cache, *args)
+        scales = {"k_scale": k_scale, "v_scale": v_scale} if is_fp8(k_cache.dtype) else {}
+        return paged_prefill_attention_ref(query, k_cache, v_cache, *args, **scales)
     starts, lens = cu_seqlens_q.tolist(), context_lens.tolist()
     q_lens = [b - a for a, b in itertools.pairwise(starts)]
     few = [i for i, n in enumerate(q_lens) if n <= FEW_QUERIES]

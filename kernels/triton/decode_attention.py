@@ -37,7 +37,8 @@ def _decode_split_kernel(
     context_lens_ptr,
     out_ptr,
     lse_ptr,
-    scale_log2e,
+    scale_log2e,  # the softmax scale x log2(e), times an fp8 cache's K scale
+    v_scale,  # an fp8 cache's V scale (1.0 otherwise), applied to the weighted sum
     num_splits,
     stride_qb,
     stride_qh,
@@ -102,7 +103,7 @@ def _decode_split_kernel(
 
     # An empty split (short sequence) has l_i == 0: it writes zeros and lse = -inf (weight 0).
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / l_safe[:, None]
+    out = acc / l_safe[:, None] * v_scale  # exact when v_scale is 1
     o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
     if DIRECT:
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=gd_mask)
@@ -168,6 +169,9 @@ def paged_decode_attention(
     scale: float,
     max_context_len: int | None = None,
     num_splits: int | None = None,
+    *,
+    k_scale: float = 1.0,  # an fp8 cache's keys are k_cache * k_scale: folded into `scale`
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [B, H, D]
     batch, num_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = k_cache.shape
@@ -198,7 +202,8 @@ def paged_decode_attention(
         context_lens,
         part,
         lse,
-        scale * LOG2E,
+        scale * LOG2E * k_scale,
+        float(v_scale),
         num_splits,
         *query.stride()[:2],
         *cache_strides(k_cache, v_cache),

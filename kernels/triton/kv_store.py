@@ -7,7 +7,22 @@ import triton
 import triton.language as tl
 
 from pdmesh.kernels.backend import register_triton
+from pdmesh.kernels.kv_quant import is_fp8
 from pdmesh.kernels.triton.device import last_dim_contiguous
+
+
+@triton.jit
+def round_to_e4m3(x):
+    """x (fp32, |x| <= 448) rounded to the nearest e4m3 value, ties to even, as torch rounds:
+    the cast of the result is then exact whatever rounding the cast does (Triton's interpreter
+    truncates, and drops the carry into the exponent)."""
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) - 127
+    # e4m3 keeps 3 mantissa bits; below 2^-6 it is subnormal, with steps of 2^-9.
+    step = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    magic = step * 12582912.0  # 1.5 * 2^23 steps: adding it rounds |x| to a multiple of step
+    rounded = (tl.abs(x) + magic) - magic
+    return tl.where(bits < 0, -rounded, rounded)  # the sign bit's: -0.0 stays -0.0
 
 
 @triton.jit
@@ -17,6 +32,8 @@ def _store_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    k_scale,
+    v_scale,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -29,6 +46,8 @@ def _store_kv_kernel(
     PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     # One program per token: all its heads at once, [BLOCK_H, BLOCK_D].
     t = tl.program_id(0).to(tl.int64)
@@ -40,6 +59,9 @@ def _store_kv_kernel(
     mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
     k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    if FP8:  # as kernels/kv_quant.py's quantize: divided in fp32, saturated, then rounded
+        k = round_to_e4m3(tl.minimum(tl.maximum(k.to(tl.float32) / k_scale, -FP8_MAX), FP8_MAX))
+        v = round_to_e4m3(tl.minimum(tl.maximum(v.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX))
     # int64 offsets: a layer's cache can exceed 2^31 elements.
     dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + h * stride_ch + d
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -61,6 +83,9 @@ def store_kv_cache(
     k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64; -1 skips the token
+    *,
+    k_scale: float = 1.0,  # an fp8 cache stores key / k_scale
+    v_scale: float = 1.0,
 ) -> None:
     num_tokens = key.shape[0]
     if num_tokens == 0:
@@ -73,6 +98,8 @@ def store_kv_cache(
         k_cache,
         v_cache,
         slot_mapping,
+        float(k_scale),
+        float(v_scale),
         *key.stride()[:2],
         *value.stride()[:2],
         *cache_strides(k_cache, v_cache),
@@ -81,5 +108,7 @@ def store_kv_cache(
         PAGE=page,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8=is_fp8(k_cache.dtype),
+        FP8_MAX=torch.finfo(k_cache.dtype).max if is_fp8(k_cache.dtype) else 0.0,
         num_warps=4,
     )

@@ -89,7 +89,8 @@ def _prefill_kernel(
     cu_seqlens_ptr,
     context_lens_ptr,
     block_tables_ptr,
-    scale_log2e,
+    scale_log2e,  # the softmax scale x log2(e), times an fp8 cache's K scale
+    v_scale,  # an fp8 cache's V scale (1.0 otherwise), applied to the weighted sum
     stride_qt,
     stride_qh,
     stride_cb,  # of k_cache and v_cache, which share one layout
@@ -149,7 +150,7 @@ def _prefill_kernel(
             HEAD_DIM, BLOCK_D, PAGE, BLOCK_N, True, EVEN_D, DOT_PREC,
         )  # fmt: skip
 
-    out = acc / l_i[:, None]  # every stored row saw at least its own key: l_i > 0
+    out = acc / l_i[:, None] * v_scale  # every stored row saw at least its own key: l_i > 0
     o_ptrs = out_ptr + q_tok[:, None] * stride_ot + h * stride_oh + d[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
@@ -174,6 +175,9 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int | None = None,
     max_context_len: int | None = None,
+    *,
+    k_scale: float = 1.0,  # an fp8 cache's keys are k_cache * k_scale: folded into `scale`
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, H, D]
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = context_lens.shape[0]
@@ -194,7 +198,8 @@ def paged_prefill_attention(
         cu_seqlens_q,
         context_lens,
         block_tables,
-        scale * LOG2E,
+        scale * LOG2E * k_scale,
+        float(v_scale),
         *query.stride()[:2],
         *cache_strides(k_cache, v_cache),
         out.stride(0),
