@@ -158,7 +158,7 @@ def test_fp8_cache_agrees_with_the_model_dtype_cache_on_real_weights(default_llm
     """The default model (fp32 on the CPU) with an fp8 cache: KV blocks of a quarter of fp32's
     bytes, the same answer to the canonical question, the same next token at nearly every
     position of a real text and its perplexity within 3% (measured: BENCHMARKS.md, "An fp8 KV
-    cache": 94.5% and +1.0% over 4,037 tokens)."""
+    cache": 94.5% and +1.1% over the README's 4,093 tokens)."""
     chat = [[{"role": "user", "content": "What is the capital of France?"}]]
     params = SamplingParams(max_tokens=12, temperature=0)
     with LLM(kv_cache_tokens=4096, kv_cache_dtype="fp8") as fp8:
