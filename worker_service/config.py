@@ -34,3 +34,10 @@ class WorkerConfig(DecodeConfig):
                 "a worker that changes role runs one data-parallel rank for now (its ranks "
                 "would have to switch together); start `pdmesh decode` or `pdmesh prefill`."
             )
+        if self.engine.pipeline_parallel_size > 1:
+            # The engine keeps one step per stage in flight unless its connector plans steps
+            # from the start; this one plans only while it pushes.
+            raise ValueError(
+                "a worker that changes role runs one pipeline stage for now; start `pdmesh "
+                "decode` or `pdmesh prefill` for pipeline-parallel workers."
+            )

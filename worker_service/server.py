@@ -24,7 +24,7 @@ SERVICE = "pdmesh.v1.WorkerRole"
 async def serve(config: WorkerConfig, on_ready: Callable[[int], None] | None = None) -> None:
     connector = PushReceiveConnector(PushReceiveOptions(kv_options(config)))
     await serve_worker(
-        "worker",
+        "role-switching",  # its log lines and its traces (service pdmesh-role-switching)
         config,
         connector,
         lambda engine: RoleWorker(config, connector, engine),
@@ -44,5 +44,5 @@ async def serve(config: WorkerConfig, on_ready: Callable[[int], None] | None = N
             ),
         ],
         on_ready,
-        on_sigterm=(lambda worker: worker.drainer.drain) if config.drain_on_sigterm else None,
+        on_sigterm=(lambda worker: worker.drain) if config.drain_on_sigterm else None,
     )

@@ -85,6 +85,12 @@ class RoleWorker(DecodeWorker):
             log.info("now serving %s: %s", role, change)
             return change
 
+    async def drain(self) -> None:
+        """SIGTERM with --drain-on-sigterm: the prefills under way end, the running requests
+        move to other decode workers; then the worker exits."""
+        await self.requests.finish()
+        await self.drainer.drain()
+
     async def submit(self, sub: Submission) -> None:
         if self.role != "decode":
             raise Unavailable("this worker serves prefill now; submit to a decode worker.")
