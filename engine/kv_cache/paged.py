@@ -1,7 +1,8 @@
 """The paged KV cache tensors and how many blocks fit.
 
 Layout: one tensor [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim]. A
-block of one layer is contiguous, so a transfer of block ids moves whole pages.
+block of one layer is contiguous, so a transfer of block ids moves whole pages. Its dtype is the
+model's or float8 e4m3 (`kv_cache_dtype="fp8"`: engine/layers/attention.py holds the scales).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class KVCache:
         self.spec = spec
         self.num_blocks = num_blocks
         shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        if spec.dtype == torch.float8_e4m3fn:
+            check_fp8_device(device)
         # Zeroed, not empty: padded reads (masked out) must never meet NaN bit patterns.
         self.data = torch.zeros(shape, dtype=spec.dtype, device=device)
 
@@ -58,6 +61,19 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """ValueError unless `device` can run an fp8 cache's kernels: a CPU (the torch references),
+    or a GPU of compute capability 8.9 or newer (Ada, Hopper: Triton's e4m3 conversions)."""
+    if device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise ValueError(
+            f"kv_cache_dtype='fp8' needs a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+            f"this one is {major}.{minor}: use kv_cache_dtype='auto'."
+        )
 
 
 def available_cpu_memory() -> int:
