@@ -11,9 +11,12 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import secrets
 import shutil
 import subprocess
 import sys
+import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +25,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from service_support import Service, router_workers, wait_until, wait_workers
+from tcp_proxy import TcpProxy
 
 from pdmesh import LLM, SamplingParams
 from pdmesh.errors import FIELD_METADATA
@@ -289,6 +293,65 @@ def test_roles_are_reported_and_the_last_of_a_role_stays(mesh: Mesh) -> None:
         stub = generation_pb2_grpc.GenerationStub(ch)
         out = [r for r in stub.Generate(_request(_prompts(1)[0], GREEDY), timeout=60)]
     assert sum(len(r.token_ids) for r in out) == MAX_TOKENS
+
+
+def test_a_prefill_worker_finishes_its_prefills_before_it_serves_decode(
+    mesh: Mesh, folder: str
+) -> None:
+    """A Prefill call whose KV push hangs (into a stalled link) is under way when its worker is
+    switched to decode: the switch returns only once that call has ended, and counts it; Prefill
+    calls after it are refused."""
+    roles = _roles(mesh)
+    worker = next(getattr(mesh, n) for n in ("b", "p") if roles[n] == "prefill")
+    config = json.loads((Path(folder) / "config.json").read_text())
+    heads = config.get("num_key_value_heads", config["num_attention_heads"])
+    proxy = TcpProxy(free_port())  # to nowhere; stalled, it holds every byte pushed into it
+    proxy.stall()
+    prompt = list(range(1, 65))  # four blocks
+    target = worker_pb2.KVTarget(
+        transport="tcp",
+        transfer_id=secrets.token_hex(16),
+        token=secrets.token_bytes(16),
+        block_ids=range(4),
+        block_size=16,
+        endpoints=[worker_pb2.KVEndpoint(address=f"tcp://127.0.0.1:{proxy.port}", num_heads=heads)],
+        timeout_ms=8000,
+    )
+    request = worker_pb2.PrefillRequest(
+        request_id="held",
+        prompt_token_ids=prompt,
+        sampling=gen_pb.SamplingParams(),
+        kv_target=target,
+    )
+    ended: list[tuple[float, grpc.StatusCode]] = []
+
+    def prefill() -> None:
+        with grpc.insecure_channel(worker.address) as ch:
+            try:
+                worker_pb2_grpc.PrefillWorkerStub(ch).Prefill(request, timeout=30)
+                code = grpc.StatusCode.OK
+            except grpc.RpcError as e:
+                code = e.code()
+        ended.append((time.monotonic(), code))
+
+    try:
+        call = threading.Thread(target=prefill)
+        call.start()
+        time.sleep(3)  # the prompt is computed in milliseconds; its push hangs
+        assert not ended
+        reply = mesh.set_role(worker, "decode")
+        switched = time.monotonic()
+        call.join()
+    finally:
+        proxy.close()
+    (at, code) = ended[0]
+    assert at <= switched and code == grpc.StatusCode.UNAVAILABLE  # its push never got through
+    assert (reply.role, reply.previous, reply.prefills_finished) == ("decode", "prefill", 1)
+    with grpc.insecure_channel(worker.address) as ch, pytest.raises(grpc.RpcError) as info:
+        worker_pb2_grpc.PrefillWorkerStub(ch).Prefill(request, timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "serves decode now" in info.value.details()
+    wait_until(lambda: worker.stats().kv_blocks_used == 0, 10, "no block held")
 
 
 def _check_outputs(folder: str, streams: list, prompts: list, kinds: list) -> None:
