@@ -31,6 +31,13 @@ from pdmesh.kv_transfer.zmq_options import ACK_HWM, FRAME_HWM, POLL_MS, check_en
 from pdmesh.logger import get_logger
 
 log = get_logger(__name__)
+# What a refusal most often means, in the error a user reads (the receiver's log says which).
+_REFUSAL_HINTS = {
+    Verdict.BAD_SIZE: (
+        " (the frames do not fit the receiver's cache: both workers need one model, block size "
+        "and kv_cache_dtype)"
+    ),
+}
 
 IDLE_LINK_SECONDS = 300.0  # a socket to an endpoint unused this long is closed
 
@@ -287,7 +294,7 @@ class TcpSender(KVSender):
                 self._fail(
                     h,
                     f"the receiver refused layer {ack.layer} blocks from {ack.first_block}: "
-                    f"{ack.verdict.name.lower()}",
+                    f"{ack.verdict.name.lower()}{_REFUSAL_HINTS.get(ack.verdict, '')}",
                 )
 
     def _settle_if_complete(self, h: _TcpHandle) -> None:
