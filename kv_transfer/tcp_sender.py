@@ -31,7 +31,7 @@ from pdmesh.kv_transfer.zmq_options import ACK_HWM, FRAME_HWM, POLL_MS, check_en
 from pdmesh.logger import get_logger
 
 log = get_logger(__name__)
-# What a refusal most often means, in the error a user reads (the receiver's log says which).
+# What a refusal most often means, in the error a user reads.
 _REFUSAL_HINTS = {
     Verdict.BAD_SIZE: (
         " (the frames do not fit the receiver's cache: both workers need one model, block size "
