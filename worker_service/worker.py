@@ -72,16 +72,18 @@ class RoleWorker(DecodeWorker):
             if role == previous:
                 return RoleChange(role)
             log.info("switching from %s to %s", previous, role)
-            if role == "prefill":
-                moved = await self.drainer.evacuate()  # refuses Submits meanwhile
-                change = RoleChange(role, previous, moved.migrated, moved.recomputed)
+            try:
+                if role == "prefill":
+                    moved = await self.drainer.evacuate()  # refuses Submits meanwhile
+                    change = RoleChange(role, previous, moved.migrated, moved.recomputed)
+                else:
+                    finished = await self.requests.finish()  # refuses Prefill calls meanwhile
+                    change = RoleChange(role, previous, prefills_finished=finished)
                 self.role = role
-                self.drainer.draining = False
-                self.requests.accepting = True
-            else:
-                finished = await self.requests.finish()  # refuses Prefill calls meanwhile
-                change = RoleChange(role, previous, prefills_finished=finished)
-                self.role = role
+            finally:  # switched, or (the call cancelled) back to taking the old role's work
+                if role == "prefill":
+                    self.drainer.draining = False
+                self.requests.accepting = self.role == "prefill"
             log.info("now serving %s: %s", role, change)
             return change
 
