@@ -44,6 +44,8 @@ class Worker:
     health_stub: HealthStub | None = None
     # Changing role (router/roles.py): in no role's rotation until it serves the new one.
     switching: bool = False
+    # Counts switches begun and ended: stats asked for before one say nothing of the role.
+    role_epoch: int = 0
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -123,12 +125,13 @@ class WorkerRegistry:
                 )
             if ok and loop.time() >= next_stats:
                 with contextlib.suppress(grpc.aio.AioRpcError):
+                    epoch = w.role_epoch
                     load = await w.stub.GetStats(  # type: ignore[attr-defined]
                         worker_pb2.StatsRequest(), timeout=self.health_interval_s
                     )
                     self._note_restart(w, load)
                     w.load = load
-                    if load.role in _STUBS and not w.switching:
+                    if load.role in _STUBS and not w.switching and w.role_epoch == epoch:
                         w.take_role(load.role)
                 next_stats = loop.time() + self.stats_interval_s
             await asyncio.sleep(min(self.health_interval_s, self.stats_interval_s))

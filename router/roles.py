@@ -50,11 +50,13 @@ class RoleSwitcher:
                 return worker_pb2.SetRoleReply(role=role)
             self._check(w, role)
             w.switching = True
+            w.role_epoch += 1
             try:
                 reply = await self._ask(w, role)
                 w.take_role(reply.role)
             finally:
                 w.switching = False
+                w.role_epoch += 1
             if w.role == "decode":  # its token stream to this router, before the first request
                 await self._linked(w)
             log.info("worker %s switched from %s to %s", address, reply.previous, reply.role)
