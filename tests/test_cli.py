@@ -184,9 +184,10 @@ def test_engine_flags_keep_their_spelling() -> None:
 
 def test_up_passes_every_engine_option_to_its_workers() -> None:
     """A field added to EngineConfig reaches `pdmesh up`'s workers with no other edit. (But one
-    node: `up` refuses a multi-node launch, which is started per node.)"""
+    node: `up` refuses a multi-node launch, which is started per node; and one data-parallel
+    rank a worker, test_mesh_data_parallel.py has more.)"""
     parser = build_parser()
-    values = {**_non_defaults(), "nnodes": 1}
+    values = {**_non_defaults(), "nnodes": 1, "data_parallel_size": 1}
     up = parser.parse_args(["up", "--prefill", "1", "--decode", "2", *engine_argv(values)])
     specs = plan_mesh(up)
     assert [s.name for s in specs] == ["prefill-0", "decode-0", "decode-1", "router"]
