@@ -121,3 +121,17 @@ def otel_otlp_traces_protocol() -> str:
     if value not in ("grpc", "http/protobuf"):
         raise ValueError(f"the OTLP protocol must be grpc or http/protobuf, got {value!r}")
     return value
+
+
+def port_range() -> tuple[int, int] | None:
+    """PDMESH_PORT_RANGE=LO-HI: the ports `pdmesh up` (and its tests) pick for its services come
+    from [LO, HI), each claimed machine-wide (pdmesh/processes.py), instead of any free port.
+    Below the kernel's ephemeral range (32768 on Linux) no outgoing connection can take a port
+    between its pick and its bind. Unset: any free port the kernel names."""
+    value = os.environ.get("PDMESH_PORT_RANGE")
+    if not value:
+        return None
+    lo, sep, hi = value.partition("-")
+    if not (sep and lo.isdigit() and hi.isdigit() and 1024 <= int(lo) < int(hi) <= 65536):
+        raise ValueError(f"PDMESH_PORT_RANGE must be LO-HI within 1024-65536, got {value!r}")
+    return int(lo), int(hi)

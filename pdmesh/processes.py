@@ -3,17 +3,54 @@
 from __future__ import annotations
 
 import ctypes
+import random
 import signal
 import socket
 
+from pdmesh import envs
+
 _PR_SET_PDEATHSIG = 1  # prctl option: the signal this process gets when its parent exits
+# Ports this process claimed (PDMESH_PORT_RANGE), each an abstract Unix socket held until exit.
+_claims: list[socket.socket] = []
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port on `host` that nothing listens on now (the caller binds it soon after)."""
+    """A port on `host` that nothing listens on now (the caller binds it soon after). With
+    PDMESH_PORT_RANGE, one of that range that no other process picked (claimed machine-wide for
+    as long as this process lives), so that two meshes starting at once never get the same."""
+    span = envs.port_range()
+    if span is None:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return s.getsockname()[1]
+    lo, hi = span
+    start = random.randrange(lo, hi)
+    for i in range(hi - lo):
+        port = lo + (start - lo + i) % (hi - lo)
+        if _claim(port) and _bindable(host, port):
+            return port
+    raise RuntimeError(f"no port of PDMESH_PORT_RANGE {lo}-{hi} is free")
+
+
+def _claim(port: int) -> bool:
+    """Claim `port` for this process (False: another process has)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.bind(f"\0pdmesh-port-{port}")  # the abstract namespace: gone when the process is
+    except OSError:
+        s.close()
+        return False
+    _claims.append(s)
+    return True
+
+
+def _bindable(host: str, port: int) -> bool:
     with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
 
 
 def die_with_parent() -> None:

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from support import make_tiny_model
+
+# The ports meshes and services are started on: claimed machine-wide below the ephemeral range,
+# so that tests run side by side (pytest -n 2) and their connections never take a port picked
+# for a service that has not bound it yet (pdmesh/processes.py). Children inherit it.
+os.environ.setdefault("PDMESH_PORT_RANGE", "20000-32000")
 
 
 @pytest.fixture(scope="session")
