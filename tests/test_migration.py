@@ -8,10 +8,7 @@ the target, with the same output."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,11 +22,22 @@ import pytest
 from otlp_receiver import OTLPReceiver
 from prometheus_client.parser import text_string_to_metric_families
 from service_support import Service, router_workers, wait_until, wait_workers
+from stream_kinds import (
+    CHOICES,
+    GRAMMAR,
+    GREEDY,
+    MAX_TOKENS,
+    SEEDED,
+    SHAPED,
+    eos_model,
+    reference_params,
+    request,
+    stream_prompts,
+)
 
-from pdmesh import LLM, SamplingParams
+from pdmesh import LLM
 from pdmesh.errors import FIELD_METADATA
 from pdmesh.processes import free_port
-from pdmesh.sampling_params import StructuredOutputsParams
 from pdmesh.v1 import generation_pb2 as gen_pb
 from pdmesh.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -37,34 +45,10 @@ pytestmark = pytest.mark.timeout(150)
 
 ROOT = Path(__file__).resolve().parent.parent
 
-MAX_TOKENS = 400
-GREEDY = dict(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-SEEDED = dict(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.95, seed=77, ignore_eos=True)
-# State that shapes sampling: penalties over the output so far, and logprobs; a grammar whose
-# next token depends on where its matcher is.
-SHAPED = dict(
-    max_tokens=MAX_TOKENS,
-    temperature=0,
-    min_tokens=MAX_TOKENS,
-    presence_penalty=0.5,
-    frequency_penalty=0.3,
-    logprobs=2,
-)
-# Several choices do not move with their KV: each is recomputed elsewhere, as after a lost worker.
-CHOICES = dict(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, n=2)
-GRAMMAR = dict(max_tokens=MAX_TOKENS, temperature=0, min_tokens=MAX_TOKENS)
-REGEX = "(t1t2t3)+"
-
 
 @pytest.fixture(scope="module")
 def folder(tiny_model, tmp_path_factory) -> str:
-    # The tiny model with an EOS token (a grammar needs one to end on).
-    copy = tmp_path_factory.mktemp("tiny-eos")
-    for f in Path(tiny_model("llama")).iterdir():
-        shutil.copy(f, copy / f.name)
-    config = json.loads((copy / "config.json").read_text())
-    (copy / "config.json").write_text(json.dumps({**config, "eos_token_id": 0}))
-    return str(copy)
+    return eos_model(tiny_model, tmp_path_factory)
 
 
 class Mesh:
@@ -146,26 +130,6 @@ def mesh(folder: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh
         m.stop()
 
 
-def _prompts(n: int) -> list[list[int]]:
-    rng = random.Random(5)
-    return [[rng.randrange(1, 512) for _ in range(rng.randint(20, 80))] for _ in range(n)]
-
-
-def _request(prompt: list[int], kind: dict) -> gen_pb.GenerateRequest:
-    req = gen_pb.GenerateRequest(
-        token_ids=gen_pb.TokenIds(ids=prompt), sampling=gen_pb.SamplingParams(**kind)
-    )
-    if kind is GRAMMAR:
-        req.sampling.structured_outputs.regex = REGEX
-    return req
-
-
-def _reference_params(kind: dict) -> SamplingParams:
-    if kind is GRAMMAR:
-        return SamplingParams(**kind, structured_outputs=StructuredOutputsParams(regex=REGEX))
-    return SamplingParams(**kind)
-
-
 async def _streams_moved(
     mesh: Mesh, source: Service, target: Service, prompts: list, kinds: list, drain: Any
 ) -> list[list[gen_pb.GenerateResponse]]:
@@ -179,7 +143,7 @@ async def _streams_moved(
         stub = generation_pb2_grpc.GenerationStub(ch)
 
         async def one(i: int) -> None:
-            async for r in stub.Generate(_request(prompts[i], kinds[i]), timeout=120):
+            async for r in stub.Generate(request(prompts[i], kinds[i]), timeout=120):
                 streams[i].append(r)
 
         tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
@@ -200,7 +164,7 @@ def _check_outputs(folder: str, streams: list, prompts: list, kinds: list) -> No
     # One batch: seeded and greedy outputs do not depend on the batch (test_sampling.py).
     with LLM(folder, kv_cache_tokens=8192) as reference:
         inputs = [{"prompt_token_ids": p} for p in prompts]
-        references = reference.generate(inputs, [_reference_params(k) for k in kinds])
+        references = reference.generate(inputs, [reference_params(k) for k in kinds])
     for stream, prompt, kind, expected in zip(streams, prompts, kinds, references, strict=True):
         for choice in expected.outputs:
             chunks = [r for r in stream if r.index == choice.index]
@@ -245,7 +209,7 @@ def test_bad_migration_calls_are_refused_naming_the_field(mesh: Mesh) -> None:
 
 
 def test_sigterm_migrates_eight_streams_with_their_kv(mesh: Mesh, folder: str) -> None:
-    prompts = _prompts(8)
+    prompts = stream_prompts(8, 5)
     kinds = [GREEDY, SEEDED, GREEDY, SEEDED, GREEDY, SEEDED, SHAPED, GRAMMAR]
     mesh.freeze(mesh.bad)  # out of the rotation for this test
     mesh.workers_in_rotation(2)
@@ -294,7 +258,7 @@ def test_sigterm_migrates_eight_streams_with_their_kv(mesh: Mesh, folder: str) -
 
 def test_failed_push_falls_back_to_recompute(mesh: Mesh, folder: str) -> None:
     mesh.a.stop()  # drained by the test above, or stopped here when this one runs alone
-    prompts = _prompts(4)
+    prompts = stream_prompts(4, 5)
     kinds = [GREEDY, SEEDED, SHAPED, CHOICES]
     drained: list[subprocess.CompletedProcess[str]] = []
 

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import secrets
-import shutil
 import subprocess
 import sys
 import threading
@@ -25,41 +23,32 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from service_support import Service, router_workers, wait_until, wait_workers
+from stream_kinds import (
+    GRAMMAR,
+    GREEDY,
+    MAX_TOKENS,
+    REGEX,
+    SEEDED,
+    SHAPED,
+    eos_model,
+    reference_params,
+    request,
+    stream_prompts,
+)
 from tcp_proxy import TcpProxy
 
-from pdmesh import LLM, SamplingParams
+from pdmesh import LLM
 from pdmesh.errors import FIELD_METADATA
 from pdmesh.processes import free_port
-from pdmesh.sampling_params import StructuredOutputsParams
 from pdmesh.v1 import generation_pb2 as gen_pb
 from pdmesh.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 pytestmark = pytest.mark.timeout(360)  # a shared 2-core machine can be slow
 
-MAX_TOKENS = 400
-GREEDY = dict(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-SEEDED = dict(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.95, seed=77, ignore_eos=True)
-SHAPED = dict(
-    max_tokens=MAX_TOKENS,
-    temperature=0,
-    min_tokens=MAX_TOKENS,
-    presence_penalty=0.5,
-    frequency_penalty=0.3,
-    logprobs=2,
-)
-GRAMMAR = dict(max_tokens=MAX_TOKENS, temperature=0, min_tokens=MAX_TOKENS)
-REGEX = "(t1t2t3)+"
-
 
 @pytest.fixture(scope="module")
 def folder(tiny_model, tmp_path_factory) -> str:
-    # The tiny model with an EOS token (a grammar needs one to end on).
-    copy = tmp_path_factory.mktemp("tiny-eos")
-    for f in Path(tiny_model("llama")).iterdir():
-        shutil.copy(f, copy / f.name)
-    config = json.loads((copy / "config.json").read_text())
-    (copy / "config.json").write_text(json.dumps({**config, "eos_token_id": 0}))
-    return str(copy)
+    return eos_model(tiny_model, tmp_path_factory)
 
 
 class Mesh:
@@ -100,7 +89,7 @@ class Mesh:
         """Short requests, half with a grammar, eight at once (spread over both decode workers
         and both prefill workers), so that the tests' streams start together: grammars
         compiled, KV links made."""
-        requests = [_request(p, dict(max_tokens=8, temperature=0)) for p in _prompts(8)]
+        requests = [request(p, dict(max_tokens=8, temperature=0)) for p in stream_prompts(8, 7)]
         for r in requests[::2]:
             r.sampling.structured_outputs.regex = REGEX
         async with grpc.aio.insecure_channel(self.router.address) as ch:
@@ -146,29 +135,9 @@ def mesh(folder: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh
         m.stop()
 
 
-def _prompts(n: int) -> list[list[int]]:
-    rng = random.Random(7)
-    return [[rng.randrange(1, 512) for _ in range(rng.randint(20, 80))] for _ in range(n)]
-
-
-def _request(prompt: list[int], kind: dict) -> gen_pb.GenerateRequest:
-    req = gen_pb.GenerateRequest(
-        token_ids=gen_pb.TokenIds(ids=prompt), sampling=gen_pb.SamplingParams(**kind)
-    )
-    if kind is GRAMMAR:
-        req.sampling.structured_outputs.regex = REGEX
-    return req
-
-
 async def _drain(call: object) -> None:
     async for _ in call:  # type: ignore[attr-defined]
         pass
-
-
-def _reference_params(kind: dict) -> SamplingParams:
-    if kind is GRAMMAR:
-        return SamplingParams(**kind, structured_outputs=StructuredOutputsParams(regex=REGEX))
-    return SamplingParams(**kind)
 
 
 def _roles(mesh: Mesh) -> dict[str, str]:
@@ -209,7 +178,7 @@ def test_bad_switches_are_refused_naming_the_field(mesh: Mesh) -> None:
 
 
 def test_roles_switch_back_and_forth_mid_stream(mesh: Mesh, folder: str) -> None:
-    prompts = _prompts(8)
+    prompts = stream_prompts(8, 7)
     kinds = [GREEDY, SEEDED, SHAPED, GRAMMAR] * 2
     streams: list[list[gen_pb.GenerateResponse]] = [[] for _ in prompts]
     replies: list[worker_pb2.SetRoleReply] = []
@@ -222,7 +191,7 @@ def test_roles_switch_back_and_forth_mid_stream(mesh: Mesh, folder: str) -> None
             stub = generation_pb2_grpc.GenerationStub(ch)
 
             async def one(i: int) -> None:
-                async for r in stub.Generate(_request(prompts[i], kinds[i]), timeout=180):
+                async for r in stub.Generate(request(prompts[i], kinds[i]), timeout=180):
                     streams[i].append(r)
 
             tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
@@ -291,7 +260,7 @@ def test_roles_are_reported_and_the_last_of_a_role_stays(mesh: Mesh) -> None:
     # And requests still run: prefilled by the three prefill workers, decoded by the last one.
     with grpc.insecure_channel(mesh.router.address) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
-        out = [r for r in stub.Generate(_request(_prompts(1)[0], GREEDY), timeout=60)]
+        out = [r for r in stub.Generate(request(stream_prompts(1, 7)[0], GREEDY), timeout=60)]
     assert sum(len(r.token_ids) for r in out) == MAX_TOKENS
 
 
@@ -357,7 +326,7 @@ def test_a_prefill_worker_finishes_its_prefills_before_it_serves_decode(
 def _check_outputs(folder: str, streams: list, prompts: list, kinds: list) -> None:
     """Each stream equals the same request run offline (all in one batch, as in the mesh)."""
     reference = LLM(folder, kv_cache_tokens=8192).generate(
-        [{"prompt_token_ids": p} for p in prompts], [_reference_params(k) for k in kinds]
+        [{"prompt_token_ids": p} for p in prompts], [reference_params(k) for k in kinds]
     )
     for stream, prompt, kind, expected in zip(streams, prompts, kinds, reference, strict=True):
         (choice,) = expected.outputs
