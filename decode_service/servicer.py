@@ -92,11 +92,18 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         queue = self.worker.subscribe(request.subscriber_id)
         try:
             yield worker_pb2.StepUpdate()  # the handshake: this subscriber is registered now
-            while True:
+            ending = False
+            while not ending:
                 deltas = await queue.get()
+                if deltas is None:  # the worker is stopping
+                    return
                 # Coalesce steps that piled up while the previous message was being sent.
                 while not queue.empty():
-                    deltas.extend(queue.get_nowait())
+                    more = queue.get_nowait()
+                    if more is None:
+                        ending = True
+                        break
+                    deltas.extend(more)
                 yield worker_pb2.StepUpdate(deltas=[delta_to_pb(d) for d in deltas])
         finally:
             await self.worker.unsubscribe(request.subscriber_id, queue)

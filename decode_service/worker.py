@@ -58,7 +58,8 @@ class DecodeWorker(WorkerProcess):
         self._errors: dict[str, tuple[str, str]] = {}  # rid -> (status, message)
         # best_of > n: the n best are sent once every sequence has ended, nothing before.
         self._ranked: set[str] = set()
-        self._subscribers: dict[str, asyncio.Queue[list[Delta]]] = {}
+        # Each subscriber's queue; None ends its stream (the worker is stopping).
+        self._subscribers: dict[str, asyncio.Queue[list[Delta] | None]] = {}
         self._owner: dict[str, str] = {}  # request id -> subscriber id
         self._early = EarlyAborts()
         # Engine thread: prompts prefilled here, to publish to the KV store once computed, with
@@ -88,14 +89,23 @@ class DecodeWorker(WorkerProcess):
         return f", KV data plane: {planes}"
 
     # -- subscribers (event loop) ---------------------------------------------------------------
-    def subscribe(self, subscriber_id: str) -> asyncio.Queue[list[Delta]]:
+    def subscribe(self, subscriber_id: str) -> asyncio.Queue[list[Delta] | None]:
         if not subscriber_id:
             raise InvalidRequest("subscriber_id must not be empty.", "subscriber_id")
-        queue: asyncio.Queue[list[Delta]] = asyncio.Queue()
+        queue: asyncio.Queue[list[Delta] | None] = asyncio.Queue()
         self._subscribers[subscriber_id] = queue
         return queue
 
-    async def unsubscribe(self, subscriber_id: str, queue: asyncio.Queue[list[Delta]]) -> None:
+    async def before_server_stop(self) -> None:
+        """End every Subscribe stream once the deltas queued for it are sent: the server's stop
+        would otherwise hold them open for its grace period, then cancel them (the router
+        sees either as this worker's stream lost)."""
+        for queue in self._subscribers.values():
+            queue.put_nowait(None)
+
+    async def unsubscribe(
+        self, subscriber_id: str, queue: asyncio.Queue[list[Delta] | None]
+    ) -> None:
         """The subscriber's stream ended: nobody will read its requests' tokens, so end them."""
         if self._subscribers.get(subscriber_id) is not queue:
             return  # replaced by a newer stream of the same subscriber

@@ -21,10 +21,12 @@ async def serve_until_stopped(
     stop: asyncio.Event | None = None,
     grace_s: float = 2.0,
     on_sigterm: Callable[[], Awaitable[object]] | None = None,
+    before_server_stop: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Mark SERVING, wait for a signal (or `stop`), then NOT_SERVING, stop, clean up. With
     `on_sigterm`, SIGTERM goes NOT_SERVING and awaits it (a drain) before stopping; SIGINT
-    stops at once."""
+    stops at once. `before_server_stop`: awaited once NOT_SERVING, before the server stops (ending
+    long-lived streams, which the stop's grace would wait for)."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGINT, stop.set)
@@ -55,5 +57,7 @@ async def serve_until_stopped(
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     log.info("shutting down")
     await health.set(False)
+    if before_server_stop is not None:
+        await before_server_stop()
     await server.stop(grace_s)
     await on_stop()

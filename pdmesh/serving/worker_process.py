@@ -106,6 +106,10 @@ class WorkerProcess(ABC):
     def _on_engine_deltas(self, deltas: list[StepDelta]) -> None:
         """Each step's deltas, on the engine thread."""
 
+    async def before_server_stop(self) -> None:
+        """What ends before the gRPC server stops (nothing; a decode worker's token streams)."""
+        return None
+
     def banner(self) -> str:
         """What the start-up log line adds after the port."""
         return ""
@@ -266,4 +270,11 @@ async def serve_worker(
         tracing.shutdown()
 
     before_stop = on_sigterm(worker) if on_sigterm is not None else None
-    await serve_until_stopped(server, health, stop, worker.stopped, on_sigterm=before_stop)
+    await serve_until_stopped(
+        server,
+        health,
+        stop,
+        worker.stopped,
+        on_sigterm=before_stop,
+        before_server_stop=worker.before_server_stop,
+    )
