@@ -44,7 +44,7 @@ system-deps:
 	fi
 
 test: $(STAMP) system-deps lint
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30 tests
+	$(PY) -m pytest -q --durations=30 tests
 
 bench: $(STAMP)
 	$(VENV)/bin/pdmesh bench --offline
