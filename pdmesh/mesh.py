@@ -248,23 +248,23 @@ def plan_mesh(args: argparse.Namespace) -> list[ProcessSpec]:
     store = ["--kvstore", specs[0].address] if args.kvstore else []
     prefill: dict[str, range | None] = {}  # address -> GPUs
     layout = _layout(args, "prefill")
+
+    def prefill_flags(devices: range | None) -> list[str]:
+        return [*_engine(options, layout, devices), *tls, *store]
+
     for i in range(0 if args.colocated else args.prefill):
-
-        def prefill_flags(devices: range | None) -> list[str]:
-            return [*_engine(options, layout, devices), *tls, *store]
-
         for spec, devices in _pool_worker("prefill", i, args.host, layout, prefill_flags, gpus):
             specs.append(spec)
             prefill[spec.address] = devices
     decode: list[str] = []
-    layout = _layout(args, "decode")
+    decode_layout = _layout(args, "decode")
+
+    def decode_flags_for(devices: range | None) -> list[str]:
+        flags = [*decode_flags, *_engine(options, decode_layout, devices), *tls, *store]
+        return flags + pair_transports(args.kv_transport, prefill, devices)
+
     for i in range(args.decode):
-
-        def decode_flags_for(devices: range | None) -> list[str]:
-            flags = [*decode_flags, *_engine(options, layout, devices), *tls, *store]
-            return flags + pair_transports(args.kv_transport, prefill, devices)
-
-        for spec, _ in _pool_worker("decode", i, args.host, layout, decode_flags_for, gpus):
+        for spec, _ in _pool_worker("decode", i, args.host, decode_layout, decode_flags_for, gpus):
             specs.append(spec)
             decode.append(spec.address)
     return [*specs, _router(args, list(prefill), decode, store)]

@@ -114,39 +114,22 @@ class EngineLoop:
                 future.set_exception(exc)
 
     def _run(self) -> None:
-        if self.lockstep:
-            self._run_lockstep()
-            return
         engine = self.engine
         try:
             while not self._stopped.is_set():
                 # A stalled engine waits for a command (a remote prefill landing) rather than
-                # spinning through empty steps.
-                self._drain(block=not engine.has_unfinished_requests() or engine.stalled)
-                if self._on_tick is not None:
-                    self._on_tick(engine)
-                if engine.has_unfinished_requests():
-                    deltas = engine.step()
-                    if deltas:
-                        self._on_deltas(deltas)
-        except BaseException as exc:
-            self._failed(exc)
-        self._fail_queued()
-
-    def _run_lockstep(self) -> None:
-        """Every iteration steps once (one agreement with the peers, which step as often)."""
-        engine = self.engine
-        try:
-            while not self._stopped.is_set():
+                # spinning through empty steps; in lockstep, only while its peers idle too.
                 idle_here = not engine.has_unfinished_requests() or engine.stalled
-                self._drain(block=idle_here and not engine.group_busy)
+                self._drain(block=idle_here and not (self.lockstep and engine.group_busy))
                 if self._stopped.is_set():
                     break
                 if self._on_tick is not None:
                     self._on_tick(engine)
-                has_work = engine.has_unfinished_requests() and not engine.stalled
-                if has_work and not engine.group_busy and self.wake_peers is not None:
-                    self.wake_peers()
+                if self.lockstep:  # every iteration steps once: one agreement with the peers
+                    if not idle_here and not engine.group_busy and self.wake_peers is not None:
+                        self.wake_peers()
+                elif not engine.has_unfinished_requests():
+                    continue
                 deltas = engine.step()
                 if deltas:
                     self._on_deltas(deltas)
