@@ -12,6 +12,8 @@ from pdmesh.flags import (
     engine_args,
     engine_options,
     from_args,
+    planner_args,
+    planner_config,
     sampling_args,
     tls_args,
     tls_config,
@@ -303,6 +305,7 @@ def _front_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP; 0: off")
     p.add_argument("--policy", default="kv", help="kv | round_robin")
     p.add_argument("--disagg-min-tokens", type=int, default=64)
+    planner_args(p)
     p.add_argument(
         "--tool-call-parser",
         default=None,
@@ -340,6 +343,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         http_bind=f"{args.host}:{args.http_port}" if args.http_port else None,
         tls=tls_config(args),
         api_keys=ApiKeys.from_flags(args.api_keys, args.api_keys_file),
+        planner=planner_config(args),
     )
     asyncio.run(serve(config))
     return 0
@@ -452,6 +456,7 @@ def cmd_kvstore(args: argparse.Namespace) -> int:
         metrics_bind=f"{args.host}:{args.metrics_port}" if args.metrics_port else None,
         tls=tls_config(args),
         api_keys=ApiKeys.from_flags(args.api_keys, args.api_keys_file),
+        planner=planner_config(args),
     )
     asyncio.run(serve(config))
     return 0

@@ -21,6 +21,7 @@ from pdmesh import envs
 from pdmesh.engine.config import EngineConfig
 
 if TYPE_CHECKING:
+    from pdmesh.router.planner.config import PlannerConfig
     from pdmesh.serving.tls import TLSConfig
 
 T = TypeVar("T")
@@ -116,6 +117,63 @@ def tls_argv(args: argparse.Namespace) -> list[str]:
         value = getattr(args, name)
         if value:
             argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv
+
+
+# The planner's knobs: PlannerConfig field -> (flag, its unit per the field's, help).
+PLANNER_FLAGS: dict[str, tuple[str, float, str]] = {
+    "interval_s": ("--planner-interval-s", 1, "seconds between the planner's looks"),
+    "slo_ttft_s": ("--slo-ttft-ms", 1e-3, "target time to first token (ms)"),
+    "slo_itl_s": ("--slo-itl-ms", 1e-3, "target time between tokens (ms)"),
+    "attainment": ("--slo-attainment", 1, "share within target below which a side is starved"),
+    "kv_low": ("--planner-kv-low", 1, "decode KV use that may give up a worker"),
+    "kv_high": ("--planner-kv-high", 1, "decode KV use that is starved"),
+    "sustain": ("--planner-sustain", 1, "intervals in a row a condition holds before a switch"),
+    "dwell_s": ("--planner-dwell-s", 1, "least seconds between two switches"),
+}
+
+
+def planner_args(p: argparse.ArgumentParser) -> None:
+    """The router's planner and load-aware conditional disaggregation (router and `up`)."""
+    from pdmesh.router.planner.config import PlannerConfig
+
+    g = p.add_argument_group("planner (roles that move with the load; docs/mesh.md, Roles)")
+    g.add_argument(
+        "--planner",
+        action="store_true",
+        help="switch workers of either role between prefill and decode with the load",
+    )
+    for name, (flag, unit, help) in PLANNER_FLAGS.items():
+        default = getattr(PlannerConfig, name)
+        kind = int if isinstance(default, int) else float
+        g.add_argument(flag, type=kind, default=kind(default / unit), help=help)
+    g.add_argument(
+        "--load-aware-disagg",
+        action="store_true",
+        help="prefill a prompt on its decode worker when the prefill queue would cost it more "
+        "than its prefill costs the decode worker's batch",
+    )
+
+
+def planner_config(args: argparse.Namespace) -> PlannerConfig | None:
+    """The PlannerConfig of the planner flags, or None without --planner."""
+    from pdmesh.router.planner.config import PlannerConfig
+
+    if not args.planner:
+        return None
+    values = {
+        n: getattr(args, f[2:].replace("-", "_")) * u for n, (f, u, _) in PLANNER_FLAGS.items()
+    }
+    return PlannerConfig(**values)
+
+
+def planner_argv(args: argparse.Namespace) -> list[str]:
+    """The planner flags as a command line (what `pdmesh up` hands its router)."""
+    argv = ["--load-aware-disagg"] if args.load_aware_disagg else []
+    if args.planner:
+        argv.append("--planner")
+        for flag, _, _ in PLANNER_FLAGS.values():
+            argv += [flag, str(getattr(args, flag[2:].replace("-", "_")))]
     return argv
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from pdmesh import envs, healthcheck
 from pdmesh.client import RouterClient
-from pdmesh.flags import engine_argv, engine_options, tls_argv
+from pdmesh.flags import engine_argv, engine_options, planner_argv, tls_argv
 from pdmesh.processes import free_port
 from pdmesh.serving.tls import TLSConfig
 from pdmesh.supervisor import Child, ProcessSpec, spawn, stop_all, supervise, wait_ready
@@ -167,13 +167,15 @@ def _pool_worker(
     layout: dict[str, int],
     flags: Callable[[range | None], list[str]],
     gpus: GpuPlacement,
+    command: str | None = None,
 ) -> list[tuple[ProcessSpec, range | None]]:
     """A pool's worker: one process, or one per data-parallel rank (`role-I-dpR`, each a worker
-    of its own to the router, rank 0 listening for the others), with their GPUs."""
+    of its own to the router, rank 0 listening for the others), with their GPUs. `command`: the
+    subcommand, when not `role` (`worker`, which takes either role)."""
     size = layout["data_parallel_size"]
     if size == 1:
         devices = gpus.take(_ranks(layout))
-        return [(_worker(role, f"{role}-{index}", host, flags(devices)), devices)]
+        return [(_worker(command or role, f"{role}-{index}", host, flags(devices)), devices)]
     address = f"{host}:{free_port(host)}"
     out = []
     for rank in range(size):
@@ -199,7 +201,7 @@ def _router(
     argv = ["router", "--host", args.host, "--port", str(args.port), *store]
     argv += ["--http-port", str(args.http_port), "--prefill", ",".join(prefill)]
     argv += ["--decode", ",".join(decode), "--policy", args.policy]
-    argv += ["--disagg-min-tokens", str(args.disagg_min_tokens)]
+    argv += ["--disagg-min-tokens", str(args.disagg_min_tokens), *planner_argv(args)]
     if args.tool_call_parser:
         argv += ["--tool-call-parser", args.tool_call_parser]
     if args.model:
@@ -246,6 +248,8 @@ def plan_mesh(args: argparse.Namespace) -> list[ProcessSpec]:
     specs: list[ProcessSpec] = [_kvstore(args)] if args.kvstore else []
     # Every worker reads through the store and publishes to it; the router counts its hits.
     store = ["--kvstore", specs[0].address] if args.kvstore else []
+    if args.planner:
+        return [*specs, *_either_role_workers(args, options, decode_flags, gpus, store)]
     prefill: dict[str, range | None] = {}  # address -> GPUs
     layout = _layout(args, "prefill")
 
@@ -268,6 +272,42 @@ def plan_mesh(args: argparse.Namespace) -> list[ProcessSpec]:
             specs.append(spec)
             decode.append(spec.address)
     return [*specs, _router(args, list(prefill), decode, store)]
+
+
+def _either_role_workers(
+    args: argparse.Namespace,
+    options: dict[str, Any],
+    decode_flags: list[str],
+    gpus: GpuPlacement,
+    store: list[str],
+) -> list[ProcessSpec]:
+    """`pdmesh up --planner`: the prefill and decode pools as workers of either role (`pdmesh
+    worker --role ...`), whose roles the router's planner switches, then the router. Any worker
+    may push KV to any other, so each takes `--kv-transport` as given (`auto`: nccl for a GPU
+    cache, else tcp) rather than a transport per pair."""
+    roles = {role: _layout(args, role) for role in ("prefill", "decode")}
+    if any(_ranks(x) != 1 or x["data_parallel_size"] != 1 for x in roles.values()):
+        raise ValueError(
+            "pdmesh up --planner starts workers that change role, which run one rank for now "
+            "(no tensor, pipeline or data parallelism)."
+        )
+    specs: list[ProcessSpec] = []
+    pools: dict[str, list[str]] = {"prefill": [], "decode": []}
+    for role, count in (
+        ("prefill", 0 if args.colocated else args.prefill),
+        ("decode", args.decode),
+    ):
+
+        def flags(devices: range | None, role: str = role) -> list[str]:
+            engine = _engine(options, roles[role], devices)
+            transport = ["--kv-transport", args.kv_transport]
+            return ["--role", role, *decode_flags, *engine, *tls_argv(args), *store, *transport]
+
+        for i in range(count):
+            for spec, _ in _pool_worker(role, i, args.host, roles[role], flags, gpus, "worker"):
+                specs.append(spec)
+                pools[role].append(spec.address)
+    return [*specs, _router(args, pools["prefill"], pools["decode"], store)]
 
 
 def wait_for_workers(

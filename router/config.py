@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdmesh.router.planner.config import PlannerConfig
 from pdmesh.router.tool_parsers.registry import get_parser
 from pdmesh.serving.auth import ApiKeys
 from pdmesh.serving.tls import TLSConfig
@@ -20,7 +21,11 @@ class RouterConfig:
     `tls.ca` too. api_keys: keys the public API (gRPC and HTTP) requires (none: open).
     tool_call_parser: the model's tool-call format for tool_choice "auto" (router/tool_parsers;
     None: the one its chat template asks for). kvstore: HOST:PORT of a KV store whose held
-    prefixes the 'kv' policy counts as cheaper than a miss (None: none)."""
+    prefixes the 'kv' policy counts as cheaper than a miss (None: none). load_aware_disagg: a
+    prompt long enough for a prefill worker is prefilled on its decode worker when the prefill
+    worker's queue would cost it more than its prefill costs the decode worker's batch
+    (router/prefill_rate.py). planner: switch workers of either role between prefill and decode
+    with the load (router/planner/; None: roles change only by hand)."""
 
     model: str | None = None
     prefill: tuple[str, ...] = ()
@@ -40,6 +45,8 @@ class RouterConfig:
     api_keys: ApiKeys = field(default_factory=ApiKeys)
     tool_call_parser: str | None = None
     kvstore: str | None = None
+    load_aware_disagg: bool = False
+    planner: PlannerConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.decode:

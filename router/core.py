@@ -23,8 +23,11 @@ from pdmesh.router.choices import resume_choices
 from pdmesh.router.config import RouterConfig
 from pdmesh.router.decode_link import LinkLost
 from pdmesh.router.dispatch import Dispatcher
+from pdmesh.router.planner.loop import Planner
+from pdmesh.router.planner.slo import SloWindow
 from pdmesh.router.registry import WorkerRegistry
 from pdmesh.router.request_telemetry import RequestTelemetry
+from pdmesh.router.roles import RoleSwitcher
 from pdmesh.router.stream_pacing import StreamPacer
 from pdmesh.text.tokenizer import Tokenizer
 from pdmesh.v1 import generation_pb2 as gen_pb
@@ -91,14 +94,27 @@ class Router:
         self.validator = Validator(self.model_name, info.vocab_size, self.max_model_len, tokenizer)
         self.registry = WorkerRegistry(config)
         self.dispatcher = Dispatcher(config, self.registry)
+        self.roles = RoleSwitcher(self.registry, self.dispatcher)  # by hand, or the planner
         self.pacer = StreamPacer()
         self._active_ids: set[str] = set()  # client request ids in flight
+        # With the planner: TTFT and inter-token latency against its SLO, and the planner.
+        self.slo: SloWindow | None = None
+        self.planner: Planner | None = None
+        if config.planner is not None:
+            self.slo = SloWindow(config.planner.slo_ttft_s, config.planner.slo_itl_s)
+            self.planner = Planner(
+                config.planner, self.registry, self.dispatcher, self.roles, self.slo
+            )
 
     def start(self) -> None:
         self.registry.start()
         self.dispatcher.start()
+        if self.planner is not None:
+            self.planner.start()
 
     async def close(self) -> None:
+        if self.planner is not None:
+            await self.planner.close()
         await self.dispatcher.close()
         await self.registry.close()
         self.validator.close()
@@ -118,8 +134,11 @@ class Router:
         self._active_ids.add(inp.request_id)
         self.pacer.open += 1
         finished = False
+        clock = self.slo.clock() if self.slo is not None else None
         try:
             async for chunk in self._run(inp, failover, telemetry):
+                if clock is not None:
+                    clock.tokens(len(chunk.token_ids))
                 finished = chunk.HasField("usage")  # before the yield: the client may leave
                 yield chunk
         except Exception:

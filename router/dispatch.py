@@ -32,7 +32,8 @@ from pdmesh.logger import get_logger
 from pdmesh.prefix_hash import hash_prefix_blocks
 from pdmesh.router.config import RouterConfig
 from pdmesh.router.decode_link import DecodeLink, DeltaQueue, LinkLost
-from pdmesh.router.policies import PromptInfo, create_policy
+from pdmesh.router.policies import Decision, PromptInfo, create_policy
+from pdmesh.router.prefill_rate import PrefillRate
 from pdmesh.router.registry import Worker, WorkerRegistry
 from pdmesh.router.request_telemetry import RequestTelemetry
 from pdmesh.router.store_hits import StoreHits
@@ -62,6 +63,19 @@ _RETRY_SUBMIT = (
 _STATUS_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
 
 
+@dataclass(frozen=True)
+class PrefillTiming:
+    """A fresh request's prefill, timed from its Submit to its first token (PrefillRate)."""
+
+    rate: PrefillRate
+    remote: bool
+    tokens: int  # computed before its first token: its prefill worker's queue and its own
+    start: float = field(default_factory=time.monotonic)
+
+    def first_token(self) -> None:
+        self.rate.observe(self.remote, time.monotonic() - self.start, self.tokens)
+
+
 @dataclass(eq=False)
 class Attempt:
     """One submission of a request to a decode worker, and the load the router booked for it
@@ -79,6 +93,7 @@ class Attempt:
     finished: bool = False
     lost: LinkLost | None = None
     moved: str | None = None  # the worker's migration handle ("": nothing to pull)
+    timing: PrefillTiming | None = None
 
     def __post_init__(self) -> None:
         self.queue = self.link.register(self.wire_id)
@@ -106,6 +121,9 @@ class Attempt:
                 await asyncio.sleep(wait)
             chunks, lost, moved = _merge(self.request_id, await self.queue.take_all())
             for chunk in chunks:
+                if self.timing is not None:
+                    self.timing.first_token()
+                    self.timing = None
                 self.first_tokens()
                 self.finished = chunk.HasField("usage")  # the request's last chunk
                 yield chunk
@@ -183,7 +201,14 @@ class Dispatcher:
     def __init__(self, config: RouterConfig, registry: WorkerRegistry) -> None:
         self.config = config
         self.registry = registry
-        self.policy = create_policy(config.policy, config.overlap_weight, config.disagg_min_tokens)
+        # Measured always (the planner reads it); dispatch uses it with --load-aware-disagg.
+        self.prefill_rate = PrefillRate()
+        self.policy = create_policy(
+            config.policy,
+            config.overlap_weight,
+            config.disagg_min_tokens,
+            self.prefill_rate if config.load_aware_disagg else None,
+        )
         self.store = StoreHits(config.kvstore, config.tls) if config.kvstore else None
         self._router_id = f"router-{uuid.uuid4().hex[:8]}"
         self.links: dict[str, DecodeLink] = {}
@@ -265,6 +290,8 @@ class Dispatcher:
             prefill = decision.prefill if migrate_from is None else None  # the KV exists
             # The fallback too: the decode worker checks its own cache first.
             prefill_to = (prefill or decision.fallback) if migrate_from is None else None
+            fresh = not resumed and migrate_from is None
+            timing = self._timing(prompt, decision) if fresh and prefill_to is prefill else None
             attempt = Attempt(
                 inp.request_id,
                 f"{inp.request_id}~{self._submits}" if resumed else inp.request_id,
@@ -273,6 +300,7 @@ class Dispatcher:
                 prefill,
                 prompt.num_blocks,
                 decision.prefill_miss_blocks,
+                timing=timing,
             )
             request = worker_pb2.DecodeRequest(
                 request_id=attempt.wire_id,
@@ -309,6 +337,16 @@ class Dispatcher:
             if prefill is not None:
                 prefill.index.insert(prompt.block_hashes)
             return attempt
+
+    def _timing(self, prompt: PromptInfo, decision: Decision) -> PrefillTiming:
+        """What a fresh request's prefill will compute, to time it: on a prefill worker, the
+        tokens booked there before it and its own; on its decode worker, its uncached tokens."""
+        if decision.prefill is not None:
+            blocks = decision.prefill.inflight_blocks + decision.prefill_miss_blocks
+            return PrefillTiming(self.prefill_rate, True, blocks * prompt.block_size)
+        held = max(decision.decode.index.match(prompt.block_hashes), prompt.store_blocks)
+        tokens = prompt.num_tokens - held * prompt.block_size
+        return PrefillTiming(self.prefill_rate, False, tokens)
 
     async def _candidates(self, avoid: set[str], refused: set[str]) -> list[Worker]:
         """Ready decode workers not in `refused`: waits up to LINK_WAIT_S for any to be ready

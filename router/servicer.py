@@ -12,7 +12,6 @@ from pdmesh.errors import InvalidRequest
 from pdmesh.router import metrics
 from pdmesh.router.chat_pb import CallsAtEnd, messages_from_pb, tool_use_from_pb, tools_from_pb
 from pdmesh.router.core import Router
-from pdmesh.router.roles import RoleSwitcher
 from pdmesh.router.tool_choice import NONE
 from pdmesh.router.tool_parsers.registry import pick_parser
 from pdmesh.sampling_params import SamplingParams
@@ -121,7 +120,7 @@ class MeshControlServicer(worker_pb2_grpc.MeshControlServicer):
     """The router's control of its workers (operators, `pdmesh role`)."""
 
     def __init__(self, router: Router) -> None:
-        self.roles = RoleSwitcher(router.registry, router.dispatcher)
+        self.roles = router.roles
 
     async def SetWorkerRole(self, request, context):
         return await self.roles.set_role(request.worker, request.role)

@@ -14,7 +14,7 @@ from support import hf_greedy, load_hf
 
 from pdmesh.cli import build_parser
 from pdmesh.engine.config import EngineConfig
-from pdmesh.flags import engine_argv, engine_options
+from pdmesh.flags import engine_argv, engine_options, planner_config
 from pdmesh.mesh import pair_transports, plan_mesh
 
 PDMESH = [sys.executable, "-m", "pdmesh.cli"]
@@ -212,3 +212,33 @@ def test_up_passes_every_engine_option_to_its_workers() -> None:
         (values["tensor_parallel_size"], 2),
         (2, values["pipeline_parallel_size"]),
     ]
+
+
+def test_up_with_the_planner_starts_workers_of_either_role_and_a_planning_router() -> None:
+    """`pdmesh up --planner`: its pools are workers that change role (`pdmesh worker --role`),
+    and its router gets the planner and its knobs; a layout such a worker cannot run is refused."""
+    parser = build_parser()
+    knobs = ["--planner-interval-s", "0.5", "--slo-ttft-ms", "300", "--slo-itl-ms", "80"]
+    knobs += ["--planner-sustain", "2", "--planner-dwell-s", "5", "--load-aware-disagg"]
+    up = parser.parse_args(["up", "--planner", "--prefill", "1", "--decode", "2", *knobs])
+    specs = plan_mesh(up)
+    assert [s.name for s in specs] == ["prefill-0", "decode-0", "decode-1", "router"]
+    workers = [parser.parse_args(s.command[3:]) for s in specs[:-1]]
+    assert [(w.command, w.role) for w in workers] == [
+        ("worker", "prefill"),
+        ("worker", "decode"),
+        ("worker", "decode"),
+    ]
+    router = parser.parse_args(specs[-1].command[3:])
+    assert (router.prefill, router.decode) == (
+        specs[0].address,
+        f"{specs[1].address},{specs[2].address}",
+    )
+    config = planner_config(router)
+    assert config is not None and router.load_aware_disagg
+    assert (config.interval_s, config.slo_ttft_s, config.slo_itl_s) == (0.5, 0.3, 0.08)
+    assert (config.sustain, config.dwell_s) == (2, 5.0)
+    plain = parser.parse_args(plan_mesh(parser.parse_args(["up"]))[-1].command[3:])
+    assert planner_config(plain) is None and not plain.load_aware_disagg
+    with pytest.raises(ValueError, match="run one rank"):
+        plan_mesh(parser.parse_args(["up", "--planner", "--decode-tp", "2"]))

@@ -11,6 +11,7 @@ import pytest
 
 from pdmesh.prefix_hash import hash_prefix_blocks
 from pdmesh.router.policies import PromptInfo, create_policy
+from pdmesh.router.prefill_rate import PrefillRate
 from pdmesh.router.registry import Worker
 
 BS = 16
@@ -45,3 +46,28 @@ def test_a_short_prompt_or_no_prefill_pool_is_prefilled_locally_without_fallback
     assert (short.prefill, short.fallback) == (None, None)
     alone = policy.choose(_prompt(300), [decode], [])
     assert (alone.prefill, alone.fallback) == (None, None)
+
+
+@pytest.mark.parametrize("name", ["kv", "round_robin"])
+def test_load_aware_disaggregation_prefills_locally_behind_a_long_prefill_queue(name: str) -> None:
+    """With the measured prefill rate (--load-aware-disagg), a prompt long enough to send is
+    prefilled on its decode worker when the prefill worker's queue would make it wait longer
+    than its own prefill holds up the decode worker; without a rate, or off, it is sent."""
+    rate = PrefillRate()
+    policy = create_policy(name, overlap_weight=1.0, disagg_min_tokens=64, rate=rate)
+    off = create_policy(name, overlap_weight=1.0, disagg_min_tokens=64)
+    decode, prefill = Worker("d:1", "decode"), Worker("p:1", "prefill")
+    prompt = _prompt(320)  # 20 blocks
+    prefill.inflight_blocks = 40  # 640 tokens queued on the prefill worker
+    assert policy.choose(prompt, [decode], [prefill]).prefill is prefill  # nothing measured
+    rate.observe(remote=True, seconds=0.64, tokens=640)  # 1 ms a token through the queue
+    rate.observe(remote=False, seconds=0.32, tokens=320)  # 1 ms a token on the decode worker
+    local = policy.choose(prompt, [decode], [prefill])
+    assert (local.prefill, local.fallback) == (None, None)  # no fallback: prefilled there
+    assert "prefill queue" in local.reason
+    assert off.choose(prompt, [decode], [prefill]).prefill is prefill
+    prefill.inflight_blocks = 10  # 160 tokens queued: less than the prompt's own 320
+    assert policy.choose(prompt, [decode], [prefill]).prefill is prefill
+    rate.observe(remote=False, seconds=10.0, tokens=320)  # prefill is slow on decode workers
+    prefill.inflight_blocks = 40
+    assert policy.choose(prompt, [decode], [prefill]).prefill is prefill

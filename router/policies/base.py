@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from pdmesh.router.prefill_rate import PrefillRate
 from pdmesh.router.registry import Worker
 
 # What a prompt block the KV store holds costs a worker that lacks it, against computing it (1):
@@ -44,11 +45,17 @@ class Decision:
 
 class DispatchPolicy(ABC):
     """Callers may rely on: `choose` returns a decode worker from `decode` (never empty) and a
-    prefill worker from `prefill` or None; it does not mutate worker state."""
+    prefill worker from `prefill` or None; it does not mutate worker state.
 
-    def __init__(self, overlap_weight: float, disagg_min_tokens: int) -> None:
+    `rate`: the prefill rate the router measures, given when conditional disaggregation takes
+    load into account (router --load-aware-disagg): see `local_under_load`."""
+
+    def __init__(
+        self, overlap_weight: float, disagg_min_tokens: int, rate: PrefillRate | None = None
+    ) -> None:
         self.overlap_weight = overlap_weight
         self.disagg_min_tokens = disagg_min_tokens
+        self.rate = rate
 
     @abstractmethod
     def choose(
@@ -61,6 +68,20 @@ class DispatchPolicy(ABC):
         holds count as cached: the worker fetches them instead."""
         held = max(decode.index.match(prompt.block_hashes), prompt.store_blocks)
         return prompt.num_tokens - held * prompt.block_size < self.disagg_min_tokens
+
+    def local_under_load(self, prompt: PromptInfo, decode: Worker, prefill: Worker) -> str:
+        """Why the decode worker should prefill the prompt itself although it is long enough to
+        send ("": it should not): the prefill worker's queue would make the prompt wait longer
+        than prefilling its uncached part here holds up the decode worker's running batch (both
+        from the measured prefill rate; nothing before it is measured)."""
+        if self.rate is None:
+            return ""
+        held = max(decode.index.match(prompt.block_hashes), prompt.store_blocks)
+        wait = self.rate.queue_wait_s(prefill.inflight_blocks * prompt.block_size)
+        stall = self.rate.local_s(prompt.num_tokens - held * prompt.block_size)
+        if wait is None or stall is None or wait <= stall:
+            return ""
+        return f"prefill queue on {prefill.address} ~{wait:.2f}s > local prefill ~{stall:.2f}s"
 
     def may_need_prefill(self, prompt: PromptInfo) -> bool:
         """Whether the prompt is long enough that the decode worker may hand it to a prefill

@@ -4,7 +4,9 @@ Prefill: cost(P) = (prefix-miss blocks on P + STORE_HIT_COST x blocks P would fe
 store) x overlap_weight + blocks P is busy with; the lowest cost wins, so a prompt goes where its
 prefix is cached unless that worker is swamped, and a prefix the store holds (router --kvstore)
 is cheaper than a miss everywhere. Decode: the worker with the least KV in use (its last stats
-plus what was sent since).
+plus what was sent since). With a measured prefill rate (load-aware conditional
+disaggregation), a prompt long enough to send is prefilled on the decode worker when the chosen
+prefill worker's queue would cost it more than its prefill costs the decode worker's batch.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class KVCostPolicy(DispatchPolicy):
         if self.local_prefill(prompt, d):
             why = f"decode {d.address}: least KV usage, likely holds the prefix; prefill locally"
             return Decision(d, None, why, fallback=p)
+        if busy := self.local_under_load(prompt, d, p):  # no fallback: the worker prefills it
+            return Decision(d, None, f"decode {d.address}: least KV usage; {busy}: prefill locally")
         fetched, miss = prompt.split(p.index.match(prompt.block_hashes))
         return Decision(
             d,

@@ -6,13 +6,16 @@ import itertools
 
 from pdmesh.router.policies.base import Decision, DispatchPolicy, PromptInfo
 from pdmesh.router.policies.registry import register_policy
+from pdmesh.router.prefill_rate import PrefillRate
 from pdmesh.router.registry import Worker
 
 
 @register_policy("round_robin")
 class RoundRobinPolicy(DispatchPolicy):
-    def __init__(self, overlap_weight: float, disagg_min_tokens: int) -> None:
-        super().__init__(overlap_weight, disagg_min_tokens)
+    def __init__(
+        self, overlap_weight: float, disagg_min_tokens: int, rate: PrefillRate | None = None
+    ) -> None:
+        super().__init__(overlap_weight, disagg_min_tokens, rate)
         self._next = itertools.count()
 
     def choose(self, prompt: PromptInfo, decode: list[Worker], prefill: list[Worker]) -> Decision:
@@ -23,4 +26,6 @@ class RoundRobinPolicy(DispatchPolicy):
         p = prefill[n % len(prefill)]
         if self.local_prefill(prompt, d):
             return Decision(d, None, "round robin; likely cached: prefill locally", fallback=p)
+        if busy := self.local_under_load(prompt, d, p):
+            return Decision(d, None, f"round robin; {busy}: prefill locally")
         return Decision(d, p, "round robin", prompt.num_blocks - p.index.match(prompt.block_hashes))
