@@ -120,17 +120,21 @@ def tls_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-# The planner's knobs: PlannerConfig field -> (flag, its unit per the field's, help).
-PLANNER_FLAGS: dict[str, tuple[str, float, str]] = {
+# The planner's knobs: PlannerConfig field -> (flag, flag units per field unit, help).
+PLANNER_FLAGS: dict[str, tuple[str, int, str]] = {
     "interval_s": ("--planner-interval-s", 1, "seconds between the planner's looks"),
-    "slo_ttft_s": ("--slo-ttft-ms", 1e-3, "target time to first token (ms)"),
-    "slo_itl_s": ("--slo-itl-ms", 1e-3, "target time between tokens (ms)"),
+    "slo_ttft_s": ("--slo-ttft-ms", 1000, "target time to first token (ms)"),
+    "slo_itl_s": ("--slo-itl-ms", 1000, "target time between tokens (ms)"),
     "attainment": ("--slo-attainment", 1, "share within target below which a side is starved"),
     "kv_low": ("--planner-kv-low", 1, "decode KV use that may give up a worker"),
     "kv_high": ("--planner-kv-high", 1, "decode KV use that is starved"),
     "sustain": ("--planner-sustain", 1, "intervals in a row a condition holds before a switch"),
     "dwell_s": ("--planner-dwell-s", 1, "least seconds between two switches"),
 }
+
+
+def _flag_dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
 
 
 def planner_args(p: argparse.ArgumentParser) -> None:
@@ -143,10 +147,10 @@ def planner_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="switch workers of either role between prefill and decode with the load",
     )
-    for name, (flag, unit, help) in PLANNER_FLAGS.items():
+    for name, (flag, per, help) in PLANNER_FLAGS.items():
         default = getattr(PlannerConfig, name)
         kind = int if isinstance(default, int) else float
-        g.add_argument(flag, type=kind, default=kind(default / unit), help=help)
+        g.add_argument(flag, type=kind, default=default * per, help=help)
     g.add_argument(
         "--load-aware-disagg",
         action="store_true",
@@ -161,9 +165,10 @@ def planner_config(args: argparse.Namespace) -> PlannerConfig | None:
 
     if not args.planner:
         return None
-    values = {
-        n: getattr(args, f[2:].replace("-", "_")) * u for n, (f, u, _) in PLANNER_FLAGS.items()
-    }
+    values = {}
+    for name, (flag, per, _) in PLANNER_FLAGS.items():
+        value = getattr(args, _flag_dest(flag))
+        values[name] = value / per if per != 1 else value
     return PlannerConfig(**values)
 
 
@@ -173,7 +178,7 @@ def planner_argv(args: argparse.Namespace) -> list[str]:
     if args.planner:
         argv.append("--planner")
         for flag, _, _ in PLANNER_FLAGS.values():
-            argv += [flag, str(getattr(args, flag[2:].replace("-", "_")))]
+            argv += [flag, str(getattr(args, _flag_dest(flag)))]
     return argv
 
 

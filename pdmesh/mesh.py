@@ -24,7 +24,7 @@ from typing import Any
 
 from pdmesh import envs, healthcheck
 from pdmesh.client import RouterClient
-from pdmesh.flags import engine_argv, engine_options, planner_argv, tls_argv
+from pdmesh.flags import engine_argv, engine_options, planner_argv, planner_config, tls_argv
 from pdmesh.processes import free_port
 from pdmesh.serving.tls import TLSConfig
 from pdmesh.supervisor import Child, ProcessSpec, spawn, stop_all, supervise, wait_ready
@@ -201,6 +201,7 @@ def _router(
     argv = ["router", "--host", args.host, "--port", str(args.port), *store]
     argv += ["--http-port", str(args.http_port), "--prefill", ",".join(prefill)]
     argv += ["--decode", ",".join(decode), "--policy", args.policy]
+    planner_config(args)  # bad planner flags: refused here, not by the router's process
     argv += ["--disagg-min-tokens", str(args.disagg_min_tokens), *planner_argv(args)]
     if args.tool_call_parser:
         argv += ["--tool-call-parser", args.tool_call_parser]
