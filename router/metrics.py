@@ -69,6 +69,13 @@ WORKER_ROLE_SWITCHES = Counter(
     "Times a worker changed role (`pdmesh role`, SetWorkerRole), by the role it took.",
     ["worker", "role"],
 )
+PREFILL_SECONDS_PER_TOKEN = Gauge(
+    "pdmesh_router_prefill_seconds_per_token",
+    "The prefill rate this router measures (a moving average, router/prefill_rate.py): remote "
+    "(Submit to first token per token its prefill worker computed first, its queue included), "
+    "local (per uncached token of a prompt its decode worker prefilled).",
+    ["where"],
+)
 REQUESTS_FAILED_WORKER_LOST = Counter(
     "pdmesh_router_requests_failed_worker_lost",
     "Requests that ended in an error after a decode worker serving them was lost (those moved "
@@ -119,6 +126,10 @@ def worker_role(address: str, old: str, new: str, up: bool) -> None:
         WORKER_UP.remove(old, address)
     WORKER_UP.labels(new, address).set(1 if up else 0)
     WORKER_ROLE_SWITCHES.labels(address, new).inc()
+
+
+def prefill_rate(remote: bool, seconds_per_token: float) -> None:
+    PREFILL_SECONDS_PER_TOKEN.labels("remote" if remote else "local").set(seconds_per_token)
 
 
 def worker_restarted(role: str, address: str) -> None:

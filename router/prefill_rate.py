@@ -16,6 +16,8 @@ stall that worker's batch: the dispatch policy's load-aware conditional disaggre
 
 from __future__ import annotations
 
+from pdmesh.router import metrics
+
 # The weight of a new sample in the moving average: about the last ten prompts count.
 SAMPLE_WEIGHT = 0.2
 
@@ -37,6 +39,7 @@ class PrefillRate:
             self.remote_s_per_token = new
         else:
             self.local_s_per_token = new
+        metrics.prefill_rate(remote, new)
 
     def queue_wait_s(self, queued_tokens: int) -> float | None:
         """Seconds a prompt would wait behind `queued_tokens` on a prefill worker (None: no rate

@@ -113,6 +113,9 @@ def test_the_planner_moves_a_decode_worker_to_prefill_under_load_and_back_after(
     wait_until(lambda: _role(worker) == "decode", 60, f"{worker} back to decode")
     wait_until(lambda: _switches(mesh).get(("decode", "idle")) == 1, 10, "the switch back counted")
     assert [_role(a) for a in mesh.prefill] == ["prefill"]
+    # The prefill rate it went by was measured on the prompts the prefill workers computed.
+    rate = ("pdmesh_router_prefill_seconds_per_token", (("where", "remote"),))
+    assert mesh.router_metrics()[rate] > 0
     # Every stream, including those moved off the switched worker, is the offline engine's.
     want = default_llm.generate(
         [{"prompt_token_ids": p} for p, _, _, _ in done],
