@@ -93,7 +93,7 @@ def assess(config: PlannerConfig, obs: Observation) -> str | None:
     queued = sum(w.queued_tokens for w in obs.prefill)
     used = sum(w.kv_used for w in obs.decode)
     total = sum(w.kv_total for w in obs.decode)
-    # The decode pool's KV use were one of its workers gone (an average one).
+    # The decode pool's KV use if one of its workers (an average one) were gone.
     n = len(obs.decode)
     after = used / (total * (n - 1) / n) if n > 1 and total else 1.0
     decode_relaxed = not itl_missed and after < config.kv_low
