@@ -1,6 +1,6 @@
 """The engine on one GPU against the hardware ceilings and transformers, in one run.
 
-    python -m pdmesh.bench.gpu --out DIR [--only decode,peer,moe] [--quantization fp8]
+    python -m pdmesh.bench.gpu --out DIR [--only decode,peer,moe,longctx] [--quantization fp8]
 
 Random-initialised bf16 weights of real model shapes (load_format="dummy"); --quantization fp8
 quantizes them at load (floors then count the fp8 bytes; the prefill is compared with the fp8
@@ -87,6 +87,32 @@ def dense_section(folder: Path, ceil: dict[str, float], report: Report) -> None:
     sweep = (1, 4, 16, 32, 64, 128, 256)
     report.guarded("decode_sweep_ctx1024", lambda: [decode(b, 1024) for b in sweep])
     report.guarded("offline_engine", lambda: offline(llm, ceil, wbytes, kv_per_token))
+
+
+def long_context_section(
+    folder: Path, ceil: dict[str, float], report: Report, batch: int = 32, ctx: int = 8192
+) -> None:
+    """Decode at batch 32 over 8,192 tokens of context, the KV cache in bf16 then in fp8
+    (issue 34): the KV read dominates the step, so an fp8 cache should cut it by about half.
+    Batch 32, not 64: 64 sequences of 8k in bf16 (69 GB) do not fit beside the weights on an
+    H100."""
+    for dtype in ("auto", "fp8"):
+        options = {**DENSE, "max_model_len": ctx + 128, "kv_cache_dtype": dtype}
+        llm = dummy_llm(folder, **options, kv_cache_tokens=batch * (ctx + 128))
+        wbytes = weight_bytes(llm.engine.runner)
+        kv_per_token = llm.engine.runner.kv_spec.bytes_per_token
+
+        def decode(llm: Any = llm, wbytes: int = wbytes, kv: int = kv_per_token) -> dict[str, Any]:
+            step = decode_step_time(llm.engine, batch, ctx)
+            floor = (wbytes + batch * (ctx + 16) * kv) / (ceil["copy_gb_s"] * 1e9)
+            return {"batch": batch, "context": ctx, "kv_bytes_per_token": kv,
+                    "step_ms": step * 1e3, "floor_ms": floor * 1e3,
+                    "ratio_to_floor": step / floor}  # fmt: skip
+
+        report.guarded(f"decode_b{batch}_ctx{ctx}_kv_{dtype}", decode)
+        llm.close()
+        del llm
+        release_memory()
 
 
 # The dense model's engine limits (its KV cache size set per use), and --quantization.
@@ -241,6 +267,8 @@ def main() -> None:
         dense_section(dense, ceil, report)
         plot(report.data.get("decode_sweep_ctx1024"), args.out)
         release_memory()
+    if "longctx" in only:
+        long_context_section(dense, ceil, report)
     if "peer" in only:
         transformers_peer(dense, report)
         release_memory()

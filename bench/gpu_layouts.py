@@ -15,7 +15,7 @@ step runs one of the batches in flight, so steps are not tokens). The perfect-sc
 of two GPUs at batch 64 is two one-GPU engines of 32 sequences each: one GPU's time per token
 at batch 32 (the GPUs share nothing). Four GPUs (`--gpus 4`, the dense model): one GPU, TP=4
 and TP=2 x PP=2; the ceiling is four one-GPU engines of 16 sequences each, one GPU's time per
-token at batch 16 over 4. Timelines: 8 decode steps profiled on every rank (torch.profiler;
+token at batch 16. Timelines: 8 decode steps profiled on every rank (torch.profiler;
 followers through `ProfileRank`; `--timelines` picks the layouts), summarised by
 bench/step_timeline.py. Writes DIR/layouts.json; prints a table. `--merge` joins the
 layouts.json of runs made one layout a process (`--layouts`) into DIR/layouts.json, with the
@@ -62,8 +62,16 @@ MOE = {
         "enable_expert_parallel": True,
         "enable_eplb": True,
     },
+    # Data-parallel attention, experts over both replicas (one such engine a process on GPUs);
+    # `-async`: each replica launches its next step before reading its tokens.
+    "dp2ep2": {"data_parallel_size": 2, "enable_expert_parallel": True},
+    "dp2ep2-async": {
+        "data_parallel_size": 2,
+        "enable_expert_parallel": True,
+        "async_scheduling": True,
+    },
 }
-HOST_PROFILED = ("ep2-eplb",)
+HOST_PROFILED = ("ep2-eplb", "dp2ep2", "dp2ep2-async")
 # Four GPUs, the dense model. TP=4 registers symmetric memory, so on GPUs it runs in a process
 # of its own (`--layouts`, then `--merge`); TP=2 x PP=2 does not (its stages step eagerly).
 DENSE4 = {
@@ -90,6 +98,11 @@ def token_time(engine: Any, batch: int, ctx: int, rounds: int) -> float:
     return elapsed * batch / tokens
 
 
+def _first(engine: Any) -> Any:
+    """The engine of rank 0: the engine, or a data-parallel front's own replica."""
+    return getattr(engine, "local", engine)
+
+
 def timeline(
     llm: Any, batch: int, ctx: int, out: Path, name: str, host: bool = False
 ) -> dict[str, Any]:
@@ -100,24 +113,32 @@ def timeline(
     for _ in range(6):
         engine.step()
     _sync()
-    driver, here = engine.tp_driver, RankProfiler()
+    # Data-parallel replicas after the first are told over their front's sockets.
+    replicas = getattr(engine, "replicas", None)
+    others = range(len(replicas.procs)) if replicas is not None else range(0)
+    driver, here = _first(engine).tp_driver, RankProfiler()
     if driver is not None:
         driver.call(ProfileRank(host=host))
+    for i in others:
+        replicas.ask(i, {"op": "profile", "trace": "", "host": host})
     here.start(host)
     for _ in range(steps):
         engine.step()
     trace = out / f"trace-{name}"
     here.stop(f"{trace}.rank0.json")
-    ranks = 1
+    ranks = engine.config.world_size * (1 + len(others))
     if driver is not None:
         driver.call(ProfileRank(trace=str(trace)))
-        ranks = engine.config.world_size
+    for i in others:
+        replicas.ask(i, {"op": "profile", "trace": str(trace), "host": host})
     _drain(engine, ids)
     while engine.has_unfinished_requests():
         engine.step()
     result = {}
     for r in range(ranks):
         path = Path(f"{trace}.rank{r}.json")
+        if not path.exists():  # a rank of a replica's TP group: not profiled
+            continue
         result[f"rank{r}"] = summarize_file(path, steps)
         path.unlink()  # large; the summary is what is kept
     return result
@@ -153,12 +174,12 @@ def run_layouts(
         start = time.perf_counter()
         llm = dummy_llm(folder, **common, **options)
         entry["start_s"] = time.perf_counter() - start
-        entry["graphs"] = llm.engine.runner.graphs is not None
+        entry["graphs"] = _first(llm.engine).runner.graphs is not None
         for batch, ctx in cases + ([ceiling_case] if name == "tp1" else []):
             label = f"b{batch}_ctx{ctx}_ms_per_token"
             entry[label] = token_time(llm.engine, batch, ctx, rounds) * 1e3
             print(f"{key} {name} {label}: {entry[label]:.2f}", flush=True)
-        entry["most_in_flight"] = llm.engine.most_in_flight
+        entry["most_in_flight"] = _first(llm.engine).most_in_flight
         # The dry run profiles batch 1 only: a second profile of a CPU pipeline engine crashed
         # in torch 2.13's profiler (see engine/executor/profiling.py).
         for batch, ctx in (
@@ -184,11 +205,14 @@ def run_layouts(
 
 def ratios(results: dict[str, Any], cases: list[tuple[int, int]], gpus: int) -> None:
     """Each layout's time per token over one GPU's (`tp1`), and at the last case's batch over
-    the perfect-scaling ceiling: `gpus` one-GPU engines sharing the batch, i.e. one GPU's time
-    per token at batch / gpus, divided by gpus (the GPUs share nothing)."""
+    the perfect-scaling ceiling: `gpus` one-GPU engines sharing the batch, each sequence then
+    getting a token every step of one GPU at batch / gpus (the GPUs share nothing). Until
+    2026-11-27 this ceiling was also divided by gpus, as if the times were of all the batch's
+    tokens rather than of each sequence's: every "x ceiling" before then is gpus times too
+    high (BENCHMARKS.md corrects them)."""
     one = results["tp1"]
     b, ctx = cases[-1]
-    ceiling = one[f"b{b // gpus}_ctx{ctx}_ms_per_token"] / gpus
+    ceiling = one[f"b{b // gpus}_ctx{ctx}_ms_per_token"]
     for entry in results.values():
         for batch, c in cases:
             label = f"b{batch}_ctx{c}_ms_per_token"

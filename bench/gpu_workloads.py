@@ -66,9 +66,11 @@ def _admit(engine: Any, batch: int, ctx: int, max_tokens: int) -> list[str]:
         rid = f"bench-{next(_ids)}"
         engine.add_request(rid, prompt, _greedy(max_tokens))
         ids.append(rid)
-    # Run until every prompt is prefilled (each has its first token).
-    while any(engine.get_output(r).outputs[0].token_ids == [] for r in ids):
-        engine.step()
+    # Run until every prompt is prefilled (each has its first token); read from the steps'
+    # deltas, which a data-parallel front has for every replica's requests.
+    first = set()
+    while len(first) < len(ids):
+        first.update(d.request_id for d in engine.step() if d.token_ids)
     return ids
 
 

@@ -33,8 +33,15 @@ def summarize(trace: dict[str, Any], steps: int) -> dict[str, Any]:
     """Per-step milliseconds of one rank's trace (`steps`: decode steps in the window)."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    if not kernels:
-        return {"kernels": 0}
+    per = 1e3 * steps
+    by_op: dict[str, float] = defaultdict(float)  # host operators and annotations, inclusive
+    for e in events:
+        if e.get("cat") in ("cpu_op", "user_annotation"):
+            by_op[e["name"][:80]] += e["dur"]
+    top_ops = sorted(by_op.items(), key=lambda kv: -kv[1])[:20]
+    host = {"top_host_ops_ms_per_step": {k: round(v / per, 4) for k, v in top_ops}}
+    if not kernels:  # a CPU run: the host's side only
+        return {"kernels": 0, **host}
     start = min(e["ts"] for e in kernels)
     end = max(e["ts"] + e["dur"] for e in kernels)
     comm = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in e["name"].lower()]
@@ -45,16 +52,10 @@ def summarize(trace: dict[str, Any], steps: int) -> dict[str, Any]:
         if "nccl" in e["name"].lower():
             by_comm[e["name"][:60]] += e["dur"]
     syncs = [e for e in events if e.get("cat") == "cuda_runtime" and e["name"] in _SYNCS]
-    per = 1e3 * steps
     by_kernel: dict[str, float] = defaultdict(float)
     for e in kernels:
         by_kernel[e["name"][:80]] += e["dur"]
     top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:15]
-    by_op: dict[str, float] = defaultdict(float)  # host operators, inclusive time
-    for e in events:
-        if e.get("cat") == "cpu_op":
-            by_op[e["name"][:80]] += e["dur"]
-    top_ops = sorted(by_op.items(), key=lambda kv: -kv[1])[:20]
     return {
         "window_ms_per_step": (end - start) / per,
         "compute_ms_per_step": _union_us(compute) / per,
@@ -65,7 +66,7 @@ def summarize(trace: dict[str, Any], steps: int) -> dict[str, Any]:
         "host_syncs_per_step": len(syncs) / steps,
         "host_sync_ms_per_step": sum(e["dur"] for e in syncs) / per,
         "top_kernels_ms_per_step": {k: round(v / per, 4) for k, v in top},
-        "top_host_ops_ms_per_step": {k: round(v / per, 4) for k, v in top_ops},
+        **host,
     }
 
 

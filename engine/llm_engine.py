@@ -151,12 +151,13 @@ class LLMEngine:
         # other batch is (one sequence, say), its input ids then on rank 0's device only: only
         # stages of one rank, whose first stage is rank 0 alone, can take them from there.
         # Data-parallel replicas under data-parallel attention launch one step each in lockstep
-        # (`_lockstep`): ahead of the tokens only when asked for (not yet measured on GPUs).
+        # (`_lockstep`), the next one ahead of the tokens as well: on two H200s that took
+        # DP=2 + EP=2 from 4.16 to 2.93 ms a token at batch 1 (BENCHMARKS.md, issue 30).
         self.async_scheduling = (
             config.pipeline_parallel_size == 1 or config.tensor_parallel_size == 1
         ) and (
             bool(config.async_scheduling)
-            if config.async_scheduling is not None or moe_group is not None
+            if config.async_scheduling is not None
             else self.runner.graphs is not None
         )
         # Steps launched whose tokens are not read yet, oldest first: one launched ahead (async

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import zmq
+from torch.profiler import record_function
 
 from pdmesh import envs
 from pdmesh.checkpoint.source import resolve_model_folder
@@ -221,10 +222,12 @@ class DataParallelEngine:
             local, remote = True, list(range(1, len(self._busy)))
         for r in remote:  # the replicas step while this process steps its own
             self.replicas.send(r - 1, {"op": "step"})
-        deltas = self.local.step() if local else []
+        with record_function("dp.local_step"):
+            deltas = self.local.step() if local else []
         self._count_ends(deltas, 0)
         for r in remote:
-            reply = self.replicas.receive(r - 1)
+            with record_function("dp.wait_replica"):
+                reply = self.replicas.receive(r - 1)
             mine = [codec.delta_from_json(d) for d in reply["deltas"]]
             for rid, out in reply["outputs"].items():
                 self._outputs[rid] = codec.output_from_json(out)

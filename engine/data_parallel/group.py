@@ -15,6 +15,7 @@ from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.models.info import ModelInfo
 from pdmesh.engine.parallel.comm import init_group, serve_store
 from pdmesh.engine.parallel.group import ParallelGroup
+from pdmesh.engine.parallel.host_max import HostMax
 
 
 def moe_data_parallel(config: EngineConfig, info: ModelInfo) -> bool:
@@ -46,8 +47,12 @@ def moe_group(
 ) -> ParallelGroup:
     """The data-parallel ranks' MoE group (every rank, rank order), joined at `init_method`
     (tcp://HOST:PORT); `store`: rank 0's own, when it serves one already."""
-    group = init_group(rank, size, init_method, device, True, store)
-    return dataclasses.replace(group, data_parallel=True)
+    group = dataclasses.replace(
+        init_group(rank, size, init_method, device, True, store), data_parallel=True
+    )
+    # The per-step agreement (engine/runner/model_runner.py `_agree`).
+    group.fast["host_max"] = HostMax(group, 2)
+    return group
 
 
 def join_mesh_group(config: EngineConfig, rank: int, address: str) -> ParallelGroup:

@@ -5,7 +5,9 @@ messages over a ZeroMQ pair socket, one reply to each, in order.
 Messages (JSON objects, `op` first): `add` (a request; reply `{}` or the ValueError naming its
 field), `abort`, `step` (run one engine step; reply its deltas, the outputs of the requests it
 finished, which the replica then forgets, and whether requests remain), `experts` (tokens routed
-to each expert), `stats` (the engine's load and counters), `eplb` (EPLB's counters) and `stop`.
+to each expert), `stats` (the engine's load and counters), `eplb` (EPLB's counters), `profile`
+(torch.profiler started, or with `trace` stopped and written to TRACE.rank{N}.json, N this
+replica's first global rank) and `stop`.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
+from torch.profiler import record_function
 
 from pdmesh import envs
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.data_parallel import codec
 from pdmesh.engine.data_parallel.group import moe_group
+from pdmesh.engine.executor.profiling import ProfileRank, RankProfiler
 from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.parallel.comm import destroy
 from pdmesh.kv_transfer.connector import encode
@@ -52,14 +56,22 @@ class ReplicaSpec:
         return ReplicaSpec(**json.loads(text))
 
 
-def serve(engine: LLMEngine, sock: zmq.Socket[bytes]) -> None:
-    """Answer the front's messages until `stop`."""
+def serve(engine: LLMEngine, sock: zmq.Socket[bytes], rank: int) -> None:
+    """Answer the front's messages until `stop`; `rank`: this replica's index."""
+    profiler = RankProfiler()
     while True:
-        msg = json.loads(sock.recv())
+        with record_function("dp.wait_front"):
+            msg = json.loads(sock.recv())
         op = msg["op"]
         if op == "stop":
             return
-        sock.send(json.dumps(_answer(engine, op, msg)).encode())
+        if op == "profile":
+            message = ProfileRank(trace=msg["trace"], host=msg["host"])
+            profiler.handle(message, rank * engine.config.world_size)
+            sock.send(b"{}")
+            continue
+        with record_function(f"dp.{op}"):
+            sock.send(json.dumps(_answer(engine, op, msg)).encode())
 
 
 def _answer(engine: LLMEngine, op: str, msg: dict[str, Any]) -> dict[str, Any]:
@@ -124,7 +136,7 @@ def main() -> None:
         raise
     sock.send(json.dumps({"ready": True}).encode())
     try:
-        serve(engine, sock)
+        serve(engine, sock, spec.rank)
     except BaseException:
         # The front reads this instead of a reply and raises it there.
         sock.send(json.dumps({"fatal": traceback.format_exc()}).encode())
