@@ -46,6 +46,16 @@ def all_reduce() -> str:
     return value
 
 
+def dp_agreement() -> str:
+    """PDMESH_DP_AGREEMENT: how data-parallel ranks under data-parallel attention agree on each
+    step's size. 'auto' (default): through shared memory where every rank is on this x86-64
+    machine, else a gloo all-reduce; 'gloo': the gloo all-reduce always."""
+    value = os.environ.get("PDMESH_DP_AGREEMENT", "auto").lower()
+    if value not in ("auto", "gloo"):
+        raise ValueError(f"PDMESH_DP_AGREEMENT must be auto or gloo, got {value!r}")
+    return value
+
+
 def num_threads() -> int | None:
     """PDMESH_NUM_THREADS: torch intra-op threads on CPU (default: torch's own choice)."""
     value = os.environ.get("PDMESH_NUM_THREADS")

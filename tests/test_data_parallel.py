@@ -56,6 +56,17 @@ def _dp_moe_rank(rank: int, init_method: str, gather_scatter: bool) -> None:
         dist.all_reduce(counts)  # each rank counted its own pairs, padding rows not
         assert int(counts.sum()) == (7 + 3) * 2
         assert (moe.counters["all_to_all"] > 0) != gather_scatter
+        if gather_scatter:
+            # The model runner names the rows that store no KV (slot -1) as padding: no rank
+            # computes their experts (their output is zero), the real rows' are unchanged.
+            n = tokens[rank].shape[0]
+            padded = torch.cat((tokens[rank], torch.randn(1, 16)))
+            moe.fast["slots"] = torch.tensor([*range(n), -1])
+            moe.step_tokens[0] = 8
+            out = mine(padded)
+            del moe.fast["slots"]
+            torch.testing.assert_close(out[:n], want, rtol=1e-5, atol=1e-5)
+            assert not out[n].any()
         assert SINGLE.moe is None
     finally:
         dist.destroy_process_group()

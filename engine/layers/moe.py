@@ -26,7 +26,9 @@ exchange in one of two ways:
 - gather_scatter (`moe_all_reduce` on that group; vLLM's allgather-reducescatter): the ranks'
   tokens, padded to the step's most on any rank, are all-gathered, each rank computes its
   experts' pairs for all of them, and a reduce-scatter hands each rank the sums for its own
-  rows. No host sync: decode steps replay CUDA graphs (every rank the same bucket).
+  rows. No host sync: decode steps replay CUDA graphs (every rank the same bucket). Padding
+  rows (those storing no KV, which the model runner notes) travel flagged, and no rank computes
+  their experts.
 """
 
 from __future__ import annotations
@@ -165,15 +167,31 @@ class FusedMoE(nn.Module):
         # x: [t, H], this rank's own tokens -> [t, H]
         g, (t, hidden) = self.tp, x.shape
         width = max(g.step_tokens[0], t)  # the step's most tokens on any rank
+        # Padding rows (an idle rank's, a graph bucket's beyond its batch: those that store no
+        # KV, as the model runner notes in `fast["slots"]`) go out flagged in one more column,
+        # and no rank computes their experts: at batch 1 an idle peer's padding row would
+        # otherwise double the experts each rank reads.
+        slots_now = g.fast.get("slots")
+        flagged = slots_now is not None  # on every rank or none: the column is gathered
+        if flagged:
+            if slots_now.shape[0] != t:
+                raise RuntimeError(f"the runner noted {slots_now.shape[0]} rows, the layer has {t}")
+            valid = (slots_now >= 0).to(x.dtype).unsqueeze(1)  # [t, 1]
+            x = torch.cat((x, valid), dim=1)  # [t, H + 1]
         if width > t:
-            x = torch.cat((x, x.new_zeros(width - t, hidden)))
-        everyone = g.all_gather(x, dim=0)  # [N * width, H], rank r's rows at r * width
+            x = torch.cat((x, x.new_zeros(width - t, x.shape[1])))  # flagged as padding
+        everyone = g.all_gather(x, dim=0)  # [N * width, H (+ 1)], rank r's rows at r * width
+        if flagged:
+            keep = everyone[:, hidden] > 0  # [N * width]
+            everyone = everyone[:, :hidden].contiguous()
         weights, ids = moe_route(self.gate(everyone), self.top_k, self.renormalize)
         slots = experts.physical(ids, 0)
         # Count this rank's own pairs (padding rows route too).
         lo, real = g.rank * width, t - g.step_tokens[1]
         self.expert_counts += count_expert_tokens(ids[lo : lo + real], self.num_experts)
         self.physical_counts += count_expert_tokens(slots[lo : lo + real], experts.num_physical)
+        if flagged:  # slot -1 is held nowhere: the kernels skip the pair
+            slots = torch.where(keep.unsqueeze(1), slots, -1)
         w13, w2, first = self.w13_weight, self.w2_weight, self.first_expert
         out = moe_experts(everyone, w13, w2, weights, slots, first, *self._scales())
         return g.reduce_scatter(out)[:t]

@@ -9,7 +9,8 @@ every slot holds that round. Slots alternate between two banks by the round's pa
 can be at most one round ahead of another (the next round needs every rank's write, which a
 rank makes only after reading this one), so it never overwrites values a slower rank still
 reads. Stores become visible in program order on x86-64 (TSO), which the value-then-round
-protocol needs; elsewhere, or across machines, the gloo all-reduce it replaces is used.
+protocol needs; elsewhere, across machines, or with PDMESH_DP_AGREEMENT=gloo, the gloo
+all-reduce it replaces is used.
 
 Callers may rely on: every rank calls `__call__` the same number of times, in the same order,
 with lists of the same length (`width`); each call returns the same list on every rank.
@@ -28,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pdmesh import envs
 from pdmesh.engine.parallel.group import ParallelGroup
 
 _SLOT = 8  # int64 words a slot: the round, then up to 7 values (64 bytes, a cache line)
@@ -109,7 +111,8 @@ def _shared_segment(group: ParallelGroup) -> str:
     if group.rank == 0:
         name = ""
         machines = {store.get(f"{_KEY}/machine/{r}").decode() for r in range(group.size)}
-        if len(machines) == 1 and platform.machine() in ("x86_64", "AMD64") and _SHM.is_dir():
+        one = len(machines) == 1 and platform.machine() in ("x86_64", "AMD64")
+        if one and _SHM.is_dir() and envs.dp_agreement() == "auto":
             name = f"pdmesh-host-max-{secrets.token_hex(8)}"
             with open(_SHM / name, "wb") as f:
                 f.truncate(2 * group.size * _SLOT * 8)

@@ -16,6 +16,8 @@ of the graphs; both sides of a stage boundary pick the same bucket, so a whole b
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from pdmesh.engine.layers.attention import AttentionMetadata
@@ -39,11 +41,13 @@ class DecodeGraphs:
         stage: PipelineStage = SINGLE_STAGE,
         hidden_size: int = 0,
         dtype: torch.dtype = torch.float32,
+        before_forward: Callable[[AttentionMetadata], None] | None = None,
     ) -> None:
         """logits=False: the graphs end at the final hidden states and `run` applies the LM head
         eagerly (tensor parallelism: its all-gather goes through NCCL, kept out of graphs).
         stage: the pipeline stage whose layers are captured; hidden_size and dtype size the
-        buffer a stage after the first receives into."""
+        buffer a stage after the first receives into. before_forward: called with each
+        bucket's metadata (its static buffers) before the model runs in its capture."""
         self.model = model
         self.stage = stage
         self.with_logits = logits
@@ -81,6 +85,8 @@ class DecodeGraphs:
                 )
 
                 def forward(bs: int = bs, meta: AttentionMetadata = meta) -> torch.Tensor:
+                    if before_forward is not None:
+                        before_forward(meta)
                     carry = None if stage.is_first else self.carry(bs)
                     hidden = model(self.input_ids[:bs], self.positions[:bs], meta, carry)
                     if not stage.is_last:

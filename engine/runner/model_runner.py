@@ -16,6 +16,7 @@ from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.eplb.balancer import ExpertBalancer
 from pdmesh.engine.kv_cache.host.pool import HostPool, OffloadNow, plan_slots
 from pdmesh.engine.kv_cache.paged import KVCache, KVCacheSpec, plan_num_blocks
+from pdmesh.engine.layers.attention import AttentionMetadata
 from pdmesh.engine.layers.moe import FusedMoE
 from pdmesh.engine.layers.quantization.registry import apply_quantization, resolve_quantization
 from pdmesh.engine.models.info import ModelInfo
@@ -172,6 +173,7 @@ class ModelRunner:
                     stage=stage,
                     hidden_size=info.hf_config.hidden_size,
                     dtype=dtype,
+                    before_forward=self._note_rows if self.dp is not None else None,
                 )
         # Every stage replays or none does: a stage sends a whole bucket to a graph's buffer,
         # where an eager one sends and expects the step's rows only.
@@ -289,6 +291,8 @@ class ModelRunner:
             return None
         if not stage.is_first:
             carry = stage.recv_prev((2, n, self.info.hidden_size), self.dtype)
+        if self.dp is not None:
+            self._note_rows(inputs.meta)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, carry)
         if not stage.is_last:
             stage.send_next(hidden)
@@ -316,11 +320,19 @@ class ModelRunner:
             host = HostInputs([0], [0], [-1], [[0]], [1], [0], [], [], [])
             inputs = host.to_device(self.device, [])
             self.dp.step_tokens[:] = [most, 1]
+            self._note_rows(inputs.meta)
             self.model(inputs.input_ids, inputs.positions, inputs.meta, None)
         self.dp.step_tokens[1] = 0
         if self.balancer is not None:
             self.balancer.after_step()
         return True
+
+    def _note_rows(self, meta: AttentionMetadata) -> None:
+        """Under data-parallel attention: the rows the MoE layers are about to run, padding
+        rows being those that store no KV (slot -1), which their exchange leaves out of the
+        expert work (engine/layers/moe.py). In a graph's capture, the bucket's static buffer."""
+        assert self.dp is not None
+        self.dp.fast["slots"] = meta.slot_mapping
 
     def offload_now(self, pairs: tuple[tuple[int, int], ...]) -> None:
         """Copy these (evicted block, host slot) pairs to the host tier on every rank before

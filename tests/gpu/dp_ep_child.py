@@ -1,7 +1,8 @@
 """One DP=2 + EP=2 engine in a process of its own (its NCCL group lives until the process ends):
 `python tests/gpu/dp_ep_child.py FOLDER DTYPE` prints a JSON line with the greedy tokens of
 the prompts given on stdin (JSON), those of the first alone (the other replica idle), whether
-both replicas replayed CUDA graphs and the exchange, and the seconds `close` took."""
+both replicas replayed CUDA graphs and the exchange, steps launched ahead, whether the replicas
+agreed through shared memory, and the seconds `close` took."""
 
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ def main() -> None:
         "gather_scatter": runner.dp.moe_all_reduce,
         "all_to_all": runner.dp.counters["all_to_all"],
         "per_replica": llm.engine.requests_per_replica,
+        "launched_ahead": llm.engine.local.steps_launched_ahead,
+        "host_max_shared": runner.dp.fast["host_max"].shared,
     }
     start = time.perf_counter()
     llm.close()

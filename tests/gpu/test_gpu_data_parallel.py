@@ -1,6 +1,7 @@
 """Data parallelism on two GPUs: DP=2 + EP=2 (data-parallel attention) replays CUDA graphs on
-both replicas, an idle replica joins its peer's steps, greedy tokens equal one GPU's and
-transformers' (fp32), and the engine closes quickly; dense DP=2 equals one GPU."""
+both replicas with steps launched ahead, an idle replica joins its peer's steps, greedy tokens
+equal one GPU's and transformers' (fp32), and the engine closes quickly; dense DP=2 equals one
+GPU."""
 
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ def test_dp2_ep2_replays_graphs_and_matches_transformers(tiny_model, arch: str) 
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["graphs"] and report["gather_scatter"] and report["all_to_all"] == 0
+    # With graphs each replica launches its next step ahead of its tokens (async scheduling),
+    # and the replicas agree on each step's size through shared memory (one machine).
+    assert report["launched_ahead"] > 0 and report["host_max_shared"]
     assert report["per_replica"] == [4, 2]  # the lone request ran on replica 0, 1 idle
     hf = load_hf(folder)
     want = [hf_greedy(hf, p, GREEDY.max_tokens, ignore_eos=True) for p in prompts]
