@@ -81,7 +81,10 @@ def _generate_s(llm: Any, prompts: list[dict[str, list[int]]], max_tokens: int) 
 
 def token_time(llm: Any, batch: int, prompt_len: int, vocab: int, long: int, short: int) -> float:
     """Seconds per output token at `batch`: prefill cancels out between two runs of different
-    prompts (no prefix hits) that differ only in their output length."""
+    prompts (no prefix hits) that differ only in their output length, after an untimed run of
+    the same shape (on two H100s the first run of a new batch shape took longer than the one
+    after it, making DP=2 + EP=2's batch-64 figure negative)."""
+    _generate_s(llm, _prompts(batch, prompt_len, vocab, 3 + batch), short)
     t_short = _generate_s(llm, _prompts(batch, prompt_len, vocab, 11 + batch), short)
     t_long = _generate_s(llm, _prompts(batch, prompt_len, vocab, 23 + batch), long)
     return (t_long - t_short) / (long - short)

@@ -353,27 +353,32 @@ def layout_cases(tiny: bool) -> dict[str, list[tuple[int, int]]]:
 
 
 def merged(args: argparse.Namespace) -> None:
-    """--merge: the dense layouts of several processes in one OUT/layouts.json, and the table."""
+    """--merge: the layouts of several processes in one OUT/layouts.json (each model of
+    `--only`), and the table."""
     cases = layout_cases(args.tiny)
-    data = merge(args.merge, "dense", cases["dense"], args.gpus)
+    keys = [k for k in ("dense", "moe") if k in args.only]
     report = Report(args.out / "layouts.json")
-    report.data.update(data)
-    report.save()
-    print(table(report.data, {"dense": cases["dense"]}))
-    for name, entry in data["dense"].items():
-        for b, _ in cases["dense"]:
-            for rank, t in entry.get(f"timeline_b{b}", {}).items():
-                if "window_ms_per_step" not in t:  # no GPU kernels (the CPU dry run)
-                    continue
-                cells = ("window", "compute", "nccl", "idle")
-                line = " ".join(f"{c} {t[f'{c}_ms_per_step']:.2f}" for c in cells)
-                # TP's one-shot all-reduces over symmetric memory count as compute: named here
-                tops = t.get("top_kernels_ms_per_step", {})
-                reduce = sum(ms for k, ms in tops.items() if "all_reduce" in k)
-                print(
-                    f"{name} b{b} {rank}: {line} (all-reduce {reduce:.2f}) "
-                    f"kernels {t['kernels_per_step']:.0f}"
-                )
+    for key in keys:
+        data = merge(args.merge, key, cases[key], args.gpus)
+        if not data[key]:
+            continue
+        report.data.update(data)
+        report.save()
+        print(table(report.data, {key: cases[key]}))
+        for name, entry in data[key].items():
+            for b, _ in cases[key]:
+                for rank, t in entry.get(f"timeline_b{b}", {}).items():
+                    if "window_ms_per_step" not in t:  # no GPU kernels (the CPU dry run)
+                        continue
+                    cells = ("window", "compute", "nccl", "idle")
+                    line = " ".join(f"{c} {t[f'{c}_ms_per_step']:.2f}" for c in cells)
+                    # TP's one-shot all-reduces over symmetric memory count as compute: named
+                    tops = t.get("top_kernels_ms_per_step", {})
+                    reduce = sum(ms for k, ms in tops.items() if "all_reduce" in k)
+                    print(
+                        f"{name} b{b} {rank}: {line} (all-reduce {reduce:.2f}) "
+                        f"kernels {t['kernels_per_step']:.0f}"
+                    )
 
 
 if __name__ == "__main__":
