@@ -10,6 +10,7 @@ so that (sequences x KV heads x splits) fills the GPU when the batch alone does 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -59,6 +60,7 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    F16_DOT: tl.constexpr,  # the dots in fp16 (fp8 pages convert to it natively), else q's
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -75,6 +77,8 @@ def _decode_split_kernel(
     gd_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gd_mask)
     # q: [BLOCK_G, BLOCK_D]; padded head rows are zeros and never stored.
+    if F16_DOT:
+        q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -159,6 +163,27 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, sm_co
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
 
+class DecodeTile(NamedTuple):
+    """How the split kernel walks the context: tokens a step (`block_n`), pipeline stages,
+    warps, and whether its dots run in fp16 (`f16_dot`)."""
+
+    block_n: int
+    num_stages: int
+    num_warps: int = 4
+    f16_dot: bool = False
+
+
+def default_tile(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> DecodeTile:
+    if query_dtype == torch.float32:  # tl.dot on CUDA cores: small tiles, no spills
+        return DecodeTile(16, 2)
+    if cache_dtype.itemsize == 1:
+        # fp8 pages: e4m3 converts to fp16 in one instruction (to bf16 it takes several), and
+        # a page's K and V stay below 448 in magnitude, well inside fp16's range (a query
+        # beyond it, 65,504, would not: none is in the models served).
+        return DecodeTile(64, 3, f16_dot=True)
+    return DecodeTile(64, 3)
+
+
 @register_triton("paged_decode_attention")
 def paged_decode_attention(
     query: torch.Tensor,  # [B, H, D]
@@ -172,6 +197,7 @@ def paged_decode_attention(
     *,
     k_scale: float = 1.0,  # an fp8 cache's keys are k_cache * k_scale: folded into `scale`
     v_scale: float = 1.0,
+    tile: DecodeTile | None = None,  # None: `default_tile`'s (a benchmark sweeps others)
 ) -> torch.Tensor:  # [B, H, D]
     batch, num_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = k_cache.shape
@@ -186,7 +212,7 @@ def paged_decode_attention(
         sm_count = num_sms(query.device)
         num_splits = choose_num_splits(batch, num_kv_heads, max_context_len, sm_count)
     wide = query.element_size() > 2
-    block_n = 16 if wide else 64  # fp32 runs tl.dot on CUDA cores: small tiles, no spills
+    tile = tile or default_tile(query.dtype, k_cache.dtype)
     direct = num_splits == 1
     if direct:
         part, lse = out, out  # lse is unused when writing directly
@@ -219,10 +245,11 @@ def paged_decode_attention(
         DIRECT=direct,
         BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
         BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_N=block_n,
+        BLOCK_N=tile.block_n,
         DOT_PREC=dot_precision(query.dtype),
-        num_warps=4,
-        num_stages=2 if wide else 3,
+        F16_DOT=tile.f16_dot and not wide,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )
     if not direct:
         _decode_merge_kernel[(batch, num_heads)](

@@ -137,3 +137,27 @@ def test_prefill_over_fp8_pages_matches_reference(
     assert_close(
         paged_prefill_attention(*args, **scales), paged_prefill_attention_ref(*args, **scales)
     )
+
+
+@pytest.mark.parametrize(
+    "tile",
+    [None, decode_attention.DecodeTile(32, 2, f16_dot=True), decode_attention.DecodeTile(128, 4)],
+    ids=["default", "32-tokens", "128-tokens-no-f16"],
+)
+def test_decode_over_fp8_pages_from_half_queries(
+    tile: decode_attention.DecodeTile | None, device: torch.device, assert_close: Check
+) -> None:
+    """fp16 queries (bf16's case on a GPU; the interpreter has no bf16) over fp8 pages: by
+    default the split kernel's dots run in fp16, which e4m3 converts to natively; the tiles a
+    benchmark sweeps give the same output."""
+    contexts = [1, 16, 100, 300]
+    k_cache, v_cache, tables = _fp8_paged_cache(contexts, 2, 64, device, seed=3)
+    g = torch.Generator().manual_seed(4)
+    query = torch.randn(len(contexts), 8, 64, generator=g).to(device, torch.float16)
+    lens = torch.tensor(contexts, dtype=torch.int32, device=device)
+    args = (query, k_cache, v_cache, tables, lens, 64**-0.5, max(contexts))
+    scales = {"k_scale": K_SCALE, "v_scale": V_SCALE}
+    assert decode_attention.default_tile(torch.float16, k_cache.dtype).f16_dot
+    out = decode_attention.paged_decode_attention(*args, 3, **scales, tile=tile)
+    assert out.dtype == torch.float16
+    assert_close(out, paged_decode_attention_ref(*args, **scales))
