@@ -111,7 +111,7 @@ def long_context_section(
 
         report.guarded(f"decode_b{batch}_ctx{ctx}_kv_{dtype}", decode)
         llm.close()
-        del llm
+        del llm, decode  # the closure holds the engine too: an H100 cannot hold two
         release_memory()
 
 

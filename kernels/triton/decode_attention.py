@@ -179,8 +179,10 @@ def default_tile(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> DecodeTi
     if cache_dtype.itemsize == 1:
         # fp8 pages: e4m3 converts to fp16 in one instruction (to bf16 it takes several), and
         # a page's K and V stay below 448 in magnitude, well inside fp16's range (a query
-        # beyond it, 65,504, would not: none is in the models served).
-        return DecodeTile(64, 3, f16_dot=True)
+        # beyond it, 65,504, would not: none is in the models served). 128 tokens a step keep
+        # as many bytes in flight as bf16's 64. Swept on an H100 (bench/decode_tiles.py, batch
+        # 32 x 8,192): 244 us, against 295 with bf16 dots and 64 tokens, 389 over bf16 pages.
+        return DecodeTile(128, 3, f16_dot=True)
     return DecodeTile(64, 3)
 
 
