@@ -44,7 +44,7 @@ system-deps:
 	fi
 
 test: $(STAMP) system-deps lint
-	$(PY) -m pytest -q --durations=30 tests
+	$(PY) -m pytest -q --durations=30 -n 2 --dist loadfile tests
 
 bench: $(STAMP)
 	$(VENV)/bin/pdmesh bench --offline

@@ -26,7 +26,7 @@ from pdmesh.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 pytestmark = pytest.mark.timeout(120)
 
 PARAMS = dict(max_tokens=8, temperature=0, ignore_eos=True)
-TIMEOUT_S = 2.0  # the decode workers' --prefill-timeout: how long a stalled transfer may take
+TIMEOUT_S = 4.0  # the decode workers' --prefill-timeout: how long a stalled transfer may take
 
 
 @dataclass

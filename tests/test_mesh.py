@@ -288,7 +288,7 @@ def test_cancel_mid_stream_frees_decode_blocks(mesh: Mesh) -> None:
                 break
         assert _blocks_used(mesh)[0] > 0
         call.cancel()
-        _wait_free(mesh, 1.0)
+        _wait_free(mesh, 5.0)  # generous: two pytest workers may share the cores
 
 
 def test_cancel_during_remote_prefill_frees_prefill_blocks(mesh: Mesh) -> None:
@@ -302,7 +302,7 @@ def test_cancel_during_remote_prefill_frees_prefill_blocks(mesh: Mesh) -> None:
         future.cancel()
         # The abort lands between steps: after the prefill chunk under way, which on two CPU
         # cores shared with the router and the decode worker can itself take about a second.
-        _wait_free(mesh, 3.0)
+        _wait_free(mesh, 10.0)
 
 
 def test_deadline_frees_blocks(mesh: Mesh) -> None:
@@ -314,7 +314,7 @@ def test_deadline_frees_blocks(mesh: Mesh) -> None:
             ):
                 pass
         assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-    _wait_free(mesh, 1.0)
+    _wait_free(mesh, 5.0)
 
 
 @pytest.mark.parametrize(

@@ -57,7 +57,7 @@ def test_async_decode_worker_streams_the_offline_tokens(default_llm: LLM) -> Non
         stats = mesh.stats(mesh.decode[0])
         assert stats.steps_launched_ahead > 0
         assert stats.remote_prefills == sum(n >= 64 for n in lengths)
-        _wait_free(mesh, 2.0)
+        _wait_free(mesh, 8.0)
 
         with grpc.insecure_channel(mesh.target) as ch:  # cancelled while steps run ahead
             call = generation_pb2_grpc.GenerationStub(ch).Generate(
@@ -70,7 +70,7 @@ def test_async_decode_worker_streams_the_offline_tokens(default_llm: LLM) -> Non
                 if i == 5:
                     break
             call.cancel()
-        _wait_free(mesh, 2.0)
+        _wait_free(mesh, 8.0)
     finally:
         mesh.stop()
     assert mesh.proc.returncode == 0, "".join(mesh.output[-30:])
