@@ -22,7 +22,10 @@ def round_to_e4m3(x):
     step = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
     magic = step * 12582912.0  # 1.5 * 2^23 steps: adding it rounds |x| to a multiple of step
     rounded = (tl.abs(x) + magic) - magic
-    return tl.where(bits < 0, -rounded, rounded)  # the sign bit's: -0.0 stays -0.0
+    # x's sign bit onto |x| rounded, as bits: a negation compiled as 0 - r on a GPU (H100) gave
+    # +0.0 for a small negative x where torch keeps -0.0.
+    sign = (bits >> 31) << 31
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

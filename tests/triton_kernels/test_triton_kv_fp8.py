@@ -58,7 +58,8 @@ def test_store_quantizes_as_the_reference_bit_for_bit(
     g = torch.Generator().manual_seed(0)
     key = (torch.randn(num_tokens, heads, dim, generator=g) * 4).to(device, dtype)
     value = (torch.randn(num_tokens, heads, dim, generator=g) * 4).to(device, dtype)
-    key[1, 0, :4] = torch.tensor([1e4, -1e4, 500.0, 1e-6])  # saturate both ways; underflow
+    # Saturate both ways; underflow to 0.0 and to -0.0 (a GPU's negation once gave +0.0).
+    key[1, 0, :5] = torch.tensor([1e4, -1e4, 500.0, 1e-6, -1e-6])
     slots = torch.randperm(num_blocks * BS, generator=g)[:num_tokens]
     slots[::4] = -1
     slots = slots.to(device)
@@ -73,6 +74,7 @@ def test_store_quantizes_as_the_reference_bit_for_bit(
     assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
     stored = k_cache.view(-1, heads, dim)[int(slots[1])].float()  # token 1 (slots[0] is -1)
     assert stored[0, :3].tolist() == [448.0, -448.0, 448.0]  # saturated, never NaN
+    assert stored[0, 4] == 0 and torch.signbit(stored[0, 4])
     assert not torch.isnan(k_cache.float()).any() and not torch.isnan(v_cache.float()).any()
 
 
