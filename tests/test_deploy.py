@@ -1,10 +1,12 @@
 """deploy/ checked offline: the compose files with `docker-compose config`, the Kubernetes
-manifests against the Kubernetes schemas, the Prometheus config with promtool, the Grafana
-provisioning and dashboard as files Grafana accepts. (Running them: test_compose_mesh.py.)"""
+manifests against the Kubernetes schemas (the planner's overlay as `kubectl kustomize` builds it),
+the Prometheus configs with promtool, the Grafana provisioning and dashboard as files Grafana
+accepts. (Running them: test_compose_mesh.py, test_compose_planner.py.)"""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -19,11 +21,23 @@ from lws_schema import LWS_V1
 from pdmesh.engine.config import EngineConfig
 
 K8S = DEPLOY / "k8s"
+K8S_PLANNER = DEPLOY / "k8s-planner"
 K8S_VERSION = "1.30.0"  # the oldest Kubernetes the manifests promise to work on
+# The deployments' compose files, as their users layer them: GPU, and no GPU.
+PLANNER_FILES = (DEPLOY / "docker-compose.planner.yml", DEPLOY / "docker-compose.planner.cpu.yml")
+FIXED = {"cuda": COMPOSE_FILES[:1], "cpu": COMPOSE_FILES}
+PLANNER = {"cuda": (COMPOSE_FILES[0], PLANNER_FILES[0]), "cpu": (*COMPOSE_FILES, *PLANNER_FILES)}
+DEPLOYMENTS = {
+    f"{name}-{device}": files
+    for name, by_device in (("fixed", FIXED), ("planner", PLANNER))
+    for device, files in by_device.items()
+}
 
 
 def test_compose_files_validate() -> None:
-    for files in (COMPOSE_FILES[:1], COMPOSE_FILES):
+    layered = {f for files in DEPLOYMENTS.values() for f in files}
+    assert layered == set(DEPLOY.glob("docker-compose*.yml")), "a compose file no test layers"
+    for files in DEPLOYMENTS.values():
         out = compose("config", "--quiet", files=files)
         assert out.returncode == 0, out.stderr
 
@@ -37,12 +51,20 @@ def test_compose_validation_rejects_a_broken_file(tmp_path: Path) -> None:
     assert "healthchek" in out.stderr
 
 
-def test_gpu_workers_reserve_gpus_and_the_cpu_override_drops_them() -> None:
-    gpu = compose_config(COMPOSE_FILES[:1])
-    cpu = compose_config(COMPOSE_FILES)
-    roles = ("prefill", "decode")  # the KV store needs no GPU
-    workers = [n for n, s in pdmesh_services(gpu).items() if s["command"][1] in roles]
-    assert workers == ["decode-0", "prefill-0"]
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [(FIXED, ["decode-0", "prefill-0"]), (PLANNER, ["worker-0", "worker-1", "worker-2"])],
+    ids=["fixed", "planner"],
+)
+def test_gpu_workers_reserve_gpus_and_the_cpu_override_drops_them(
+    files: dict[str, tuple[Path, ...]], expected: list[str]
+) -> None:
+    gpu = compose_config(files["cuda"])
+    cpu = compose_config(files["cpu"])
+    kinds = ("prefill", "decode", "worker")  # the KV store needs no GPU
+    workers = [n for n, s in pdmesh_services(gpu).items() if s["command"][1] in kinds]
+    assert workers == expected
+    assert [n for n, s in pdmesh_services(cpu).items() if s["command"][1] in kinds] == expected
     gpu_ids = []
     for name in workers:
         devices = gpu["services"][name]["deploy"]["resources"]["reservations"]["devices"]
@@ -56,13 +78,22 @@ def test_gpu_workers_reserve_gpus_and_the_cpu_override_drops_them() -> None:
     assert {"jaeger", "prometheus", "grafana"} <= set(cpu["services"])
 
 
-def test_every_pdmesh_service_is_scraped_and_traced() -> None:
-    config = compose_config()
+def _prometheus_config(config: dict) -> Path:
+    """The Prometheus config the compose `config` mounts into its prometheus service."""
+    (source,) = [
+        v["source"]
+        for v in config["services"]["prometheus"]["volumes"]
+        if v["target"] == "/etc/prometheus/prometheus.yml"
+    ]
+    return Path(source)
+
+
+@pytest.mark.parametrize("deployment", sorted(DEPLOYMENTS))
+def test_every_pdmesh_service_is_scraped_and_traced(deployment: str) -> None:
+    config = compose_config(DEPLOYMENTS[deployment])
     scraped = {
         target.split(":")[0]
-        for job in yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())[
-            "scrape_configs"
-        ]
+        for job in yaml.safe_load(_prometheus_config(config).read_text())["scrape_configs"]
         for static in job["static_configs"]
         for target in static["targets"]
     }
@@ -71,12 +102,36 @@ def test_every_pdmesh_service_is_scraped_and_traced() -> None:
         assert svc["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317", name
 
 
-def test_prometheus_config_passes_promtool() -> None:
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_the_planner_deployment_runs_one_worker_pool_and_the_planner(device: str) -> None:
+    services = pdmesh_services(compose_config(PLANNER[device]))
+    assert services["router"]["command"] == ["pdmesh", "router", "--planner"]
+    workers = {n: s for n, s in services.items() if n not in ("router", "kvstore")}
+    started: dict[str, list[str]] = {"prefill": [], "decode": []}
+    for name, svc in workers.items():
+        program, kind, flag, role = svc["command"]  # pdmesh worker --role ROLE, nothing else
+        assert [program, kind, flag] == ["pdmesh", "worker", "--role"], name
+        env = svc["environment"]
+        assert env["PDMESH_KV_ADVERTISE"] == name and env["PDMESH_KVSTORE_ADVERTISE"] == name
+        assert svc["healthcheck"]["test"][-1] == f"127.0.0.1:{env['PDMESH_PORT']}", name
+        started[role].append(f"{name}:{env['PDMESH_PORT']}")
+    assert started["prefill"] and started["decode"], "a pool that starts without a role"
+    # The planner never switches the last worker of a role: some role must have one to spare.
+    assert max(len(pool) for pool in started.values()) >= 2, "a pool the planner cannot change"
+    router = services["router"]
+    # The router lists each worker under the role it starts in, and waits for all of them.
+    for role, listed in started.items():
+        assert router["environment"][f"PDMESH_{role.upper()}"].split(",") == listed
+    assert set(router["depends_on"]) == set(workers)
+
+
+@pytest.mark.parametrize("name", ["prometheus.yml", "prometheus.planner.yml"])
+def test_prometheus_config_passes_promtool(name: str) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.fail("promtool is missing: `make test` installs Debian's prometheus package")
     out = subprocess.run(
-        [promtool, "check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")],
+        [promtool, "check", "config", str(DEPLOY / "prometheus" / name)],
         capture_output=True,
         text=True,
     )
@@ -183,6 +238,83 @@ def test_the_kv_store_is_deployed_with_its_data_plane_advertised() -> None:
     assert ports == {"grpc": 50081, "kv": int(env["PDMESH_KV_PORT"]), "metrics": 9400}
     service = {p["name"]: p["port"] for p in docs["Service", "kvstore"]["spec"]["ports"]}
     assert service == ports and pod["metadata"]["annotations"]["prometheus.io/port"] == "9400"
+
+
+# -- one worker pool whose roles the planner sets (deploy/k8s-planner, a kustomize overlay) --------
+def _kustomize(folder: Path) -> list[dict]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.fail("kubectl is missing: its `kubectl kustomize` builds the overlays offline")
+    out = subprocess.run(
+        [kubectl, "kustomize", str(folder)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+def test_the_planner_overlay_builds_and_validates_offline() -> None:
+    docs = _kustomize(K8S_PLANNER)
+    base = {(d["kind"], d["metadata"]["name"]) for _, d in _manifests()}
+    built = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    fixed_pools = {
+        (kind, pool) for kind in ("StatefulSet", "Service") for pool in ("prefill", "decode")
+    }
+    assert built == (base - fixed_pools) | {("StatefulSet", "worker"), ("Service", "worker")}
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        assert doc["metadata"].get("namespace", "pdmesh") == "pdmesh", doc["metadata"]["name"]
+
+
+def _start_roles(sts: dict, tmp_path: Path) -> list[str]:
+    """The command each pod of the worker StatefulSet runs: its container's shell command, run
+    with the pod's HOSTNAME and env and a `pdmesh` on PATH that prints its arguments."""
+    container = sts["spec"]["template"]["spec"]["containers"][0]
+    fake = tmp_path / "bin" / "pdmesh"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\necho "pdmesh $*"\n')
+    fake.chmod(0o755)
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    commands = []
+    for i in range(sts["spec"]["replicas"]):
+        pod_env = {**env, "HOSTNAME": f"worker-{i}", "PATH": f"{fake.parent}:{os.environ['PATH']}"}
+        argv = [*container["command"], *container.get("args", [])]
+        out = subprocess.run(argv, env=pod_env, capture_output=True, text=True, timeout=10)
+        assert out.returncode == 0, out.stderr
+        commands.append(out.stdout.strip())
+    return commands
+
+
+def test_the_planner_overlay_runs_the_planner_over_one_worker_pool(tmp_path: Path) -> None:
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in _kustomize(K8S_PLANNER)}
+    router = docs["Deployment", "router"]["spec"]["template"]["spec"]["containers"][0]
+    assert router["command"] == ["pdmesh", "router", "--planner"]
+    config = docs["ConfigMap", "pdmesh"]["data"]
+    sts = docs["StatefulSet", "worker"]
+    assert sts["spec"]["serviceName"] == "worker"
+    assert docs["Service", "worker"]["spec"]["clusterIP"] == "None"
+    pod = sts["spec"]["template"]
+    container = pod["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    # Each pod runs `pdmesh worker --role R`, and the router lists it under R.
+    started: dict[str, list[str]] = {"prefill": [], "decode": []}
+    for i, command in enumerate(_start_roles(sts, tmp_path)):
+        program, kind, flag, role = command.split()
+        assert [program, kind, flag] == ["pdmesh", "worker", "--role"], command
+        started[role].append(f"worker-{i}.worker:{ports['grpc']}")
+    assert started["prefill"] and started["decode"], "a pool that starts without a role"
+    # The planner never switches the last worker of a role: some role must have one to spare.
+    assert max(len(pool) for pool in started.values()) >= 2, "a pool the planner cannot change"
+    for role, listed in started.items():
+        assert config[f"PDMESH_{role.upper()}"].split(",") == listed
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(ports["metrics"])
+    assert ports["metrics"] == int(config["PDMESH_METRICS_PORT"])
+    env = {e["name"]: e for e in container["env"]}
+    assert env["PDMESH_PORT"]["value"] == str(ports["grpc"])
+    assert env["PDMESH_KV_PORT"]["value"] == str(ports["kv"])
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["PDMESH_KV_ADVERTISE"]["value"] == "$(POD_IP)"
+    assert env["PDMESH_DRAIN_ON_SIGTERM"]["value"] == "1"
 
 
 # -- a decode worker over two nodes: a LeaderWorkerSet (deploy/k8s/multinode) ---------------------
