@@ -343,6 +343,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         http_bind=f"{args.host}:{args.http_port}" if args.http_port else None,
         tls=tls_config(args),
         api_keys=ApiKeys.from_flags(args.api_keys, args.api_keys_file),
+        planner=planner_config(args),
     )
     asyncio.run(serve(config))
     return 0
