@@ -33,8 +33,9 @@ from pdmesh import envs
 from pdmesh.engine.parallel.group import ParallelGroup
 
 _SLOT = 8  # int64 words a slot: the round, then up to 7 values (64 bytes, a cache line)
-_SPIN_S = 0.002  # spin (yielding the core) this long, then sleep between looks
-_SLEEP_S = 50e-6
+_SPIN_S = 0.002  # spin (yielding the core) this long, then sleep between looks,
+_SLEEP_S = (50e-6, 1e-3)  # from the first to the last, doubling: idle ranks (a mesh worker's
+# lockstep waits up to 50 ms for a command before each agreement) wake ~1,000 times a second
 _TIMEOUT_S = 7 * 24 * 3600.0  # ranks idle together wait as long as the gloo group's timeout
 _KEY = "pdmesh/host-max"
 _SHM = Path("/dev/shm")
@@ -79,7 +80,7 @@ class HostMax:
             words[mine + 1 + i] = v
         words[mine] = r  # after the values: a reader that sees the round sees them
         out = list(values)
-        start = time.monotonic()
+        start, nap = time.monotonic(), _SLEEP_S[0]
         for rank in range(size):
             slot = bank + rank * _SLOT
             while words[slot] != r:
@@ -89,7 +90,8 @@ class HostMax:
                 if waited < _SPIN_S:
                     os.sched_yield()
                 else:
-                    time.sleep(_SLEEP_S)
+                    time.sleep(nap)
+                    nap = min(2 * nap, _SLEEP_S[1])
             theirs = words[slot + 1 : slot + 1 + self.width].tolist()
             out = [max(a, b) for a, b in zip(out, theirs, strict=True)]
         return out
