@@ -63,15 +63,16 @@ MOE = {
         "enable_eplb": True,
     },
     # Data-parallel attention, experts over both replicas (one such engine a process on GPUs);
-    # `-async`: each replica launches its next step before reading its tokens.
+    # `-sync`: each replica reads its tokens before launching its next step (the default until
+    # 2026-11-27, when the layout measured as `dp2ep2-async` became `dp2ep2`).
     "dp2ep2": {"data_parallel_size": 2, "enable_expert_parallel": True},
-    "dp2ep2-async": {
+    "dp2ep2-sync": {
         "data_parallel_size": 2,
         "enable_expert_parallel": True,
-        "async_scheduling": True,
+        "async_scheduling": False,
     },
 }
-HOST_PROFILED = ("ep2-eplb", "dp2ep2", "dp2ep2-async")
+HOST_PROFILED = ("ep2-eplb", "dp2ep2", "dp2ep2-sync")
 # Four GPUs, the dense model. TP=4 registers symmetric memory, so on GPUs it runs in a process
 # of its own (`--layouts`, then `--merge`); TP=2 x PP=2 does not (its stages step eagerly).
 DENSE4 = {
