@@ -224,7 +224,8 @@ def ratios(results: dict[str, Any], cases: list[tuple[int, int]], gpus: int) -> 
 
 def merge(folders: list[Path], key: str, cases: list[tuple[int, int]], gpus: int) -> dict[str, Any]:
     """The layouts of `key` in each folder's layouts.json (one process a layout), in one dict
-    with their ratios; the first folder's device."""
+    with their ratios; the first folder's device. A layout already merged from an earlier
+    folder (the same layout run under another environment, say) is kept as LAYOUT@FOLDER."""
     results: dict[str, Any] = {}
     device: dict[str, Any] = {}
     for folder in folders:
@@ -236,7 +237,7 @@ def merge(folders: list[Path], key: str, cases: list[tuple[int, int]], gpus: int
         device = device or data.get("device", {})
         for name, entry in data.get(key, {}).items():
             if "close_s" in entry:  # a layout measured to its end
-                results[name] = entry
+                results[name if name not in results else f"{name}@{folder.name}"] = entry
             else:
                 print(f"{folder} {name}: unfinished", flush=True)
     if "tp1" in results:
