@@ -23,8 +23,6 @@ import platform
 import random
 import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,64 +30,18 @@ from typing import Any
 
 import grpc
 
+from pdmesh.bench.local_mesh import Chunks, Proc, decode_workers_ready, record_stream, until
 from pdmesh.checkpoint.source import resolve_model_folder
-from pdmesh.healthcheck import SERVING, check
-from pdmesh.processes import free_port
 from pdmesh.supervisor import stop
-from pdmesh.v1 import generation_pb2 as gen_pb
 from pdmesh.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-
-
-class _Proc:
-    def __init__(self, role: str, argv: list[str], log: Path) -> None:
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        env = {**os.environ, "PDMESH_LOG_LEVEL": "WARNING"}
-        with log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "pdmesh.cli", role, "--port", str(self.port), *argv],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
-
-    def serving(self) -> bool:
-        return check(self.address, timeout_s=2)[0] == SERVING
-
-    def signal(self, sig: int) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, sig)
-
-    def stats(self) -> worker_pb2.WorkerStats:
-        with grpc.insecure_channel(self.address) as ch:
-            return worker_pb2_grpc.DecodeWorkerStub(ch).GetStats(worker_pb2.StatsRequest())
-
-
-def _until(what: str, predicate: Any, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        time.sleep(0.05)
-
-
-def _decode_workers_ready(router: str) -> int:
-    with grpc.insecure_channel(router) as ch:
-        try:
-            info = generation_pb2_grpc.GenerationStub(ch).GetModelInfo(
-                gen_pb.ModelInfoRequest(), timeout=2
-            )
-        except grpc.RpcError:
-            return -1
-    return info.num_decode_workers
 
 
 def run_mode(mode: str, args: argparse.Namespace, prompts: list[list[int]], logs: Path) -> dict:
     engine = ["--model", args.model, "--kv-cache-tokens", str(args.kv_cache_tokens)]
-    source = _Proc("decode", engine, logs / f"{mode}-source.log")
-    target = _Proc("decode", engine, logs / f"{mode}-target.log")
+    source = Proc("decode", engine, logs / f"{mode}-source.log")
+    target = Proc("decode", engine, logs / f"{mode}-target.log")
     decode = f"{source.address},{target.address}"
-    router = _Proc(
+    router = Proc(
         "router",
         ["--http-port", "0", "--decode", decode, "--model", args.model],
         logs / f"{mode}-router.log",
@@ -97,10 +49,10 @@ def run_mode(mode: str, args: argparse.Namespace, prompts: list[list[int]], logs
     procs = [source, target, router]
     try:
         for p in procs:
-            _until(f"{p.address} serving", p.serving)
-        _until("both decode workers", lambda: _decode_workers_ready(router.address) == 2)
+            until(f"{p.address} serving", p.serving)
+        until("both decode workers", lambda: decode_workers_ready(router.address) == 2)
         target.signal(signal.SIGSTOP)  # every stream starts on the source
-        _until("the target out", lambda: _decode_workers_ready(router.address) == 1)
+        until("the target out", lambda: decode_workers_ready(router.address) == 1)
         result = asyncio.run(_streams(mode, args, prompts, router, source, target))
         stats = target.stats()
         result["target"] = {
@@ -122,32 +74,24 @@ async def _streams(
     mode: str,
     args: argparse.Namespace,
     prompts: list[list[int]],
-    router: _Proc,
-    source: _Proc,
-    target: _Proc,
+    router: Proc,
+    source: Proc,
+    target: Proc,
 ) -> dict[str, Any]:
-    chunks: list[list[tuple[float, int]]] = [[] for _ in prompts]  # (time, tokens) per chunk
+    chunks: list[Chunks] = [[] for _ in prompts]
     tokens: list[list[int]] = [[] for _ in prompts]
     async with grpc.aio.insecure_channel(router.address) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
 
-        async def one(i: int) -> None:
-            req = gen_pb.GenerateRequest(
-                token_ids=gen_pb.TokenIds(ids=prompts[i]),
-                sampling=gen_pb.SamplingParams(
-                    max_tokens=args.max_tokens, temperature=0, ignore_eos=True
-                ),
-            )
-            async for r in stub.Generate(req, timeout=600):
-                chunks[i].append((time.monotonic(), len(r.token_ids)))
-                tokens[i] += r.token_ids
-
-        tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
+        tasks = [
+            asyncio.create_task(record_stream(stub, p, args.max_tokens, chunks[i], tokens[i]))
+            for i, p in enumerate(prompts)
+        ]
         while min(len(t) for t in tokens) < args.move_after // 2:
             await asyncio.sleep(0.005)
         target.signal(signal.SIGCONT)
         await asyncio.to_thread(
-            _until, "the target back", lambda: _decode_workers_ready(router.address) == 2
+            until, "the target back", lambda: decode_workers_ready(router.address) == 2
         )
         while min(len(t) for t in tokens) < args.move_after:
             await asyncio.sleep(0.005)

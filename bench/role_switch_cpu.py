@@ -33,13 +33,10 @@ from typing import Any
 
 import grpc
 
-from pdmesh.bench.migration_cpu import _decode_workers_ready, _Proc, _until
+from pdmesh.bench.local_mesh import Chunks, Proc, decode_workers_ready, record_stream, until
 from pdmesh.checkpoint.source import resolve_model_folder
 from pdmesh.supervisor import stop
-from pdmesh.v1 import generation_pb2 as gen_pb
 from pdmesh.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-
-Chunks = list[tuple[float, int]]  # (arrival time, tokens) of each response of a stream
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -75,36 +72,30 @@ def _group(streams: list[Chunks], t0: float) -> dict[str, Any]:
     }
 
 
-async def _run(args: argparse.Namespace, prompts: list[list[int]], mesh: dict[str, _Proc]) -> dict:
+async def _run(args: argparse.Namespace, prompts: list[list[int]], mesh: dict[str, Proc]) -> dict:
     router, a, b = mesh["router"], mesh["a"], mesh["b"]
     chunks: list[Chunks] = [[] for _ in prompts]
-    counts = [0] * len(prompts)
+    tokens: list[list[int]] = [[] for _ in prompts]
     n = args.streams
     async with grpc.aio.insecure_channel(router.address) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
 
-        async def one(i: int) -> None:
-            req = gen_pb.GenerateRequest(
-                token_ids=gen_pb.TokenIds(ids=prompts[i]),
-                sampling=gen_pb.SamplingParams(
-                    max_tokens=args.max_tokens, temperature=0, ignore_eos=True
-                ),
+        def one(i: int) -> asyncio.Task[None]:
+            return asyncio.create_task(
+                record_stream(stub, prompts[i], args.max_tokens, chunks[i], tokens[i])
             )
-            async for r in stub.Generate(req, timeout=900):
-                chunks[i].append((time.monotonic(), len(r.token_ids)))
-                counts[i] += len(r.token_ids)
 
-        moved = [asyncio.create_task(one(i)) for i in range(n)]  # on `a`: `b` is stopped
-        while min(counts[:n]) < 4:
+        moved = [one(i) for i in range(n)]  # on `a`: `b` is stopped
+        while min(len(t) for t in tokens[:n]) < 4:
             await asyncio.sleep(0.005)
         b.signal(signal.SIGCONT)
         await asyncio.to_thread(
-            _until, "b back in rotation", lambda: _decode_workers_ready(router.address) == 2
+            until, "b back in rotation", lambda: decode_workers_ready(router.address) == 2
         )
-        kept = [asyncio.create_task(one(i)) for i in range(n, 2 * n)]  # on `b`, the least loaded
-        while min(counts) < args.switch_after:
+        kept = [one(i) for i in range(n, 2 * n)]  # on `b`, the least loaded
+        while min(len(t) for t in tokens) < args.switch_after:
             await asyncio.sleep(0.005)
-        if max(counts) >= args.max_tokens:
+        if max(len(t) for t in tokens) >= args.max_tokens:
             raise RuntimeError("a stream ended before the switch: raise --max-tokens")
         t0 = time.monotonic()
         with grpc.insecure_channel(router.address) as sch:
@@ -114,8 +105,8 @@ async def _run(args: argparse.Namespace, prompts: list[list[int]], mesh: dict[st
             )
         switch_s = time.monotonic() - t0
         await asyncio.gather(*moved, *kept)
-    if any(c != args.max_tokens for c in counts):
-        raise RuntimeError(f"a stream lost or repeated tokens: {counts}")
+    if any(len(t) != args.max_tokens for t in tokens):
+        raise RuntimeError(f"a stream lost or repeated tokens: {[len(t) for t in tokens]}")
     return {
         "switch_s": switch_s,
         "migrated": reply.migrated,
@@ -147,11 +138,11 @@ def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="pdmesh-role-switch-bench-"))
     engine = ["--model", args.model, "--kv-cache-tokens", str(args.kv_cache_tokens)]
     mesh = {
-        name: _Proc("worker", [*engine, "--role", role], logs / f"{name}.log")
+        name: Proc("worker", [*engine, "--role", role], logs / f"{name}.log")
         for name, role in (("a", "decode"), ("b", "decode"), ("p", "prefill"))
     }
     decode = f"{mesh['a'].address},{mesh['b'].address}"
-    mesh["router"] = _Proc(
+    mesh["router"] = Proc(
         "router",
         ["--http-port", "0", "--decode", decode, "--prefill", mesh["p"].address,
          "--model", args.model, "--disagg-min-tokens", "16"],
@@ -159,10 +150,10 @@ def main() -> None:
     )  # fmt: skip
     try:
         for proc in mesh.values():
-            _until(f"{proc.address} serving", proc.serving)
-        _until("both decode workers", lambda: _decode_workers_ready(mesh["router"].address) == 2)
+            until(f"{proc.address} serving", proc.serving)
+        until("both decode workers", lambda: decode_workers_ready(mesh["router"].address) == 2)
         mesh["b"].signal(signal.SIGSTOP)  # the first streams start on `a`
-        _until("b out", lambda: _decode_workers_ready(mesh["router"].address) == 1)
+        until("b out", lambda: decode_workers_ready(mesh["router"].address) == 1)
         result = asyncio.run(_run(args, prompts, mesh))
     finally:
         mesh["b"].signal(signal.SIGCONT)
