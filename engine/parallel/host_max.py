@@ -50,15 +50,13 @@ class HostMax:
             raise ValueError(f"HostMax takes 1 to {_SLOT - 1} values a call, not {width}")
         self.group, self.width = group, width
         self.round = 0
+        # The segment's int64 words (the mapping lives as long as the view); None: gloo.
         self._words: memoryview | None = None
-        self._map: mmap.mmap | None = None
         name = _shared_segment(group)
         self.segment = name  # under /dev/shm while the ranks map it, then unlinked ("": gloo)
         if name:
-            size = 2 * group.size * _SLOT * 8
             with open(_SHM / name, "r+b") as f:
-                self._map = mmap.mmap(f.fileno(), size)
-            self._words = memoryview(self._map).cast("q")
+                self._words = memoryview(mmap.mmap(f.fileno(), _size(group))).cast("q")
         dist.barrier(group=group.host_group)  # every rank has mapped it: the name can go
         if name and group.rank == 0:
             (_SHM / name).unlink(missing_ok=True)
@@ -96,13 +94,10 @@ class HostMax:
             out = [max(a, b) for a, b in zip(out, theirs, strict=True)]
         return out
 
-    def close(self) -> None:
-        if self._words is not None:
-            self._words.release()
-            self._words = None
-        if self._map is not None:
-            self._map.close()
-            self._map = None
+
+def _size(group: ParallelGroup) -> int:
+    """Bytes of the segment: two banks of a slot per rank."""
+    return 2 * group.size * _SLOT * 8
 
 
 def _shared_segment(group: ParallelGroup) -> str:
@@ -117,7 +112,7 @@ def _shared_segment(group: ParallelGroup) -> str:
         if one and _SHM.is_dir() and envs.dp_agreement() == "auto":
             name = f"pdmesh-host-max-{secrets.token_hex(8)}"
             with open(_SHM / name, "wb") as f:
-                f.truncate(2 * group.size * _SLOT * 8)
+                f.truncate(_size(group))
         store.set(f"{_KEY}/name", name)
     return store.get(f"{_KEY}/name").decode()
 
