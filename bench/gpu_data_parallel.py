@@ -5,8 +5,10 @@ prompts), for one GPU and each two-GPU layout, against the perfect-scaling ceili
 engines run side by side (two processes, a GPU each), each on half the requests.
 
     python -m pdmesh.bench.gpu_data_parallel --out DIR [--model moe,dense] [--layouts ...]
-    python -m pdmesh.bench.gpu_data_parallel --out DIR --gpus 4   # MoE: DP=4 + EP=4, DP=2 + EP=2
+    python -m pdmesh.bench.gpu_data_parallel --out DIR --gpus 4   # MoE: DP=4 + EP=4, DP=2 + EP=2;
+                                                                  # dense: TP=4, TP=2 x PP=2
     python -m pdmesh.bench.gpu_data_parallel --out DIR --tiny     # a dry run on CPU (gloo)
+    python -m pdmesh.bench.gpu_data_parallel --out DIR --profile  # + where the steps' time goes
 
 MoE: the Qwen3-30B-A3B shape cut to `--moe-layers` of its 48 layers; layouts one GPU, DP=2 + EP=2
 (data-parallel attention, experts split over both), EP=2 (tensor-parallel attention), DP=2
@@ -39,6 +41,8 @@ from pdmesh.bench.gpu_models import (
     write_config,
 )
 from pdmesh.bench.report import Report, out_parser, run_info
+from pdmesh.bench.step_timeline import summarize_file
+from pdmesh.engine.executor.profiling import ProfileRank, RankProfiler
 
 LAYOUTS: dict[str, dict[str, dict[str, Any]]] = {
     "moe": {
@@ -54,11 +58,19 @@ LAYOUTS: dict[str, dict[str, dict[str, Any]]] = {
         "pp2": {"pipeline_parallel_size": 2},
     },
 }
-# Four GPUs (`--gpus 4`), the MoE model: against one GPU, DP=2 + EP=2 and four one-GPU engines.
-MOE4 = {
-    "tp1": {},
-    "dp4ep4": {"data_parallel_size": 4, "enable_expert_parallel": True},
-    "dp2ep2": {"data_parallel_size": 2, "enable_expert_parallel": True},
+# Four GPUs (`--gpus 4`): the MoE model against one GPU, DP=2 + EP=2 and four one-GPU engines;
+# the dense one (issue 31) at TP=4 and TP=2 x PP=2.
+LAYOUTS4: dict[str, dict[str, dict[str, Any]]] = {
+    "moe": {
+        "tp1": {},
+        "dp4ep4": {"data_parallel_size": 4, "enable_expert_parallel": True},
+        "dp2ep2": {"data_parallel_size": 2, "enable_expert_parallel": True},
+    },
+    "dense": {
+        "tp1": {},
+        "tp4": {"tensor_parallel_size": 4},
+        "tp2pp2": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
+    },
 }
 LAYOUT_TIMEOUT_S = 300
 
@@ -90,6 +102,77 @@ def token_time(llm: Any, batch: int, prompt_len: int, vocab: int, long: int, sho
     return (t_long - t_short) / (long - short)
 
 
+class StepWatch:
+    """The throughput run's engine steps, as rank 0's host sees them: each step's wall time and
+    the tokens it launched (prefill and decode), and a profile of `PROFILED` steps on every rank
+    starting at step `first` (while prompts are still being prefilled)."""
+
+    PROFILED = 8
+
+    def __init__(self, engine: Any, trace: Path, first: int) -> None:
+        self.engine, self.trace, self.first = engine, trace, first
+        self.rows: list[tuple[float, int, int]] = []  # (seconds, prefill tokens, decode tokens)
+        self.profiler: RankProfiler | None = None
+        self._originals = step, launch = engine.step, engine.runner.launch
+        self.launched = [0, 0]
+
+        def counted_launch(batch: Any, *a: Any, **k: Any) -> Any:
+            pairs = zip(batch.seqs, batch.num_new_tokens, strict=True)
+            decode = sum(n == 1 and s.num_computed_tokens >= s.num_prompt_tokens for s, n in pairs)
+            self.launched[0] += batch.num_tokens - decode
+            self.launched[1] += decode
+            return launch(batch, *a, **k)
+
+        def timed_step() -> Any:
+            i = len(self.rows)
+            if i == self.first:
+                self._profile(start=True)
+            begin, self.launched = time.perf_counter(), [0, 0]
+            deltas = step()
+            self.rows.append((time.perf_counter() - begin, *self.launched))
+            if i == self.first + self.PROFILED - 1:
+                self._profile(start=False)
+            return deltas
+
+        engine.step, engine.runner.launch = timed_step, counted_launch
+
+    def _profile(self, start: bool) -> None:
+        driver = self.engine.tp_driver
+        if start:
+            self.profiler = RankProfiler()
+            if driver is not None:
+                driver.call(ProfileRank())
+            self.profiler.start()
+            return
+        assert self.profiler is not None
+        self.profiler.stop(f"{self.trace}.rank0.json")
+        self.profiler = None
+        if driver is not None:
+            driver.call(ProfileRank(trace=str(self.trace)))
+
+    def finish(self) -> dict[str, Any]:
+        """Totals per kind of step (with prefill tokens, decode only) and each rank's timeline
+        of the profiled steps."""
+        if self.profiler is not None:  # the run ended within the window
+            self._profile(start=False)
+        self.engine.step, self.engine.runner.launch = self._originals
+        kinds: dict[str, list[float]] = {"prefill": [0, 0, 0, 0], "decode_only": [0, 0, 0, 0]}
+        for seconds, prefill, decode in self.rows:
+            k = kinds["prefill" if prefill else "decode_only"]
+            k[0], k[1], k[2], k[3] = k[0] + 1, k[1] + seconds, k[2] + prefill, k[3] + decode
+        out: dict[str, Any] = {
+            kind: dict(steps=n, seconds=t, prefill_tokens=p, decode_tokens=d)
+            for kind, (n, t, p, d) in kinds.items()
+        }
+        out["profiled_steps"] = profiled = self.rows[self.first : self.first + self.PROFILED]
+        for r in range(self.engine.config.world_size):
+            path = Path(f"{self.trace}.rank{r}.json")
+            if path.exists():
+                out[f"rank{r}"] = summarize_file(path, max(1, len(profiled)))
+                path.unlink()
+        return out
+
+
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
     """One layout in this process: build, throughput, token times, close."""
     options = json.loads(args.options)
@@ -100,7 +183,12 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     index, parts = (int(x) for x in args.share.split("/"))
     requests = _prompts(args.requests, args.prompt_len, vocab, 5)[index::parts]
     _generate_s(llm, _prompts(8, args.prompt_len, vocab, 99), 8)  # warm-up
+    watch = None
+    if args.profile:
+        watch = StepWatch(llm.engine, Path(args.json).with_suffix(""), 3 if args.tiny else 40)
     wall = _generate_s(llm, requests, args.output_len)
+    if watch is not None:
+        out["steps"] = watch.finish()
     out.update(requests=len(requests), throughput_wall_s=wall)
     out["output_tok_s"] = len(requests) * args.output_len / wall
     if not args.throughput_only:
@@ -121,6 +209,8 @@ def _launch(args: argparse.Namespace, folder: Path, options: dict[str, Any], dev
             "--json", str(path), "--requests", str(args.requests), "--prompt-len",
             str(args.prompt_len), "--output-len", str(args.output_len), "--cases",
             json.dumps(args.cases)]  # fmt: skip
+    if args.profile and not throughput_only:
+        argv.append("--profile")
     if throughput_only:
         argv.append("--throughput-only")
     if args.tiny:
@@ -151,7 +241,7 @@ def _wait(procs: list[subprocess.Popen[bytes]], paths: list[Path]) -> list[dict[
 def run_model(args: argparse.Namespace, name: str, folder: Path, report: Report) -> None:
     device = "cpu" if args.tiny else "cuda:0"
     tmp = Path(tempfile.mkdtemp())
-    layouts = MOE4 if args.gpus == 4 else LAYOUTS[name]
+    layouts = (LAYOUTS4 if args.gpus == 4 else LAYOUTS)[name]
     picked = args.layouts.split(",") if args.layouts else list(layouts)
     results: dict[str, Any] = {}
     for layout in picked:
@@ -228,6 +318,11 @@ def main() -> None:
     parser.add_argument("--cases", default="[[1, 512], [32, 1024], [64, 1024]]")
     parser.add_argument("--tiny", action="store_true", help="a dry run on CPU, tiny shapes")
     parser.add_argument("--skip-ceiling", action="store_true", help="no two one-GPU engines")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="the throughput run's steps (wall, tokens by kind) and a profile of 8 on every rank",
+    )
     # One layout in this process (the parent's child).
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
@@ -243,10 +338,8 @@ def main() -> None:
         return
     if args.out is None:
         parser.error("--out is required")
-    if args.gpus == 4:
-        args.model = "moe"
-        if args.cases == json.loads(parser.get_default("cases")):
-            args.cases.insert(1, [16, 1024])  # four engines of 16: the batch-64 ceiling
+    if args.gpus == 4 and args.cases == json.loads(parser.get_default("cases")):
+        args.cases.insert(1, [16, 1024])  # four engines of 16: the batch-64 ceiling
     if args.tiny:
         args.requests, args.prompt_len, args.output_len = 16, 32, 8
         args.cases = [[b, 16] for b, _ in args.cases]

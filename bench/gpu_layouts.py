@@ -73,8 +73,8 @@ MOE = {
     },
 }
 HOST_PROFILED = ("ep2-eplb", "dp2ep2", "dp2ep2-sync")
-# Four GPUs, the dense model. TP=4 registers symmetric memory, so on GPUs it runs in a process
-# of its own (`--layouts`, then `--merge`); TP=2 x PP=2 does not (its stages step eagerly).
+# Four GPUs, the dense model. TP=4 and TP=2 x PP=2 register symmetric memory, so on GPUs each
+# runs in a process of its own (`--layouts`, then `--merge`).
 DENSE4 = {
     "tp1": {},
     "tp4": {"tensor_parallel_size": 4},

@@ -7,6 +7,7 @@ of `pdmesh up` to its workers from these fields, so an option is listed here onl
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,17 @@ QUANTIZATIONS = ("fp8",)
 # KV cache dtypes, vLLM's names: auto is the model's dtype; fp8 (alias fp8_e4m3) is float8 e4m3
 # (torch.float8_e4m3fn), with a scale per layer for K and one for V (docs/kv-cache.md).
 KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
+
+
+def batch_defaults(device_type: str, memory: int, name: str, offline: bool) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) where the config leaves them unset. GPUs take
+    vLLM's defaults (engine/arg_utils.py: large ones from 70 GiB, A100s excepted: larger steps
+    cost it throughput there); CPUs keep the budget their steps were tuned with."""
+    if device_type != "cuda":
+        return 256, 2048
+    if memory >= 70 * 2**30 and "a100" not in name.lower():
+        return 1024, 16384 if offline else 8192
+    return 256, 8192 if offline else 2048
 
 
 def _check_positive(name: str, value: Any, allow_none: bool = False) -> None:
@@ -85,8 +97,15 @@ class EngineConfig:
         "prefix cache, loaded back instead of recomputed (pinned on GPUs); 0: off (and without "
         "prefix caching)",
     )
-    max_num_seqs: int = option(256, "requests running at once, at most")
-    max_num_batched_tokens: int = option(2048, "per-step token budget (prefill chunks + decodes)")
+    max_num_seqs: int | None = option(
+        None, "requests running at once, at most (default: 256; 1,024 on GPUs of 70 GiB or more)"
+    )
+    max_num_batched_tokens: int | None = option(
+        None,
+        "per-step token budget, prefill chunks + decodes (default: 2,048 on CPUs; on GPUs "
+        "vLLM's: 16,384 through LLM and 8,192 served on GPUs of 70 GiB or more, else 8,192 / "
+        "2,048)",
+    )
     max_model_len: int | None = option(None, "prompt + output tokens (default: the model's)")
     enable_prefix_caching: bool = option(True, "no KV reuse across prompts", "--no-prefix-caching")
     enable_expert_parallel: bool = option(
@@ -140,8 +159,8 @@ class EngineConfig:
         _check_positive("data_parallel_size", self.data_parallel_size)
         _check_positive("block_size", self.block_size)
         _check_positive("kv_cache_tokens", self.kv_cache_tokens, allow_none=True)
-        _check_positive("max_num_seqs", self.max_num_seqs)
-        _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _check_positive("max_num_seqs", self.max_num_seqs, allow_none=True)
+        _check_positive("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
         _check_positive("max_model_len", self.max_model_len, allow_none=True)
         fraction = self.kv_cache_memory_fraction
         if fraction is not None and not (isinstance(fraction, int | float) and 0 < fraction <= 1):
@@ -255,6 +274,26 @@ class EngineConfig:
                 "speculative_config does not support pipeline parallelism yet (got "
                 f"pipeline_parallel_size={self.pipeline_parallel_size})."
             )
+
+    def with_batch_defaults(self, offline: bool) -> EngineConfig:
+        """This config with `max_num_seqs` and `max_num_batched_tokens` set where unset, from the
+        device and the use (`offline`: through LLM; else a served worker), as vLLM does: a step
+        of many tokens spreads the host's per-step work (scheduling, inputs, launches, the
+        followers' copy of them) over more of them, which on a large GPU pays."""
+        if self.max_num_seqs is not None and self.max_num_batched_tokens is not None:
+            return self
+        device, memory, name = self.torch_device(), 0, ""
+        if device.type == "cuda":
+            import torch
+
+            props = torch.cuda.get_device_properties(device)
+            memory, name = props.total_memory, props.name
+        seqs, tokens = batch_defaults(device.type, memory, name, offline)
+        return dataclasses.replace(
+            self,
+            max_num_seqs=self.max_num_seqs or seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens or tokens,
+        )
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

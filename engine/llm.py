@@ -25,6 +25,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
         config = EngineConfig.from_kwargs(model=model, **engine_options)
+        config = config.with_batch_defaults(offline=True)
         self.engine: LLMEngine | DataParallelEngine
         if config.data_parallel_size > 1:
             self.engine = DataParallelEngine(config)

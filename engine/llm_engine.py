@@ -74,7 +74,7 @@ class LLMEngine:
     ) -> None:
         """moe_group: data-parallel attention (engine/data_parallel/): every data-parallel
         rank, which this engine's MoE layers split their experts over."""
-        self.config = config
+        self.config = config = config.with_batch_defaults(offline=False)
         if (threads := envs.num_threads()) is not None:
             torch.set_num_threads(threads)
         self.info = ModelInfo.load(resolve_model_folder(config.model))

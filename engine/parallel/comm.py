@@ -69,8 +69,13 @@ def tp_group(world: ParallelGroup, tp: int) -> ParallelGroup:
         dist.new_group(list(range(s, s + tp)), timeout=IDLE_TIMEOUT)
         for s in range(0, world.size, tp)
     ]
-    mine = groups[world.rank // tp]
-    return ParallelGroup(world.rank % tp, tp, mine, None, None, world.expert_parallel, world.device)
+    stage = world.rank // tp
+    # A store of its own per stage (symmetric memory registers the group there: two stages
+    # writing one key would read each other's names).
+    store = dist.PrefixStore(f"tp-stage-{stage}", world.store) if world.store is not None else None
+    return ParallelGroup(
+        world.rank % tp, tp, groups[stage], None, store, world.expert_parallel, world.device
+    )
 
 
 def check_tp_size(size: int, num_heads: int, num_kv_heads: int) -> None:

@@ -147,13 +147,9 @@ class ModelRunner:
         capturable = envs.kernel_backend() != "torch"
         max_batch = min(config.max_num_seqs, 512)
         # A pipeline stage captures its own layers (the sends and receives between stages stay
-        # outside its graphs); stages of more than one TP rank step eagerly.
-        if (
-            device.type == "cuda"
-            and capturable
-            and not config.enforce_eager
-            and (stage.size == 1 or tp.size == 1)
-        ):
+        # outside its graphs); a stage of several TP ranks, its all-reduces over symmetric memory
+        # among its own ranks.
+        if device.type == "cuda" and capturable and not config.enforce_eager:
             # Expert parallelism's all_to_all sizes its exchange on the host: eager.
             if tp.size > 1 and (not tp.expert_parallel or tp.moe_all_reduce):
                 hidden = info.hf_config.hidden_size
