@@ -49,8 +49,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if seq.num_uncomputed_tokens == 0:
             seq.append_token(token)  # a sampled token
         n = min(seq.num_uncomputed_tokens, chunk)
+        held = self.bm.fits_held(seq, n)  # the O(1) answer a decode step relies on
         if self.bm.can_allocate(seq, n):
+            free = self.bm.num_free_blocks
             self.bm.allocate(seq, n)
+            took = free - self.bm.num_free_blocks + len(self.bm.take_copies())
+            assert (took == 0) == held
             seq.num_computed_tokens += n
             self.bm.cache_full_blocks(seq)
 

@@ -154,10 +154,25 @@ class BlockManager:
             return i
         return None
 
+    def fits_held(self, seq: Sequence, num_new_tokens: int, write_from: int | None = None) -> bool:
+        """Whether `seq`'s own blocks already take `num_new_tokens` more tokens and the block
+        written first is not shared: `allocate` then takes nothing. A decode step's usual case,
+        checked in O(1) (at 512 sequences a step the general path cost milliseconds)."""
+        table = seq.block_table
+        if not table:
+            return False
+        bs, computed = self.block_size, seq.num_computed_tokens
+        if -(-(computed + num_new_tokens) // bs) > len(table):
+            return False
+        i = (computed if write_from is None else write_from) // bs
+        return i >= len(table) or self.blocks[table[i]].ref_count <= 1
+
     def blocks_needed(
         self, seq: Sequence, num_new_tokens: int, write_from: int | None = None
     ) -> int:
         """Free blocks that `allocate(seq, num_new_tokens, write_from=write_from)` takes."""
+        if self.fits_held(seq, num_new_tokens, write_from):
+            return 0
         copy = self._shared_write(seq, write_from) is not None
         return self._new_blocks_needed(seq, num_new_tokens, NO_PREFIX) + copy
 
@@ -171,6 +186,8 @@ class BlockManager:
     ) -> bool:
         """Whether `seq` can get slots for `num_new_tokens` more tokens (after taking `prefix`),
         leaving `spare` blocks free for others; `write_from`: see `allocate`."""
+        if not prefix and self.fits_held(seq, num_new_tokens, write_from):
+            return spare <= len(self._free)
         # Adopting a free cached block takes it out of the free pool too, as does loading a
         # block from the host tier.
         adopted_free = sum(
@@ -196,6 +213,8 @@ class BlockManager:
         `num_tokens`): a shared block there is copied first (`take_copies`). Call
         `can_allocate` first: this raises if blocks run out.
         """
+        if not prefix and self.fits_held(seq, num_new_tokens, write_from):
+            return
         if not self.can_allocate(seq, num_new_tokens, prefix, write_from=write_from):
             raise RuntimeError(f"out of KV blocks allocating {num_new_tokens} tokens for {seq}")
         shared = None if prefix else self._shared_write(seq, write_from)
