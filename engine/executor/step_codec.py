@@ -15,7 +15,7 @@ import torch
 
 from pdmesh.engine.parallel.comm import broadcast_device, broadcast_host, broadcast_ints
 from pdmesh.engine.parallel.group import ParallelGroup
-from pdmesh.engine.runner.step_inputs import HostInputs, StepInputs, padded
+from pdmesh.engine.runner.step_inputs import HostInputs, StepInputs, host_tensor, padded
 
 # Header layout (int64): op first, then the sizes below.
 HEADER_LEN = 16
@@ -67,7 +67,7 @@ def encode(op: int, host: HostInputs, extra: torch.Tensor | None) -> tuple[list[
         *host.offloads,
         *host.loads,
     ]
-    payload = torch.tensor(values, dtype=torch.int64)
+    payload = host_tensor(values, torch.int64)
     if extra is not None:
         payload = torch.cat([payload, extra.to(torch.int64).flatten()])
     return header, payload
