@@ -348,10 +348,12 @@ class Scheduler:
         # device, after `prev` wrote it).
         bm = self._blocks
         ahead = [(s, s.num_tokens + 1 - s.num_computed_tokens) for s in seqs]
-        need = sum(bm.blocks_needed(s, n, write_from=s.num_tokens) for s, n in ahead)
+        # Most need nothing new (`fits_held`, O(1)): only the others are counted and allocated.
+        grow = [(s, n) for s, n in ahead if not bm.fits_held(s, n, write_from=s.num_tokens)]
+        need = sum(bm.blocks_needed(s, n, write_from=s.num_tokens) for s, n in grow)
         if need > bm.num_free_blocks:
             return None  # `schedule` decides who gives way
-        for seq, n in ahead:
+        for seq, n in grow:
             bm.allocate(seq, n, write_from=seq.num_tokens)
         self.num_lookaheads += 1
         copies = tuple(bm.take_copies())
