@@ -66,7 +66,8 @@ def test_concurrent_requests_match_offline_and_kv_bytes_are_exact(
 ) -> None:
     rng = random.Random(11)
     vocab = default_llm.engine.info.vocab_size
-    lengths = [rng.choice([5, 20, 40, 63, 64, 90, 150, 300]) for _ in range(32)]
+    # 20 at once (32 until 2026-11-27: CI time); both sides of DISAGG_MIN, block edges included.
+    lengths = [rng.choice([5, 20, 40, 63, 64, 90, 150, 300]) for _ in range(20)]
     prompts = [[rng.randrange(100, vocab) for _ in range(n)] for n in lengths]
     before = mesh.stats(mesh.decode[0])
     streams = asyncio.run(_generate(mesh.target, [_request(p, 16) for p in prompts]))
