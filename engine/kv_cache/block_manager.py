@@ -157,22 +157,18 @@ class BlockManager:
     def fits_held(self, seq: Sequence, num_new_tokens: int, write_from: int | None = None) -> bool:
         """Whether `seq`'s own blocks already take `num_new_tokens` more tokens and the block
         written first is not shared: `allocate` then takes nothing. A decode step's usual case,
-        checked in O(1) (at 512 sequences a step the general path cost milliseconds)."""
-        table = seq.block_table
-        if not table:
-            return False
-        bs, computed = self.block_size, seq.num_computed_tokens
-        if -(-(computed + num_new_tokens) // bs) > len(table):
-            return False
-        i = (computed if write_from is None else write_from) // bs
-        return i >= len(table) or self.blocks[table[i]].ref_count <= 1
+        checked before the general path (at 512 sequences a step, that path's repeated checks
+        cost milliseconds)."""
+        return (
+            bool(seq.block_table)
+            and not self._new_blocks_needed(seq, num_new_tokens, NO_PREFIX)
+            and self._shared_write(seq, write_from) is None
+        )
 
     def blocks_needed(
         self, seq: Sequence, num_new_tokens: int, write_from: int | None = None
     ) -> int:
         """Free blocks that `allocate(seq, num_new_tokens, write_from=write_from)` takes."""
-        if self.fits_held(seq, num_new_tokens, write_from):
-            return 0
         copy = self._shared_write(seq, write_from) is not None
         return self._new_blocks_needed(seq, num_new_tokens, NO_PREFIX) + copy
 
