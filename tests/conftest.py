@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from support import make_tiny_model
+from support import make_small_default_model, make_tiny_model
 
 # The ports meshes and services are started on: claimed machine-wide below the ephemeral range,
 # so that tests run side by side (pytest -n 2) and their connections never take a port picked
@@ -41,6 +41,22 @@ def default_llm(default_model_folder: Path):  # -> pdmesh.LLM, imported lazily
     from pdmesh import LLM
 
     return LLM(kv_cache_tokens=16384)
+
+
+@pytest.fixture(scope="session")
+def small_model_folder(
+    default_model_folder: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """The default model's tokenizer and layout on 4 narrow random layers (support.py)."""
+    return make_small_default_model(tmp_path_factory.mktemp("small"), default_model_folder)
+
+
+@pytest.fixture(scope="session")
+def small_llm(small_model_folder: Path):  # -> pdmesh.LLM
+    """One engine on the small model shared by the tests that only read from it."""
+    from pdmesh import LLM
+
+    return LLM(str(small_model_folder), kv_cache_tokens=16384)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

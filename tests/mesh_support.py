@@ -7,6 +7,7 @@ import os
 import subprocess
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
@@ -53,8 +54,11 @@ class Mesh:
             }
 
 
-def start_mesh(*args: str, http: bool = False) -> Mesh:
-    """`pdmesh up ARGS` on free ports; returns once it says it is up."""
+def start_mesh(*args: str, http: bool = False, model: Path | None = None) -> Mesh:
+    """`pdmesh up ARGS` on free ports (`--model MODEL` when given); returns once it says it
+    is up."""
+    if model is not None:
+        args = ("--model", str(model), *args)
     port = free_port()
     http_port = free_port() if http else 0
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PDMESH_LOG_LEVEL": "WARNING"}

@@ -3,6 +3,8 @@ collectives, greedy tokens against transformers."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -83,11 +85,12 @@ def test_data_parallel_moe_exchanges_equal_the_whole_layer(tmp_path, gather_scat
 
 
 # -- dense replicas -----------------------------------------------------------------------------
-def test_default_model_dp2_equals_one_engine_and_uses_both(default_llm: LLM) -> None:
+def test_dp2_equals_one_engine_and_uses_both(small_llm: LLM, small_model_folder: Path) -> None:
+    """The default model's tokenizer and layout, small (conftest): text prompts, text out."""
     prompts = ["Hello, my name is", "The quick brown fox", "def fibonacci(n):", "Paris is"]
     params = SamplingParams(max_tokens=16, temperature=0)
-    expected = [o.outputs[0].text for o in default_llm.generate(prompts, params)]
-    llm = LLM(kv_cache_tokens=2048, data_parallel_size=2)
+    expected = [o.outputs[0].text for o in small_llm.generate(prompts, params)]
+    llm = LLM(str(small_model_folder), kv_cache_tokens=2048, data_parallel_size=2)
     try:
         outputs = llm.generate(prompts, params)
         assert [o.outputs[0].text for o in outputs] == expected

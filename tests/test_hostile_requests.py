@@ -3,8 +3,9 @@ constraints no output can satisfy are refused before admission naming their fiel
 compilation holds up nothing behind it, and a request whose row cannot be sampled ends alone
 while the innocent requests beside it finish with their undisturbed text.
 
-Offline on the default model and a tiny random one, and through a real mesh (1 prefill + 1
-decode worker) with innocent streams running beside each hostile request."""
+Offline on the default model's tokenizer and layout, small (conftest), and a tiny random
+one, and through a real mesh (1 prefill + 1 decode worker) with innocent streams running beside
+each hostile request."""
 
 from __future__ import annotations
 
@@ -59,20 +60,20 @@ def _texts(outputs: list) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def undisturbed(default_llm: LLM) -> list[str]:
-    return _texts(default_llm.generate(INNOCENT, GREEDY))
+def undisturbed(small_llm: LLM) -> list[str]:
+    return _texts(small_llm.generate(INNOCENT, GREEDY))
 
 
 @pytest.mark.parametrize(("so", "field"), UNSATISFIABLE)
 def test_constraints_no_output_can_satisfy_are_refused_naming_the_field(
-    default_llm: LLM, so: SO, field: str
+    small_llm: LLM, so: SO, field: str
 ) -> None:
     with pytest.raises(InvalidRequest) as caught:
-        default_llm.generate("Answer:", SamplingParams(max_tokens=8, structured_outputs=so))
+        small_llm.generate("Answer:", SamplingParams(max_tokens=8, structured_outputs=so))
     assert caught.value.field == field
     assert str(caught.value).startswith(field), caught.value
     assert not LOCATION.search(str(caught.value)), caught.value  # no C++ source locations
-    assert default_llm.generate("Hello", SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+    assert small_llm.generate("Hello", SamplingParams(max_tokens=2))[0].outputs[0].token_ids
 
 
 @pytest.mark.parametrize(
@@ -81,21 +82,21 @@ def test_constraints_no_output_can_satisfy_are_refused_naming_the_field(
     ids=["one-count", "nested-counts", "grammar"],
 )
 def test_repetition_the_compiler_would_unroll_for_minutes_is_refused(
-    default_llm: LLM, so: SO
+    small_llm: LLM, so: SO
 ) -> None:
     started = time.perf_counter()
     with pytest.raises(InvalidRequest, match="at most 10,000") as caught:
-        default_llm.generate("Answer:", SamplingParams(max_tokens=8, structured_outputs=so))
+        small_llm.generate("Answer:", SamplingParams(max_tokens=8, structured_outputs=so))
     assert caught.value.field == f"structured_outputs.{so.kind}"
     assert time.perf_counter() - started < 5  # refused before compiling
 
 
-def test_a_constraint_past_the_size_limit_is_refused(default_llm: LLM) -> None:
+def test_a_constraint_past_the_size_limit_is_refused(small_llm: LLM) -> None:
     from pdmesh.engine.sample.structured import MAX_SPEC_CHARS
 
     big = SO(choice=["x" * 1000] * (MAX_SPEC_CHARS // 1000 + 1))
     with pytest.raises(InvalidRequest, match="at most") as caught:
-        default_llm.generate("Answer:", SamplingParams(max_tokens=8, structured_outputs=big))
+        small_llm.generate("Answer:", SamplingParams(max_tokens=8, structured_outputs=big))
     assert caught.value.field == "structured_outputs.choice"
 
 
@@ -112,29 +113,29 @@ def test_a_constraint_past_the_size_limit_is_refused(default_llm: LLM) -> None:
     ids=["choice+min_tokens", "regex+min_tokens", "tiny-temperature", "huge-temperature"],
 )
 def test_conflicting_constraints_follow_the_rule_beside_innocent_requests(
-    default_llm: LLM, undisturbed: list[str], so: SO, extra: dict, allowed: set[str]
+    small_llm: LLM, undisturbed: list[str], so: SO, extra: dict, allowed: set[str]
 ) -> None:
     hostile = SamplingParams(max_tokens=16, seed=3, structured_outputs=so, **extra)
-    outs = default_llm.generate([*INNOCENT, "Answer:"], [GREEDY] * len(INNOCENT) + [hostile])
+    outs = small_llm.generate([*INNOCENT, "Answer:"], [GREEDY] * len(INNOCENT) + [hostile])
     assert _texts(outs[:-1]) == undisturbed
     out = outs[-1].outputs[0]
     assert (out.text, out.finish_reason) in {(a, "stop") for a in allowed}, out
     assert outs[-1].error is None
 
 
-def test_min_tokens_alone_still_holds_eos_back(default_llm: LLM) -> None:
-    out = default_llm.generate(
+def test_min_tokens_alone_still_holds_eos_back(small_llm: LLM) -> None:
+    out = small_llm.generate(
         "Say OK.", SamplingParams(max_tokens=12, min_tokens=10, temperature=0)
     )[0].outputs[0]
     assert len(out.token_ids) >= 10
 
 
-def test_a_slow_compilation_holds_up_no_cheap_one(default_model_folder: Path) -> None:
+def test_a_slow_compilation_holds_up_no_cheap_one(small_model_folder: Path) -> None:
     from pdmesh.engine.models.info import ModelInfo
     from pdmesh.engine.sample.structured import Grammars
 
-    info = ModelInfo.load(default_model_folder)
-    grammars = Grammars(default_model_folder, info.vocab_size, info.eos_token_ids)
+    info = ModelInfo.load(small_model_folder)
+    grammars = Grammars(small_model_folder, info.vocab_size, info.eos_token_ids)
     grammars.compile(SO(regex="warm"))  # builds the compiler (reads the vocabulary) once
     slow = SO(regex='[^"]{1,6000}')  # a short text that takes seconds to compile
     started = time.perf_counter()
@@ -151,14 +152,14 @@ def test_a_slow_compilation_holds_up_no_cheap_one(default_model_folder: Path) ->
 
 
 def test_compiles_past_the_concurrency_bound_are_refused_as_overload(
-    default_model_folder: Path,
+    small_model_folder: Path,
 ) -> None:
     from pdmesh.engine.models.info import ModelInfo
     from pdmesh.engine.sample.structured import MAX_CONCURRENT_COMPILES, Grammars
     from pdmesh.errors import Overloaded
 
-    info = ModelInfo.load(default_model_folder)
-    grammars = Grammars(default_model_folder, info.vocab_size, info.eos_token_ids)
+    info = ModelInfo.load(small_model_folder)
+    grammars = Grammars(small_model_folder, info.vocab_size, info.eos_token_ids)
     grammars.compile(SO(regex="warm"))
 
     def slow(k: int) -> SO:  # distinct texts, none served from the cache; seconds each
@@ -231,8 +232,11 @@ def test_non_finite_logits_end_only_their_request(nan_model: tuple[Path, int]) -
 
 
 @pytest.fixture(scope="module")
-def mesh() -> Iterator[Mesh]:
-    m = start_mesh("--prefill", "1", "--decode", "1", "--kv-cache-tokens", "16384", http=True)
+def mesh(small_model_folder: Path) -> Iterator[Mesh]:
+    m = start_mesh(
+        "--prefill", "1", "--decode", "1", "--kv-cache-tokens", "16384",
+        http=True, model=small_model_folder,
+    )  # fmt: skip
     try:
         yield m
     finally:

@@ -8,6 +8,7 @@ import json
 import math
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,9 +23,12 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def mesh() -> Iterator[Mesh]:
-    # Every prompt prefilled remotely.
-    m = start_mesh("--prefill", "1", "--decode", "1", "--disagg-min-tokens", "1", http=True)
+def mesh(small_model_folder: Path) -> Iterator[Mesh]:
+    # Every prompt prefilled remotely; n=16 choices of 8,000 tokens do not fit the KV cache.
+    m = start_mesh(
+        "--prefill", "1", "--decode", "1", "--disagg-min-tokens", "1",
+        "--kv-cache-tokens", "16384", http=True, model=small_model_folder,
+    )  # fmt: skip
     try:
         yield m
     finally:
@@ -64,19 +68,19 @@ def _close(a: float | None, b: float | None) -> bool:
     return (a is None and b is None) or (a is not None and b is not None and abs(a - b) <= TOL)
 
 
-def test_completion_logprobs_streamed_and_whole(mesh: Mesh, default_llm: LLM) -> None:
-    prompt = _ids(default_llm, PROMPT)
+def test_completion_logprobs_streamed_and_whole(mesh: Mesh, small_llm: LLM) -> None:
+    prompt = _ids(small_llm, PROMPT)
     body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 3}
     status, whole = _post(mesh, "/v1/completions", body)
     assert status == 200, whole
-    out = _offline(default_llm, prompt, max_tokens=8, temperature=0, logprobs=3).outputs[0]
+    out = _offline(small_llm, prompt, max_tokens=8, temperature=0, logprobs=3).outputs[0]
     lp = whole["choices"][0]["logprobs"]
-    assert lp["tokens"] == _texts(default_llm, out.token_ids)
+    assert lp["tokens"] == _texts(small_llm, out.token_ids)
     expected = [p[t].logprob for p, t in zip(out.logprobs, out.token_ids, strict=True)]
     assert all(map(_close, lp["token_logprobs"], expected))
     for top, position in zip(lp["top_logprobs"], out.logprobs, strict=True):
         # The chosen token and the top 3 (greedy: the chosen is the best, so 3 entries).
-        want = {default_llm.get_tokenizer().decode([t]): e.logprob for t, e in position.items()}
+        want = {small_llm.get_tokenizer().decode([t]): e.logprob for t, e in position.items()}
         assert top.keys() == want.keys() and len(top) == 3
         assert all(_close(top[k], want[k]) for k in top)
     offsets = lp["text_offset"]
@@ -92,18 +96,18 @@ def test_completion_logprobs_streamed_and_whole(mesh: Mesh, default_llm: LLM) ->
     assert joined == lp  # the same arrays, offsets running on across chunks
 
 
-def test_echo_returns_the_prompt_and_its_logprobs(mesh: Mesh, default_llm: LLM) -> None:
+def test_echo_returns_the_prompt_and_its_logprobs(mesh: Mesh, small_llm: LLM) -> None:
     """lm-evaluation-harness's loglikelihood request: token ids, echo, max_tokens 1."""
-    prompt = _ids(default_llm, PROMPT + " red, green and blue")
+    prompt = _ids(small_llm, PROMPT + " red, green and blue")
     body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
     status, whole = _post(mesh, "/v1/completions", body)
     assert status == 200, whole
-    out = _offline(default_llm, prompt, max_tokens=1, temperature=0, logprobs=1, prompt_logprobs=1)
+    out = _offline(small_llm, prompt, max_tokens=1, temperature=0, logprobs=1, prompt_logprobs=1)
     choice = whole["choices"][0]
-    prompt_text = default_llm.get_tokenizer().decode(prompt)
+    prompt_text = small_llm.get_tokenizer().decode(prompt)
     assert choice["text"] == prompt_text + out.outputs[0].text
     lp = choice["logprobs"]
-    assert lp["tokens"] == _texts(default_llm, prompt + out.outputs[0].token_ids)
+    assert lp["tokens"] == _texts(small_llm, prompt + out.outputs[0].token_ids)
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     expected = [p[t].logprob for p, t in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
     assert all(map(_close, lp["token_logprobs"][1 : len(prompt)], expected))
@@ -155,10 +159,10 @@ def test_chat_top_logprobs(mesh: Mesh) -> None:
 
 
 @pytest.mark.parametrize("shape", [{"n": 3}, {"n": 2, "best_of": 3}])
-def test_n_and_best_of_choices(mesh: Mesh, default_llm: LLM, shape: dict[str, int]) -> None:
-    prompt = _ids(default_llm, PROMPT)
+def test_n_and_best_of_choices(mesh: Mesh, small_llm: LLM, shape: dict[str, int]) -> None:
+    prompt = _ids(small_llm, PROMPT)
     sampling = dict(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True, **shape)
-    out = _offline(default_llm, prompt, **sampling)
+    out = _offline(small_llm, prompt, **sampling)
     want = {c.index: c.text for c in out.outputs}
     body = {"prompt": prompt, **sampling}
     status, whole = _post(mesh, "/v1/completions", body)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -19,12 +20,12 @@ from pdmesh.v1 import generation_pb2 as gen_pb
 from pdmesh.v1 import generation_pb2_grpc
 
 DISAGG_MIN = 64
-# Default model: 30 layers x (K + V) x 16 tokens x 3 KV heads x 64 dims x 4 bytes per block.
-BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4
+# The small model (conftest): 4 layers x (K + V) x 16 tokens x 3 KV heads x 16 dims x 4 bytes.
+BLOCK_BYTES = 4 * 2 * 16 * 3 * 16 * 4
 
 
 @pytest.fixture(scope="module")
-def mesh(default_model_folder) -> Mesh:
+def mesh(small_model_folder: Path) -> Mesh:
     m = start_mesh(
         "--prefill",
         "1",
@@ -36,6 +37,7 @@ def mesh(default_model_folder) -> Mesh:
         "512",
         "--disagg-min-tokens",
         str(DISAGG_MIN),
+        model=small_model_folder,
     )
     yield m
     m.stop()
@@ -62,16 +64,16 @@ async def _generate(
 
 
 def test_concurrent_requests_match_offline_and_kv_bytes_are_exact(
-    mesh: Mesh, default_llm: LLM
+    mesh: Mesh, small_llm: LLM
 ) -> None:
     rng = random.Random(11)
-    vocab = default_llm.engine.info.vocab_size
+    vocab = small_llm.engine.info.vocab_size
     # 20 at once (32 until 2026-11-27: CI time); both sides of DISAGG_MIN, block edges included.
     lengths = [rng.choice([5, 20, 40, 63, 64, 90, 150, 300]) for _ in range(20)]
     prompts = [[rng.randrange(100, vocab) for _ in range(n)] for n in lengths]
     before = mesh.stats(mesh.decode[0])
     streams = asyncio.run(_generate(mesh.target, [_request(p, 16) for p in prompts]))
-    expected = default_llm.generate(
+    expected = small_llm.generate(
         [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=16, temperature=0)
     )
     for stream, exp, prompt in zip(streams, expected, prompts, strict=True):
@@ -113,12 +115,12 @@ def _assert_close(got: list[dict], want: list[dict]) -> None:
             assert abs(lp - w[t][0]) < 1e-4 and abs(rank - w[t][1]) <= 1
 
 
-def test_logprobs_and_prompt_logprobs_through_the_mesh(mesh: Mesh, default_llm: LLM) -> None:
+def test_logprobs_and_prompt_logprobs_through_the_mesh(mesh: Mesh, small_llm: LLM) -> None:
     """Prompts prefilled on the prefill worker (long) and on the decode worker (short): the
     first token's and the prompt's log-probabilities come back from where it was prefilled,
     equal to the offline engine's (itself checked against transformers in test_logprobs)."""
     rng = random.Random(5)
-    vocab = default_llm.engine.info.vocab_size
+    vocab = small_llm.engine.info.vocab_size
     prompts = [[rng.randrange(100, vocab) for _ in range(n)] for n in (100, 12)]
     sampling = [dict(temperature=0), dict(temperature=1.0, seed=7)]
     requests = [
@@ -142,7 +144,7 @@ def test_logprobs_and_prompt_logprobs_through_the_mesh(mesh: Mesh, default_llm: 
             temperature=s.temperature,
             seed=s.seed if s.HasField("seed") else None,
         )
-        out = default_llm.generate({"prompt_token_ids": list(req.token_ids.ids)}, params)[0]
+        out = small_llm.generate({"prompt_token_ids": list(req.token_ids.ids)}, params)[0]
         completion = out.outputs[0]
         assert [t for r in stream for t in r.token_ids] == completion.token_ids
         assert stream[-1].timings.disaggregated == (len(req.token_ids.ids) >= DISAGG_MIN)
@@ -161,12 +163,12 @@ def _by_choice(stream: list[gen_pb.GenerateResponse]) -> dict[int, list[int]]:
     return tokens
 
 
-def test_n_and_best_of_through_the_mesh(mesh: Mesh, default_llm: LLM) -> None:
+def test_n_and_best_of_through_the_mesh(mesh: Mesh, small_llm: LLM) -> None:
     """n choices stream under their indexes, equal to the offline engine's (itself equal to
     separate requests seeded seed + i), with the prompt prefilled once, remotely for the long
     prompt; best_of sends the n best whole; every block is free afterwards."""
     rng = random.Random(6)
-    vocab = default_llm.engine.info.vocab_size
+    vocab = small_llm.engine.info.vocab_size
     prompts = [[rng.randrange(100, vocab) for _ in range(n)] for n in (90, 20)]
     shapes = [dict(n=3), dict(n=2, best_of=3)]
     cases = [(p, shape) for p in prompts for shape in shapes]
@@ -190,7 +192,7 @@ def test_n_and_best_of_through_the_mesh(mesh: Mesh, default_llm: LLM) -> None:
         params = SamplingParams(
             max_tokens=10, temperature=1.0, seed=21, ignore_eos=True, logprobs=1, **shape
         )
-        out = default_llm.generate({"prompt_token_ids": prompt}, params)[0]
+        out = small_llm.generate({"prompt_token_ids": prompt}, params)[0]
         got = _by_choice(stream)
         assert got == {c.index: c.token_ids for c in out.outputs}
         for c in out.outputs:
@@ -206,19 +208,19 @@ def test_n_and_best_of_through_the_mesh(mesh: Mesh, default_llm: LLM) -> None:
     assert mesh.stats(mesh.prefill[0]).kv_blocks_used == 0
 
 
-def test_choices_ending_at_different_steps_through_the_mesh(mesh: Mesh, default_llm: LLM) -> None:
+def test_choices_ending_at_different_steps_through_the_mesh(mesh: Mesh, small_llm: LLM) -> None:
     """A choice that stops early ends only itself: the others stream on to their end, and the
     request's last chunk (with usage) comes after every choice's finish reason."""
     rng = random.Random(8)
-    prompt = [rng.randrange(100, default_llm.engine.info.vocab_size) for _ in range(90)]
+    prompt = [rng.randrange(100, small_llm.engine.info.vocab_size) for _ in range(90)]
     params = dict(max_tokens=10, temperature=1.0, seed=5, ignore_eos=True, n=3)
-    free = default_llm.generate({"prompt_token_ids": prompt}, SamplingParams(**params))[0]
+    free = small_llm.generate({"prompt_token_ids": prompt}, SamplingParams(**params))[0]
     tokens = [c.token_ids for c in free.outputs]
     stop = next(t for t in tokens[0][1:] if t not in tokens[1] and t not in tokens[2])
     sampling = gen_pb.SamplingParams(**params, stop_token_ids=[stop])
     request = gen_pb.GenerateRequest(token_ids=gen_pb.TokenIds(ids=prompt), sampling=sampling)
     (stream,) = asyncio.run(_generate(mesh.target, [request]))
-    expected = default_llm.generate(
+    expected = small_llm.generate(
         {"prompt_token_ids": prompt}, SamplingParams(**params, stop_token_ids=[stop])
     )[0]
     assert _by_choice(stream) == {c.index: c.token_ids for c in expected.outputs}
@@ -255,14 +257,14 @@ def test_reflection_and_health(mesh: Mesh) -> None:
             assert health.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_model_info_and_tokenize(mesh: Mesh, default_llm: LLM) -> None:
+def test_model_info_and_tokenize(mesh: Mesh, small_llm: LLM, small_model_folder: Path) -> None:
     with grpc.insecure_channel(mesh.target) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
         info = stub.GetModelInfo(gen_pb.ModelInfoRequest(), timeout=5)
-        assert info.name == "SmolLM2-135M-Instruct" and info.vocab_size == 49152
+        assert info.name == small_model_folder.name and info.vocab_size == 49152
         assert (info.num_prefill_workers, info.num_decode_workers) == (1, 1)
         tok = stub.Tokenize(gen_pb.TokenizeRequest(text="Hello world"), timeout=5)
-        assert list(tok.token_ids) == default_llm.get_tokenizer().encode("Hello world")
+        assert list(tok.token_ids) == small_llm.get_tokenizer().encode("Hello world")
 
 
 def _blocks_used(mesh: Mesh) -> tuple[int, int]:

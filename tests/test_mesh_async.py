@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from pathlib import Path
 
 import grpc
 from mesh_support import Mesh, greedy_tokens, start_mesh
@@ -27,7 +28,9 @@ def _wait_free(mesh: Mesh, within_s: float) -> None:
         time.sleep(0.05)
 
 
-def test_async_decode_worker_streams_the_offline_tokens(default_llm: LLM) -> None:
+def test_async_decode_worker_streams_the_offline_tokens(
+    small_llm: LLM, small_model_folder: Path
+) -> None:
     mesh = start_mesh(
         "--prefill",
         "1",
@@ -40,16 +43,17 @@ def test_async_decode_worker_streams_the_offline_tokens(default_llm: LLM) -> Non
         "256",
         "--disagg-min-tokens",
         "64",
+        model=small_model_folder,
     )
     try:
         rng = random.Random(21)
-        vocab = default_llm.engine.info.vocab_size
+        vocab = small_llm.engine.info.vocab_size
         # Short prompts prefill on the decode worker, long ones on the prefill worker; they
         # arrive while earlier ones decode.
         lengths = [5, 120, 30, 200, 12, 90, 64, 7, 150, 40]
         prompts = [[rng.randrange(100, vocab) for _ in range(n)] for n in lengths]
         got = asyncio.run(greedy_tokens(mesh.target, prompts, 20))
-        want = default_llm.generate(
+        want = small_llm.generate(
             [{"prompt_token_ids": p} for p in prompts],
             SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
         )

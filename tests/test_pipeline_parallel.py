@@ -43,15 +43,15 @@ def test_pipeline_refuses_before_any_rank_starts(tiny_model) -> None:
     assert _children() == before  # no rank was started
 
 
-def test_default_model_pp2_equals_pp1(default_llm: LLM) -> None:
-    """SmolLM2 ties its LM head to the embedding: the last stage loads the embedding's tensor
-    as its head."""
+def test_tied_head_pp2_equals_pp1(small_llm: LLM, small_model_folder: Path) -> None:
+    """The default model's layout, small (conftest): it ties its LM head to the embedding, so
+    the last stage loads the embedding's tensor as its head."""
     prompts = ["Hello, my name is", "def fibonacci(n):", "The capital of France is"]
-    expected = [o.outputs[0].token_ids for o in default_llm.generate(prompts, GREEDY)]
-    llm = LLM(kv_cache_tokens=4096, pipeline_parallel_size=2)
+    expected = [o.outputs[0].token_ids for o in small_llm.generate(prompts, GREEDY)]
+    llm = LLM(str(small_model_folder), kv_cache_tokens=4096, pipeline_parallel_size=2)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
     runner = llm.engine.runner
-    assert runner.kv_spec.num_layers == 15  # rank 0's cache: its own 15 of 30 layers
+    assert runner.kv_spec.num_layers == 2  # rank 0's cache: its own 2 of 4 layers
     assert runner.model.lm_head is None and runner.model.model.norm is None
     start = time.perf_counter()
     llm.close()

@@ -9,6 +9,7 @@ import asyncio
 import json
 import random
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -34,8 +35,16 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def mesh(default_model_folder: object) -> Iterator[Mesh]:
-    m = start_mesh("--decode", "1", "--colocated", "--kv-cache-tokens", "16384", http=True)
+def mesh(small_model_folder: Path) -> Iterator[Mesh]:
+    m = start_mesh(
+        "--decode",
+        "1",
+        "--colocated",
+        "--kv-cache-tokens",
+        "16384",
+        http=True,
+        model=small_model_folder,
+    )
     try:
         yield m
     finally:
@@ -108,10 +117,10 @@ def _chat_prompt_ids(mesh: Mesh, messages: list[dict[str, str]]) -> list[int]:
 
 
 def test_concurrent_streams_on_every_edge_equal_the_offline_engine(
-    mesh: Mesh, default_llm: LLM
+    mesh: Mesh, small_llm: LLM
 ) -> None:
     rng = random.Random(32)
-    vocab = default_llm.engine.info.vocab_size
+    vocab = small_llm.engine.info.vocab_size
     lengths = [rng.choice([3, 17, 40, 90, 150]) for _ in range(STREAMS)]
     prompts = [[rng.randrange(1000, vocab) for _ in range(n)] for n in lengths]
     chats = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(STREAMS)]
@@ -119,7 +128,7 @@ def test_concurrent_streams_on_every_edge_equal_the_offline_engine(
 
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     chat_ids = [_chat_prompt_ids(mesh, m) for m in chats]
-    want = default_llm.generate([{"prompt_token_ids": p} for p in prompts + chat_ids], params)
+    want = small_llm.generate([{"prompt_token_ids": p} for p in prompts + chat_ids], params)
     want_ids = [w.outputs[0].token_ids for w in want]
     want_texts = [w.outputs[0].text for w in want]
 

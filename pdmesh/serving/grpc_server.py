@@ -42,11 +42,12 @@ SERVER_OPTIONS = [
 CHANNEL_OPTIONS = [
     *_COMMON_OPTIONS,
     ("grpc.enable_retries", 0),
-    # A restarted worker must be found again within seconds: gRPC's default reconnect back-off
-    # grows to two minutes while it is down.
-    ("grpc.initial_reconnect_backoff_ms", 500),
+    # A started or restarted worker must be found again within a second: gRPC's default
+    # reconnect back-off grows to two minutes while it is down (with 3 s here, a mesh's workers
+    # joined 2.7 s after they were serving; a connect attempt a second to a dead one is nothing).
+    ("grpc.initial_reconnect_backoff_ms", 250),
     ("grpc.min_reconnect_backoff_ms", 500),
-    ("grpc.max_reconnect_backoff_ms", 3000),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 
