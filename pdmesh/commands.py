@@ -18,6 +18,7 @@ from pdmesh.flags import (
     tls_args,
     tls_config,
 )
+from pdmesh.processes import exit_service
 
 
 # -- generate ---------------------------------------------------------------------------------
@@ -104,7 +105,7 @@ def add_up(sub: Any) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     from pdmesh.mesh import run_up
 
-    return run_up(args)
+    exit_service(run_up(args))
 
 
 # -- services ---------------------------------------------------------------------------------
@@ -346,7 +347,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         planner=planner_config(args),
     )
     asyncio.run(serve(config))
-    return 0
+    exit_service(0)
 
 
 def _serve_worker(config_cls: Any, serve: Any, args: argparse.Namespace, **fields: Any) -> int:
@@ -372,7 +373,7 @@ def _serve_worker(config_cls: Any, serve: Any, args: argparse.Namespace, **field
         **fields,
     )
     asyncio.run(serve(config))
-    return 0
+    exit_service(0)
 
 
 def _data_parallel_rank(args: argparse.Namespace) -> Any:
@@ -458,4 +459,4 @@ def cmd_kvstore(args: argparse.Namespace) -> int:
         api_keys=ApiKeys.from_flags(args.api_keys, args.api_keys_file),
     )
     asyncio.run(serve(config))
-    return 0
+    exit_service(0)

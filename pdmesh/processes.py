@@ -1,11 +1,17 @@
-"""Small process helpers every layer uses: a free port to bind, and dying with one's parent."""
+"""Small process helpers every layer uses: a free port to bind, dying with one's parent, and a
+service's quick exit."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import logging
+import os
 import random
 import signal
 import socket
+import sys
+from typing import NoReturn
 
 from pdmesh import envs
 
@@ -57,3 +63,15 @@ def die_with_parent() -> None:
     """Ask Linux to SIGTERM this process when its parent exits, so no rank or service outlives
     the process that started it."""
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def exit_service(code: int) -> NoReturn:
+    """End a service's process once it has shut down (its server stopped, its engine closed,
+    its traces flushed): logs and streams flushed, then `os._exit`, without the interpreter's
+    teardown. With torch and gRPC loaded that teardown took 1.4-1.8 s on 2 cores after the
+    service had finished, and every stop, restart and role change waited for it."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # closed or broken: nothing to save
+            stream.flush()
+    os._exit(code)

@@ -12,9 +12,6 @@ rank 0 raises; the follower goes on.
 from __future__ import annotations
 
 import json
-import logging
-import os
-import sys
 from typing import Any
 
 import torch
@@ -49,7 +46,7 @@ from pdmesh.kv_transfer.connector import (
     on_node,
 )
 from pdmesh.logger import get_logger
-from pdmesh.processes import die_with_parent
+from pdmesh.processes import die_with_parent, exit_service
 
 log = get_logger(__name__)
 
@@ -126,10 +123,7 @@ def main() -> None:
     # Told to stop and torn down: leave without the interpreter's and the C++ libraries' exit
     # handlers, one of which sometimes aborts ("terminate called without an active exception",
     # SIGABRT) on a library thread left joinable, turning a clean stop into a failed rank.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_service(0)
 
 
 if __name__ == "__main__":
