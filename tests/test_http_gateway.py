@@ -283,8 +283,8 @@ def test_penalties_and_logit_bias_through_the_mesh(mesh: Mesh, default_llm) -> N
 
 
 def test_openai_parse_returns_valid_objects_through_the_mesh(mesh: Mesh) -> None:
-    """`client.chat.completions.parse(response_format=Model)` for five models (nested objects,
-    enums, arrays, optional fields, number bounds): the prompt is prefilled on the
+    """`client.chat.completions.parse(response_format=Model)` for three models (nested objects,
+    enums, arrays, optional fields, number bounds, booleans): the prompt is prefilled on the
     prefill worker, whose first token already obeys the schema, and the decode worker's
     matcher starts from it."""
     import enum
@@ -312,15 +312,6 @@ def test_openai_parse_returns_valid_objects_through_the_mesh(mesh: Mesh) -> None
         unit: str = Field(max_length=6)
         certain: bool
 
-    class Color(enum.StrEnum):
-        red = "red"
-        green = "green"
-        blue = "blue"
-
-    class Palette(BaseModel):
-        colors: list[Color] = Field(min_length=1, max_length=3)
-        warm: bool
-
     class Step(BaseModel):
         order: int = Field(ge=1, le=9)
         action: str = Field(max_length=16)
@@ -330,21 +321,16 @@ def test_openai_parse_returns_valid_objects_through_the_mesh(mesh: Mesh) -> None
         steps: list[Step] = Field(min_length=1, max_length=2)
         minutes: float | None = Field(ge=0, le=600)
 
-    class Event(BaseModel):
-        name: str = Field(max_length=12)
-        year: int = Field(ge=1000, le=2100)
-        place: Address | None
-
     system = "You are a helpful assistant that answers in JSON. " * 8  # > 64 tokens: remote
     client = OpenAI(base_url=f"{mesh.http}/v1", api_key="unused")
     model = client.models.list().data[0].id
     before = mesh.stats(mesh.decode[0]).remote_prefills
+    # Five until 2026-11-27 (CI time): an array of enums and an optional nested object went;
+    # enums, arrays, nested objects and optional fields are still drawn below.
     cases = (
         (Person, "Describe a user."),
         (Answer, "How tall is Everest?"),
-        (Palette, "Pick a palette for a sunset."),
         (Recipe, "How do I boil an egg?"),
-        (Event, "When and where did the Moon landing happen?"),
     )
     for schema, question in cases:
         completion = client.chat.completions.parse(

@@ -1,8 +1,9 @@
 """The planner on a real mesh (`pdmesh up --planner`: a router and three workers of either
-role on the embedded default model, one prefill and two decode): under a prefill-heavy load
-that misses the TTFT target it switches a decode worker to prefill, every stream equal to the
-offline engine's greedy output (the switched worker's running requests move with their KV);
-once the load ends it switches that worker back. What it did shows on the router's /metrics."""
+role, one prefill and two decode, on the default model's tokenizer and layout made small, see
+conftest): under a prefill-heavy load that misses the TTFT target it switches a decode worker to
+prefill, every stream equal to the offline engine's greedy output (the switched worker's running
+requests move with their KV); once the load ends it switches that worker back. What it did shows
+on the router's /metrics."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import asyncio
 import random
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -31,7 +33,7 @@ SWITCHES = "pdmesh_router_planner_switches_total"
 
 
 @pytest.fixture(scope="module")
-def mesh(default_model_folder: object) -> Iterator[Mesh]:
+def mesh(small_model_folder: Path) -> Iterator[Mesh]:
     m = start_mesh(
         "--planner",
         "--prefill",
@@ -48,6 +50,7 @@ def mesh(default_model_folder: object) -> Iterator[Mesh]:
         # target nothing misses: the decode side is relaxed, the prefill side starved.
         *("--slo-ttft-ms", "250", "--slo-itl-ms", "30000"),
         http=True,
+        model=small_model_folder,
     )
     try:
         yield m
@@ -70,10 +73,10 @@ def _switches(mesh: Mesh) -> dict[tuple[str, str], float]:
 
 
 def test_the_planner_moves_a_decode_worker_to_prefill_under_load_and_back_after(
-    mesh: Mesh, default_llm: LLM
+    mesh: Mesh, small_llm: LLM
 ) -> None:
     rng = random.Random(33)
-    vocab = default_llm.engine.info.vocab_size
+    vocab = small_llm.engine.info.vocab_size
     done: list[tuple[list[int], int, list[int], str]] = []  # prompt, max tokens, tokens, text
     switched: list[str] = []
     deadline = time.monotonic() + LOAD_S
@@ -117,7 +120,7 @@ def test_the_planner_moves_a_decode_worker_to_prefill_under_load_and_back_after(
     rate = ("pdmesh_router_prefill_seconds_per_token", (("where", "remote"),))
     assert mesh.router_metrics()[rate] > 0
     # Every stream, including those moved off the switched worker, is the offline engine's.
-    want = default_llm.generate(
+    want = small_llm.generate(
         [{"prompt_token_ids": p} for p, _, _, _ in done],
         [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n, _, _ in done],
     )
