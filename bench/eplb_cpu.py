@@ -40,10 +40,12 @@ def make_moe(
     anchor: float = 1.0,
     hot: tuple[int, ...] = (2, 3),
     seed: int = 0,
+    dtype: str | None = None,
 ) -> Path:
     """A random Qwen3-MoE saved in `folder` (its middle layer dense, as Qwen3-MoE allows).
     skew > 0: every token's embedding gets a constant component `anchor` (column 0), and experts
-    `hot` that much extra router logit per unit of it, so most tokens route to them."""
+    `hot` that much extra router logit per unit of it, so most tokens route to them. dtype: the
+    saved weights' (default float32)."""
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -78,6 +80,8 @@ def make_moe(
                 gate = getattr(layer.mlp, "gate", None)  # the router: weight [E, H]
                 if gate is not None:
                     gate.weight[list(hot), 0] += skew
+    if dtype is not None:  # saved as `dtype` (e.g. "bfloat16": half the bytes to write)
+        model.to(getattr(torch, dtype))
     model.save_pretrained(folder)
     save_word_tokenizer(folder, vocab)
     return folder

@@ -22,6 +22,7 @@ timeout. Writes DIR/data_parallel.json; prints a table.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -109,8 +110,9 @@ class StepWatch:
 
     PROFILED = 8
 
-    def __init__(self, engine: Any, trace: Path, first: int) -> None:
+    def __init__(self, engine: Any, trace: Path, first: int, keep_traces: bool = False) -> None:
         self.engine, self.trace, self.first = engine, trace, first
+        self.keep_traces = keep_traces  # every rank's Chrome trace beside the JSON
         self.rows: list[tuple[float, int, int]] = []  # (seconds, prefill tokens, decode tokens)
         self.profiler: RankProfiler | None = None
         self._originals = step, launch = engine.step, engine.runner.launch
@@ -135,6 +137,18 @@ class StepWatch:
             return deltas
 
         engine.step, engine.runner.launch = timed_step, counted_launch
+        # Python's garbage collections on rank 0 during the run: [count, seconds, longest].
+        self.gc = {g: [0, 0.0, 0.0] for g in range(3)}
+        self._gc_start = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+            return
+        pause = time.perf_counter() - self._gc_start
+        g = self.gc[info["generation"]]
+        g[0], g[1], g[2] = g[0] + 1, g[1] + pause, max(g[2], pause)
 
     def _profile(self, start: bool) -> None:
         driver = self.engine.tp_driver
@@ -156,6 +170,7 @@ class StepWatch:
         if self.profiler is not None:  # the run ended within the window
             self._profile(start=False)
         self.engine.step, self.engine.runner.launch = self._originals
+        gc.callbacks.remove(self._on_gc)
         kinds: dict[str, list[float]] = {"prefill": [0, 0, 0, 0], "decode_only": [0, 0, 0, 0]}
         for seconds, prefill, decode in self.rows:
             k = kinds["prefill" if prefill else "decode_only"]
@@ -164,12 +179,23 @@ class StepWatch:
             kind: dict(steps=n, seconds=t, prefill_tokens=p, decode_tokens=d)
             for kind, (n, t, p, d) in kinds.items()
         }
+        decode_ms = sorted(1e3 * t for t, prefill, _ in self.rows if not prefill)
+        if decode_ms:
+            out["decode_step_ms"] = {
+                name: round(decode_ms[min(len(decode_ms) - 1, int(q * len(decode_ms)))], 2)
+                for name, q in (("p50", 0.5), ("p90", 0.9), ("max", 1.0))
+            }
+        out["gc"] = {
+            f"gen{g}": dict(count=n, ms=round(1e3 * t, 2), longest_ms=round(1e3 * m, 2))
+            for g, (n, t, m) in self.gc.items()
+        }
         out["profiled_steps"] = profiled = self.rows[self.first : self.first + self.PROFILED]
         for r in range(self.engine.config.world_size):
             path = Path(f"{self.trace}.rank{r}.json")
             if path.exists():
                 out[f"rank{r}"] = summarize_file(path, max(1, len(profiled)))
-                path.unlink()
+                if not self.keep_traces:
+                    path.unlink()
         return out
 
 
@@ -183,9 +209,13 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     index, parts = (int(x) for x in args.share.split("/"))
     requests = _prompts(args.requests, args.prompt_len, vocab, 5)[index::parts]
     _generate_s(llm, _prompts(8, args.prompt_len, vocab, 99), 8)  # warm-up
+    if args.gc_freeze:  # what is alive now (the engine, the model) is left out of collections
+        gc.collect()
+        gc.freeze()
     watch = None
     if args.profile:
-        watch = StepWatch(llm.engine, Path(args.json).with_suffix(""), 3 if args.tiny else 40)
+        first = 3 if args.tiny else 40
+        watch = StepWatch(llm.engine, Path(args.json).with_suffix(""), first, args.keep_traces)
     wall = _generate_s(llm, requests, args.output_len)
     if watch is not None:
         out["steps"] = watch.finish()
@@ -213,6 +243,10 @@ def _launch(args: argparse.Namespace, folder: Path, options: dict[str, Any], dev
         argv.append("--profile")
     if throughput_only:
         argv.append("--throughput-only")
+    if args.gc_freeze:
+        argv.append("--gc-freeze")
+    if args.keep_traces:
+        argv.append("--keep-traces")
     if args.tiny:
         argv.append("--tiny")
     return subprocess.Popen(argv)
@@ -240,7 +274,7 @@ def _wait(procs: list[subprocess.Popen[bytes]], paths: list[Path]) -> list[dict[
 
 def run_model(args: argparse.Namespace, name: str, folder: Path, report: Report) -> None:
     device = "cpu" if args.tiny else "cuda:0"
-    tmp = Path(tempfile.mkdtemp())
+    tmp = args.out if args.keep_traces else Path(tempfile.mkdtemp())
     layouts = (LAYOUTS4 if args.gpus == 4 else LAYOUTS)[name]
     picked = args.layouts.split(",") if args.layouts else list(layouts)
     results: dict[str, Any] = {}
@@ -318,6 +352,12 @@ def main() -> None:
     parser.add_argument("--cases", default="[[1, 512], [32, 1024], [64, 1024]]")
     parser.add_argument("--tiny", action="store_true", help="a dry run on CPU, tiny shapes")
     parser.add_argument("--skip-ceiling", action="store_true", help="no two one-GPU engines")
+    parser.add_argument("--keep-traces", action="store_true", help="with --profile: keep them")
+    parser.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="gc.freeze() after the warm-up in each engine's process (rank 0's)",
+    )
     parser.add_argument(
         "--profile",
         action="store_true",
