@@ -92,9 +92,15 @@ def test_moe_parallel_matches_transformers(tiny_model, arch: str, expert_paralle
         assert all_to_all == 0
 
 
-def _all_reduce_moe_rank(rank: int, init_method: str) -> None:
+# EPLB's placement of 8 experts in 10 slots (2 redundant), 5 a rank: experts 4 and 0, the two
+# the test's tokens route to most (5 and 4 of 22 pairs), in a slot on each rank.
+EPLB_PLACEMENT = (0, 1, 2, 3, 4, 5, 6, 7, 4, 0)
+
+
+def _all_reduce_moe_rank(rank: int, init_method: str, placement: tuple[int, ...] | None) -> None:
     """One of two gloo ranks: an expert-parallel MoE layer on the all_reduce exchange, holding
-    experts 4 * rank .. 4 * rank + 3 of 8, against the whole layer on the same inputs."""
+    experts 4 * rank .. 4 * rank + 3 of 8 (placement None), or the slots of an EPLB `placement`,
+    against the whole layer on the same inputs."""
     from pdmesh.engine.layers.moe import FusedMoE
     from pdmesh.engine.parallel.group import ParallelGroup
 
@@ -105,9 +111,16 @@ def _all_reduce_moe_rank(rank: int, init_method: str) -> None:
         for p in (whole.gate.weight, whole.w13_weight, whole.w2_weight):
             p.data.normal_(0.0, 0.3)
         x = torch.randn(11, 16)  # 11 tokens: the ranks count 6 and 5 of them
-        group = ParallelGroup(rank, 2, dist.group.WORLD, expert_parallel=True, moe_all_reduce=True)
+        redundant = 0 if placement is None else len(placement) - 8
+        group = ParallelGroup(rank, 2, dist.group.WORLD, expert_parallel=True, moe_all_reduce=True,
+                              redundant_experts=redundant)  # fmt: skip
         mine = FusedMoE(8, 2, 16, 32, renormalize=True, tp=group)
-        held = slice(4 * rank, 4 * rank + 4)
+        per_rank = mine.num_local_experts
+        held = list(range(8))[4 * rank : 4 * rank + 4]
+        if placement is not None:
+            assert mine.experts is not None
+            mine.experts.set(placement)
+            held = list(placement[rank * per_rank : (rank + 1) * per_rank])
         mine.gate.weight.data.copy_(whole.gate.weight)
         mine.w13_weight.data.copy_(whole.w13_weight[held])
         mine.w2_weight.data.copy_(whole.w2_weight[held])
@@ -117,16 +130,31 @@ def _all_reduce_moe_rank(rank: int, init_method: str) -> None:
         counts = mine.expert_counts.clone()
         dist.all_reduce(counts)  # each (token, expert) pair counted once over the ranks
         assert torch.equal(counts, whole.expert_counts)
+        if placement is not None:  # ... and once over the slots, each on one replica
+            physical = mine.physical_counts.clone()
+            dist.all_reduce(physical)
+            by_expert = torch.zeros(8, dtype=torch.int64)
+            by_expert.index_add_(0, torch.tensor(placement), physical)
+            assert torch.equal(by_expert, whole.expert_counts)
+            assert physical[4] > 0 and physical[8] > 0, "both replicas of expert 4 took pairs"
         assert group.counters["all_to_all"] == 0
     finally:
         dist.destroy_process_group()
 
 
-def test_expert_parallel_all_reduce_exchange_equals_the_whole_layer(tmp_path) -> None:
+@pytest.mark.parametrize("placement", [None, EPLB_PLACEMENT], ids=["in-order", "eplb"])
+def test_expert_parallel_all_reduce_exchange_equals_the_whole_layer(
+    tmp_path, placement: tuple[int, ...] | None
+) -> None:
     """Each rank routes every token, computes the pairs of the experts it holds, and one
-    all-reduce sums the ranks' parts: the whole layer's output, over real gloo ranks."""
+    all-reduce sums the ranks' parts: the whole layer's output, over real gloo ranks. With EPLB
+    (the exchange GPUs use with it too) a replicated expert's pairs are split between its slots,
+    each computed once."""
     torch.multiprocessing.spawn(
-        _all_reduce_moe_rank, args=(f"file://{tmp_path / 'store'}",), nprocs=2, join=True
+        _all_reduce_moe_rank,
+        args=(f"file://{tmp_path / 'store'}", placement),
+        nprocs=2,
+        join=True,
     )
 
 

@@ -3,7 +3,7 @@
 Without expert parallelism every rank holds every expert, with the expert MLPs' intermediate
 dimension split across the tensor-parallel group (partial sums all-reduced). With expert
 parallelism each rank holds E / N whole experts, and the ranks exchange in one of two ways
-(`ParallelGroup.moe_all_reduce`; the model runner picks all_reduce on GPUs without EPLB):
+(`ParallelGroup.moe_all_reduce`; the model runner picks all_reduce on GPUs, all_to_all on CPUs):
 
 - all_to_all: the tokens (the same on every rank) are split across ranks, each (token, expert)
   pair is sent with all-to-all to the rank holding its expert, computed there, sent back with
@@ -16,7 +16,10 @@ parallelism each rank holds E / N whole experts, and the ranks exchange in one o
 
 With EPLB (pdmesh.engine.eplb.placement) the E experts live in E + R physical slots, (E + R) / N on
 each rank, a hot expert in several; `ExpertMap` sends each pair to one of its expert's slots, and
-the balancer moves weights between slots between steps (`engine/layers/expert_move.py`).
+the balancer moves weights between slots between steps (`engine/layers/expert_move.py`), in place,
+so that decode graphs captured before a move stay valid. Either exchange serves it; only the
+all-to-all sums each token's experts in the same order whatever the placement (bit-identical
+outputs with EPLB on and off, as on CPUs).
 
 With data-parallel attention (engine/data_parallel/) each rank holds tokens of its own requests,
 and the MoE layers' group is the whole data-parallel world (`ParallelGroup.moe`). The ranks then

@@ -497,16 +497,17 @@ class ModelRunner:
 
 def _moe_exchange(tp: ParallelGroup, config: EngineConfig, device: torch.device) -> ParallelGroup:
     """`tp` with its MoE group set up for expert parallelism: EPLB's redundant slots, and the
-    exchange (engine/layers/moe.py): the all-reduce, or the gather and reduce-scatter under
-    data-parallel attention, on GPUs (no host sync, decode graphs); the all-to-all with EPLB,
-    whose outputs are identical with it on and off only there, and on CPUs, where EPLB's tests
-    hold it to that."""
+    exchange (engine/layers/moe.py): on GPUs the all-reduce, or the gather and reduce-scatter
+    under data-parallel attention (no host sync, decode graphs), EPLB on or off; on CPUs the
+    all-to-all, whose outputs are bit-identical with EPLB on and off (EPLB's tests hold it to
+    that). Until 2026-11-27 EPLB kept GPUs on the all-to-all too, eager with a host sync per
+    layer: 4.4x slower than EPLB off on two H100s, and its bf16 tokens differed from EPLB off's
+    all the same (BENCHMARKS.md)."""
     moe = tp.moe_group
     if config.enable_eplb:  # the MoE layers hold E + R expert slots over the group
         moe = dataclasses.replace(moe, redundant_experts=config.num_redundant_experts)
     if moe.expert_parallel and moe.size > 1:
-        all_reduce = device.type == "cuda" and not config.enable_eplb
-        moe = dataclasses.replace(moe, moe_all_reduce=all_reduce)
+        moe = dataclasses.replace(moe, moe_all_reduce=device.type == "cuda")
     return dataclasses.replace(tp, moe=moe) if tp.moe is not None else moe
 
 
