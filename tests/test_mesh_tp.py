@@ -29,13 +29,14 @@ def _prompts() -> list[list[int]]:
     ("prefill", "decode", "transport"),
     [
         ((1, 1), (2, 1), "tcp"),
-        ((2, 1), (1, 1), "gloo"),
-        ((2, 1), (1, 2), "gloo"),  # each decode stage receives its own layers
+        # each decode stage receives its own layers, both heads of them on its one rank (TP=2
+        # into TP=1 alone was a case of its own until 2026-11-27: CI time)
+        ((2, 1), (1, 2), "gloo"),
         # each prefill stage (of two TP ranks) sends its own layers; PP=2 alone on the prefill
         # side is this case's (a case of its own until 2026-11-27: CI time)
         ((2, 2), (2, 1), "tcp"),
     ],
-    ids=["tp1-tp2", "tp2-tp1-gloo", "tp2-pp2-gloo", "tp2xpp2-tp2"],
+    ids=["tp1-tp2", "tp2-pp2-gloo", "tp2xpp2-tp2"],
 )
 def test_kv_crosses_layouts(
     tiny_model, prefill: tuple[int, int], decode: tuple[int, int], transport: str
