@@ -67,11 +67,9 @@ def test_tp2_pp2_replays_graphs_per_stage_and_equals_one_gpu(tiny_model) -> None
     assert close_seconds(llm) < CLOSE_S
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_ep2_all_reduce_replays_graphs_and_matches_transformers(tiny_model, arch: str) -> None:
-    """Expert parallelism's default exchange on GPUs: each rank holds half the experts, decode
-    steps replay graphs, no all-to-all runs."""
-    folder = tiny_model(arch)
+def _ep2_matches_transformers(folder: object, **options: object) -> LLM:
+    """TP=2 with expert parallelism (and `options`): decode graphs on the all-reduce exchange,
+    greedy tokens equal to transformers' (fp32). Returns the engine, still open."""
     prompts = random_prompts([5, 17, 40, 100])
     llm = LLM(
         str(folder),
@@ -79,14 +77,23 @@ def test_ep2_all_reduce_replays_graphs_and_matches_transformers(tiny_model, arch
         kv_cache_tokens=4096,
         tensor_parallel_size=2,
         enable_expert_parallel=True,
+        **options,
     )
     runner = llm.engine.runner
     assert runner.graphs is not None and runner.tp.moe_all_reduce
     got = _tokens(llm, prompts)
-    assert runner.tp.counters["all_to_all"] == 0
-    counts = llm.engine.expert_counts()
     hf = load_hf(folder)
     assert got == [hf_greedy(hf, p, GREEDY.max_tokens, ignore_eos=True) for p in prompts]
+    return llm
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_ep2_all_reduce_replays_graphs_and_matches_transformers(tiny_model, arch: str) -> None:
+    """Expert parallelism's default exchange on GPUs: each rank holds half the experts, decode
+    steps replay graphs, no all-to-all runs."""
+    llm = _ep2_matches_transformers(tiny_model(arch))
+    assert llm.engine.runner.tp.counters["all_to_all"] == 0
+    counts = llm.engine.expert_counts()
     assert counts is not None and sum(counts) > 0
     assert close_seconds(llm) < CLOSE_S
 
@@ -95,27 +102,11 @@ def test_eplb_all_reduce_replays_graphs_and_matches_transformers(tiny_model) -> 
     """EPLB on GPUs keeps the all-reduce exchange (it ran the eager all-to-all until 2026-11-27,
     0.23x EPLB off's tokens/s): decode steps replay graphs while experts move between them, in
     place, and the tokens stay transformers' (fp32)."""
-    folder = tiny_model("qwen3_moe")
-    prompts = random_prompts([5, 17, 40, 100])
-    llm = LLM(
-        str(folder),
-        dtype="float32",
-        kv_cache_tokens=4096,
-        tensor_parallel_size=2,
-        enable_expert_parallel=True,
-        enable_eplb=True,
-        num_redundant_experts=2,
-        eplb_window_size=4,
-        eplb_step_interval=4,
-    )
-    runner = llm.engine.runner
-    assert runner.graphs is not None and runner.tp.moe_all_reduce
-    got = _tokens(llm, prompts)
+    eplb = dict(enable_eplb=True, num_redundant_experts=2, eplb_window_size=4, eplb_step_interval=4)
+    llm = _ep2_matches_transformers(tiny_model("qwen3_moe"), **eplb)
     stats = llm.engine.eplb_stats()
     assert stats is not None and stats.rebalances >= 4 and stats.experts_moved > 0
     # The weights' moves only (one a MoE layer a rebalance; the model has 2 MoE layers): the
     # all-to-all exchange would be four a MoE layer every step.
-    assert runner.tp.counters["all_to_all"] <= 2 * stats.rebalances
-    hf = load_hf(folder)
-    assert got == [hf_greedy(hf, p, GREEDY.max_tokens, ignore_eos=True) for p in prompts]
+    assert llm.engine.runner.tp.counters["all_to_all"] <= 2 * stats.rebalances
     assert close_seconds(llm) < CLOSE_S
