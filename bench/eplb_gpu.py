@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pdmesh.bench.eplb_cpu import make_moe
+from pdmesh.bench.eplb_cpu import make_moe, run_engine
 
 # Qwen3-30B-A3B's expert width and routing (8 of its 128 experts per token) on 64 experts and 8
 # layers, so that the model is written in seconds; its attention is narrower.
@@ -36,35 +36,6 @@ SHAPE = dict(hidden=2048, heads=16, kv_heads=4, layers=8, experts=64, top_k=8,
              moe_intermediate=768, vocab=32000)  # fmt: skip
 TINY_SHAPE = dict(hidden=128, heads=4, kv_heads=4, layers=3, experts=8, top_k=2,
                   moe_intermediate=64, vocab=512)  # fmt: skip
-
-
-def _run(folder: Path, prompts: list[list[int]], max_tokens: int, **options: Any) -> dict:
-    from pdmesh import LLM, SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    inputs = [{"prompt_token_ids": p} for p in prompts]
-    with LLM(str(folder), **options) as llm:
-        llm.generate(inputs[:8], SamplingParams(max_tokens=4, temperature=0))  # warm-up
-        start = time.perf_counter()
-        outputs = llm.generate(inputs, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        stats = llm.engine.eplb_stats()
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    out: dict[str, Any] = {
-        "seconds": round(elapsed, 3),
-        "tokens_per_s": round(tokens / elapsed, 1),
-        "outputs": [o.outputs[0].token_ids for o in outputs],
-    }
-    if stats is not None:
-        out.update(
-            rebalances=stats.rebalances,
-            experts_moved=stats.experts_moved,
-            rebalance_seconds=round(stats.rebalance_seconds, 3),
-            # the first placement's (the only one when nothing was rebalanced yet)
-            imbalance_before=round((*stats.imbalance_history, stats.imbalance)[0], 3),
-            imbalance_after=[round(x, 3) for x in (*stats.imbalance_history[1:], stats.imbalance)],
-        )
-    return out
 
 
 def _in_process_of_its_own(folder: Path, work: Path, options: dict[str, Any]) -> dict:
@@ -77,7 +48,8 @@ def _in_process_of_its_own(folder: Path, work: Path, options: dict[str, Any]) ->
 
 def _one(args: argparse.Namespace) -> None:
     work = json.loads(args.work.read_text())
-    result = _run(Path(args.one), work["prompts"], work["max_tokens"], **json.loads(args.options))
+    options = json.loads(args.options)
+    result = run_engine(Path(args.one), work["prompts"], work["max_tokens"], **options)
     args.out.write_text(json.dumps(result))
 
 
@@ -142,7 +114,7 @@ def main() -> None:
         "runs_off": [r["tokens_per_s"] for r in offs],
         "runs_on": [r["tokens_per_s"] for r in ons],
         "same_tokens_runs": sum(r["outputs"] == offs[0]["outputs"] for r in (*offs, *ons)),
-        **{k: v for k, v in on.items() if k not in ("outputs", "seconds", "tokens_per_s")},
+        **on["eplb"],
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "eplb.json").write_text(json.dumps(report, indent=2))
