@@ -68,16 +68,21 @@ def save_word_tokenizer(folder: Path, vocab_size: int = TINY_VOCAB) -> None:
     save(folder, vocab_size)
 
 
+def _randomized(model: Any) -> Any:
+    """`model` with larger weights than the default init: the argmax then depends on every
+    layer."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    return model
+
+
 def make_tiny_model(folder: Path, arch: str, seed: int = 0, **save_kwargs: object) -> Path:
     """Save a random-initialised model of architecture `arch` (and a tokenizer) in `folder`."""
     cls, config = _tiny_configs()[arch]
     torch.manual_seed(seed)
-    model = cls(config).eval()
-    with torch.no_grad():
-        # Larger weights than the default init: the argmax then depends on every layer.
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)
+    model = _randomized(cls(config).eval())
     model.save_pretrained(folder, **save_kwargs)
     save_word_tokenizer(folder)
     return folder
@@ -107,17 +112,13 @@ def make_small_default_model(folder: Path, default_folder: Path, seed: int = 0) 
     config = json.loads((default_folder / "config.json").read_text())
     config.pop("_model_name_or_path", None)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**{**config, **SMALL_DEFAULT_SHAPE})).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)
+    model = _randomized(LlamaForCausalLM(LlamaConfig(**{**config, **SMALL_DEFAULT_SHAPE})).eval())
     model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    # The default model's own generation config replaces the one save_pretrained wrote.
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                 "generation_config.json"):  # fmt: skip
         if (default_folder / name).exists():
             shutil.copy(default_folder / name, folder / name)
-    if (default_folder / "generation_config.json").exists():
-        shutil.copy(default_folder / "generation_config.json", folder / "generation_config.json")
     return folder
 
 
