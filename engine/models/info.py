@@ -8,6 +8,7 @@ from typing import Any
 
 from pdmesh.checkpoint.config import ModelConfig
 from pdmesh.engine.models import model_class
+from pdmesh.engine.models.hf_config import read_config
 from pdmesh.engine.models.llama import head_dim_of
 
 
@@ -27,12 +28,7 @@ class ModelInfo:
 
     @classmethod
     def load(cls, folder: Path) -> ModelInfo:
-        from transformers import AutoConfig
-
-        try:
-            hf_config = AutoConfig.from_pretrained(folder)
-        except Exception as e:  # transformers raises several types for a broken config
-            raise ValueError(f"model: cannot read {folder / 'config.json'}: {e}") from None
+        hf_config = read_config(folder)
         model_cls = model_class(hf_config)
         meta = ModelConfig.load(folder)  # the eos ids the router uses too
         return cls(

@@ -1,0 +1,86 @@
+"""The engine's own config.json reader against transformers' AutoConfig: every value the model
+classes read, on minimal configs (transformers' defaults), explicit ones, the test models' and
+the default model's, so that a transformers release that changes a default fails here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from support import _tiny_configs
+from transformers import AutoConfig
+
+from pdmesh.engine.layers.rotary import RotaryEmbedding
+from pdmesh.engine.models import model_class
+from pdmesh.engine.models.hf_config import DEFAULTS, read_config
+from pdmesh.engine.models.info import ModelInfo
+from pdmesh.engine.models.llama import head_dim_of
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}  # fmt: skip
+# What the model classes and ModelInfo read (models/*.py, layers/rotary.py, models/info.py).
+READ = sorted({k for d in DEFAULTS.values() for k in d} - {"rope_theta"}
+              | {"num_experts", "num_local_experts", "architectures", "_name_or_path"})  # fmt: skip
+
+
+def _folder(tmp_path: Path, name: str, config: dict[str, Any]) -> Path:
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _assert_same(folder: Path) -> None:
+    ours, theirs = read_config(folder), AutoConfig.from_pretrained(folder)
+    assert isinstance(ours, SimpleNamespace), "a plain config must not need transformers"
+    for key in READ:
+        assert getattr(ours, key, None) == getattr(theirs, key, None), key
+    assert head_dim_of(ours) == head_dim_of(theirs)
+    rope = (RotaryEmbedding(c, head_dim_of(c), 64).cos_sin_cache for c in (ours, theirs))
+    assert torch.equal(*rope)
+    assert model_class(ours) is model_class(theirs)
+
+
+@pytest.mark.parametrize("model_type", sorted(DEFAULTS))
+def test_defaults_are_transformers_defaults(tmp_path: Path, model_type: str) -> None:
+    arch = ARCHITECTURES[model_type]
+    _assert_same(_folder(tmp_path, "bare", {"model_type": model_type, "architectures": [arch]}))
+    explicit = {"model_type": model_type, "architectures": [arch], "num_key_value_heads": 2,
+                "hidden_size": 256, "num_attention_heads": 4, "vocab_size": 1000,
+                "rope_theta": 123.0, "num_experts": 6, "num_local_experts": 6,
+                "rope_scaling": {"type": "default"}}  # fmt: skip
+    _assert_same(_folder(tmp_path, "explicit", explicit))
+
+
+def test_the_test_models_and_the_default_model_read_the_same(
+    tmp_path: Path, default_model_folder: Path, small_model_folder: Path
+) -> None:
+    _assert_same(default_model_folder)
+    _assert_same(small_model_folder)
+    for arch, (model_cls, config) in _tiny_configs().items():
+        if arch == "llama":  # llama3 RoPE scaling: transformers reads it (below)
+            continue
+        config.architectures = [model_cls.__name__]  # as saving the model writes it
+        config.save_pretrained(tmp_path / arch)
+        _assert_same(tmp_path / arch)
+
+
+def test_what_only_transformers_models_goes_through_it(tmp_path: Path) -> None:
+    _, llama3 = _tiny_configs()["llama"]
+    llama3.architectures = ["LlamaForCausalLM"]
+    llama3.save_pretrained(tmp_path / "llama3")
+    assert not isinstance(read_config(tmp_path / "llama3"), SimpleNamespace)
+    gemma = _folder(tmp_path, "gemma", {"model_type": "gemma", "architectures": ["Gemma"]})
+    assert not isinstance(read_config(gemma), SimpleNamespace)
+    with pytest.raises(ValueError, match="architecture"):
+        ModelInfo.load(gemma)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read"):
+        ModelInfo.load(broken)
