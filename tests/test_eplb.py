@@ -92,6 +92,21 @@ def test_a_balanced_placement_is_kept_slot_for_slot() -> None:
     assert rebalance(load, first, num_ranks=2) == again  # deterministic
 
 
+def test_a_steady_load_moves_nothing_after_its_first_rebalance() -> None:
+    """Counts that barely differ from the last window's keep the placement; a shifted load, one
+    that pays to follow, moves it again."""
+    load = [900, 10, 10, 800, 10, 10, 10, 10]
+    first = rebalance([load], initial_placement(1, 8, 10), num_ranks=2)
+    assert moved_slots(initial_placement(1, 8, 10), first) > 0
+    nearly = [905, 12, 9, 790, 11, 10, 8, 14]
+    assert rebalance([nearly], first, num_ranks=2) == first
+    a, b = [e for e in first[0][:5] if e not in first[0][5:]][:2]  # two experts only rank 0 has
+    shifted = [900 if e == a else 800 if e == b else 10 for e in range(8)]  # now those are hot
+    moved = rebalance([shifted], first, num_ranks=2)
+    assert moved_slots(first, moved) > 0
+    assert _predicted(shifted, moved[0], 2) < _predicted(shifted, first[0], 2) - 0.1
+
+
 def test_imbalance_is_max_over_mean_summed_over_layers() -> None:
     assert imbalance([[4, 4, 0, 0], [1, 1, 1, 1]], 2) == pytest.approx((8 + 2) / (4 + 2))
     assert imbalance([[0, 0]], 2) == 1.0

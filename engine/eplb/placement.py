@@ -9,7 +9,12 @@ ranks; slot p is on rank p // (P / N). A placement is, per layer, the logical ex
    now (ties: the lower id), an expert never holding more replicas than there are ranks;
 2. pack: the replicas, heaviest first (load / replicas each), each onto the least-loaded rank
    that has a free slot and no replica of that expert yet;
-3. keep: on each rank, an expert it held before keeps its old slot, so fewer weights move.
+3. keep: on each rank, an expert it held before keeps its old slot, so fewer weights move;
+4. pay: a layer whose busiest rank the new placement would not relieve by at least `MIN_GAIN`
+   (each expert's load split evenly over its replicas) keeps its old placement, so a steady load
+   moves nothing after its first rebalance (a greedy from counts that barely differ would
+   otherwise reshuffle most experts each time: 200 of 544 slots per rebalance measured on two
+   H100s, 72 ms each).
 Every rank runs this on the same all-reduced counts and gets the same placement.
 """
 
@@ -18,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 Placement = tuple[tuple[int, ...], ...]  # [L][P]: the logical expert in each physical slot
+MIN_GAIN = 0.03  # the busiest rank's load a layer's new placement must save to be applied
 
 
 def check_eplb(num_experts: int, num_redundant: int, num_ranks: int) -> None:
@@ -70,7 +76,18 @@ def _rebalance_layer(load: list[int], old: list[int], num_ranks: int) -> tuple[i
     placement: list[int] = []
     for r in range(num_ranks):
         placement.extend(_keep_slots(held[r], old[r * per_rank : (r + 1) * per_rank]))
+    if busiest_rank_load(load, placement, num_ranks) > (1 - MIN_GAIN) * busiest_rank_load(
+        load, old, num_ranks
+    ):
+        return tuple(old)
     return tuple(placement)
+
+
+def busiest_rank_load(load: Sequence[int], placement: Sequence[int], num_ranks: int) -> float:
+    """The most tokens one rank computes for this layer if each expert's `load` splits evenly
+    over its replicas in `placement`."""
+    per_slot = [load[e] / placement.count(e) for e in placement]
+    return max(tokens_per_rank(per_slot, num_ranks))
 
 
 def _replicate(load: list[int], num_physical: int, num_ranks: int) -> list[int]:
@@ -96,7 +113,7 @@ def _keep_slots(experts: list[int], old_slots: list[int]) -> list[int]:
     return [e if e is not None else next(fill) for e in slots]
 
 
-def tokens_per_rank(physical_tokens: Sequence[int], num_ranks: int) -> list[int]:
+def tokens_per_rank(physical_tokens: Sequence[float], num_ranks: int) -> list[float]:
     """[P] tokens per physical slot -> [N] tokens per rank."""
     per_rank = len(physical_tokens) // num_ranks
     return [sum(physical_tokens[r * per_rank : (r + 1) * per_rank]) for r in range(num_ranks)]
