@@ -1,0 +1,106 @@
+"""The TP all-reduce's ways on two or more GPUs, by size, inside CUDA graphs as decode steps run
+them: the one-shot kernel over symmetric memory (the engine's way, `one_shot_all_reduce_copy`),
+the two-shot kernel on the same buffer, and NCCL.
+
+    python -m torch.distributed.run --nproc-per-node 2 -m pdmesh.bench.all_reduce_gpu --out DIR
+
+Each size is a decode batch's hidden states ([rows, 4096] bf16, the 8B shape): 64 all-reduces
+a graph (two a layer, 32 layers), the graph replayed `--replays` times; µs per all-reduce is
+the median replay's time / 64. Rank 0 writes DIR/all_reduce.json and prints a table. A way this
+build lacks is reported as missing. Why: a TP=2 decode step of 512 sequences spends 2.5-3.6 ms
+in its 64 one-shot all-reduces of 4 MiB (BENCHMARKS.md, issue 31).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pdmesh.engine.parallel.comm import init_group
+from pdmesh.engine.parallel.symm_all_reduce import SymmetricAllReduce
+
+HIDDEN = 4096
+CALLS = 64  # a graph's all-reduces: two a layer, 32 layers
+
+
+def _ways(fast: SymmetricAllReduce, group: object) -> dict[str, Callable[[torch.Tensor], object]]:
+    def two_shot(x: torch.Tensor) -> torch.Tensor:
+        shared = fast.buffer[: x.numel()]
+        shared.copy_(x.reshape(-1))
+        torch.ops.symm_mem.two_shot_all_reduce_(shared, "sum", fast.group_name)
+        return shared
+
+    return {
+        "one_shot_copy": fast,
+        "two_shot": two_shot,
+        "nccl": lambda x: dist.all_reduce(x, group=group),
+    }
+
+
+def _time(way: Callable[[torch.Tensor], object], x: torch.Tensor, replays: int) -> float:
+    """µs per all-reduce: CALLS of them in one graph, the median of `replays` replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            way(x)  # warm-up outside the graph (NCCL's and symmetric memory's set-up)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            way(x)
+    times = []
+    for _ in range(replays):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / CALLS * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--rows", default="1,16,64,128,256,512")
+    parser.add_argument("--replays", type=int, default=20)
+    args = parser.parse_args()
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    address = f"tcp://{os.environ['MASTER_ADDR']}:{int(os.environ['MASTER_PORT']) + 1}"
+    tp = init_group(rank, size, address, device, expert_parallel=False)
+    rows = [int(r) for r in args.rows.split(",")]
+    fast = SymmetricAllReduce(tp, max(rows) * HIDDEN, torch.bfloat16)
+    results: dict[str, dict[str, float | str]] = {}
+    for name, way in _ways(fast, tp.group).items():
+        results[name] = {}
+        for r in rows:
+            x = torch.randn(r, HIDDEN, dtype=torch.bfloat16, device=device)
+            try:
+                results[name][str(r)] = round(_time(way, x, args.replays), 2)
+            except (RuntimeError, AttributeError) as e:  # a way this build lacks
+                results[name][str(r)] = f"missing: {str(e).splitlines()[0][:120]}"
+    if rank == 0:
+        report = {"device": torch.cuda.get_device_name(device), "ranks": size,
+                  "torch": torch.__version__, "hidden": HIDDEN, "dtype": "bfloat16",
+                  "us_per_all_reduce": results}  # fmt: skip
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "all_reduce.json").write_text(json.dumps(report, indent=2))
+        print("| rows (x 4096 bf16) | " + " | ".join(results) + " |")
+        print("| --- " * (len(results) + 1) + "|")
+        for r in rows:
+            print(f"| {r} | " + " | ".join(str(results[n][str(r)]) for n in results) + " |")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
