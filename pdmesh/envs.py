@@ -46,6 +46,16 @@ def all_reduce() -> str:
     return value
 
 
+def two_shot_bytes() -> int:
+    """PDMESH_TWO_SHOT_BYTES: with PDMESH_ALL_REDUCE=auto, all-reduces of at least this many
+    bytes take the two-shot kernel instead of the one-shot (default 1 MiB, measured on two
+    H100s: engine/parallel/symm_all_reduce.py)."""
+    value = int(os.environ.get("PDMESH_TWO_SHOT_BYTES", str(1 << 20)))
+    if value < 0:
+        raise ValueError(f"PDMESH_TWO_SHOT_BYTES must be 0 or more, got {value}")
+    return value
+
+
 def dp_agreement() -> str:
     """PDMESH_DP_AGREEMENT: how data-parallel ranks under data-parallel attention agree on each
     step's size. 'auto' (default): through shared memory where every rank is on this x86-64

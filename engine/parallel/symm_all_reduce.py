@@ -1,4 +1,4 @@
-"""A one-shot all-reduce over symmetric memory, for the small all-reduces of decode steps.
+"""All-reduces over symmetric memory for decode steps: one-shot when small, two-shot when large.
 
 With tensor parallelism a decode step of a small batch does two all-reduces per layer of a few
 KiB each: NCCL's latency per call and its launch from Python dominate the step. Symmetric memory
@@ -8,7 +8,9 @@ with no NCCL and no host involvement, so decode steps can be captured in CUDA gr
 rank. Tensors that do not fit the buffer (prefill steps) or have another dtype go through NCCL.
 Where the build has it, the kernel copies its input into the shared buffer itself
 (`one_shot_all_reduce_copy`): one kernel per all-reduce instead of a copy and then the reduce.
-PDMESH_ALL_REDUCE picks the way (pdmesh/envs.py).
+From 1 MiB on (PDMESH_TWO_SHOT_BYTES) the two-shot kernel takes over: each rank sums one share
+and gathers the others', half the one-shot's reads of peer memory, faster for the hidden states
+of large decode batches. PDMESH_ALL_REDUCE picks the way (pdmesh/envs.py).
 
 The buffer is registered under a name of its own, made by rank 0 for each engine, not under the
 process group's name: torch keeps a name's symmetric-memory store for the life of the process,
@@ -51,6 +53,11 @@ class SymmetricAllReduce:
         self.dtype = dtype
         self.buffer = symm_mem.empty(max_numel, dtype=dtype, device=tp.device)
         symm_mem.rendezvous(self.buffer, self.group_name)
+        # From this size on the two-shot kernel (envs.two_shot_bytes): on two H100s, 4096-wide
+        # bf16 rows in CUDA graphs (bench/all_reduce_gpu.py), one-shot / two-shot (with its copy
+        # in) took 8.8 / 9.1 µs at 1 row, 13.6 / 11.7 at 64, 17.0 / 14.0 at 128 (1 MiB), 24.0 /
+        # 16.6 at 256 and 37.0 / 24.1 at 512.
+        self.two_shot_bytes = envs.two_shot_bytes()
         self.copy_in_kernel = copy_in_kernel and hasattr(
             torch.ops.symm_mem, "one_shot_all_reduce_copy"
         )
@@ -59,8 +66,15 @@ class SymmetricAllReduce:
         return x.dtype == self.dtype and x.numel() <= self.buffer.numel()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of `x` over the group, as a new tensor of x's shape."""
+        """The sum of `x` over the group, as a new tensor of x's shape or in x itself."""
         shared = self.buffer[: x.numel()]  # the kernels want the buffer's and x's sizes equal
+        if self.copy_in_kernel and x.numel() * x.element_size() >= self.two_shot_bytes:
+            # Each rank sums one share of the buffer and then gathers the others' shares: half
+            # the one-shot's reads of peer memory. The result lands in the shared buffer, which
+            # the next all-reduce overwrites, so it is copied back into x.
+            shared.copy_(x.reshape(-1))
+            torch.ops.symm_mem.two_shot_all_reduce_(shared, "sum", self.group_name)
+            return x.copy_(shared.view_as(x))
         if self.copy_in_kernel:
             return torch.ops.symm_mem.one_shot_all_reduce_copy(
                 shared, x.reshape(-1), "sum", self.group_name

@@ -58,12 +58,15 @@ def test_cuda_graphs_equal_eager(tiny_model) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("way", ["auto", "staged"])
+@pytest.mark.parametrize("way", ["auto", "staged", "two_shot"])
 def test_tp2_decode_graphs_equal_one_gpu(tiny_model, monkeypatch, way: str) -> None:
     """TP=2 on two GPUs replays decode graphs on both ranks (all-reduces over symmetric memory,
-    the input copied in by the all-reduce kernel or staged before it) and gives the single
-    GPU's greedy tokens."""
-    monkeypatch.setenv("PDMESH_ALL_REDUCE", way)
+    the input copied in by the all-reduce kernel or staged before it; two_shot: the two-shot
+    kernel from 1 KiB, so from 4 rows of this model on) and gives the single GPU's greedy
+    tokens."""
+    monkeypatch.setenv("PDMESH_ALL_REDUCE", "auto" if way == "two_shot" else way)
+    if way == "two_shot":
+        monkeypatch.setenv("PDMESH_TWO_SHOT_BYTES", "1024")
     folder = str(tiny_model("llama"))
     prompts = [{"prompt_token_ids": p} for p in random_prompts([7, 33, 64, 90, 5])]
     one = LLM(folder, dtype="float32", kv_cache_tokens=4096)
@@ -71,7 +74,7 @@ def test_tp2_decode_graphs_equal_one_gpu(tiny_model, monkeypatch, way: str) -> N
     del one
     tp = LLM(folder, dtype="float32", kv_cache_tokens=4096, tensor_parallel_size=2)
     assert tp.engine.runner.graphs is not None
-    assert tp.engine.runner.tp.fast["all_reduce"].copy_in_kernel == (way == "auto")
+    assert tp.engine.runner.tp.fast["all_reduce"].copy_in_kernel == (way != "staged")
     assert [o.outputs[0].token_ids for o in tp.generate(prompts, GREEDY)] == want
 
 
