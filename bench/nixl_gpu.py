@@ -15,7 +15,9 @@ from the sender's first call to the receiver knowing the last byte landed; media
 - `nixl_blocks`: one WRITE of 16,384 descriptors of 32 KiB, each (layer, K/V, block) to a
   shuffled block of the receiver's cache, as paged KV lands;
 - `nixl_layers`: the same blocks as 32 WRITEs, one a layer, posted back to back (layer-wise
-  push), the receiver done at the last layer's notification.
+  push), the receiver done at the last layer's notification;
+- `nixl_runs16` (`_layers`): runs of 16 blocks in a row as one descriptor of 512 KiB, the runs
+  shuffled (1,024 descriptors); `nixl_planes`: each (layer, K/V) plane of 8 MiB as one (64).
 Rank 0 writes DIR/nixl.json and prints a table. Agents exchange their metadata (NIXL's own bytes)
 and buffer addresses over a gloo group, as raw bytes: no pickle.
 """
@@ -132,27 +134,32 @@ class NixlPair:
         return out[1:]
 
 
-def _block_pieces(blocks: int, layer_wise: bool) -> list[tuple[list[int], list[int], int]]:
-    """(layer, K/V, block) -> the same (layer, K/V) of a shuffled block on the receiver."""
-    dst_block = _shuffle(blocks).tolist()
+def _block_pieces(
+    blocks: int, layer_wise: bool, run: int = 1
+) -> list[tuple[list[int], list[int], int]]:
+    """(layer, K/V, block) -> the same (layer, K/V) of the receiver's block `_dst_blocks` names;
+    `run` blocks in a row go as one descriptor."""
+    dst_block = _dst_blocks(blocks, run).tolist()
     per_layer = []
     for layer in range(LAYERS):
         src, dst = [], []
         for kv in range(2):
             plane = (layer * 2 + kv) * blocks * BLOCK_BYTES
-            for b in range(blocks):
+            for b in range(0, blocks, run):
                 src.append(plane + b * BLOCK_BYTES)
                 dst.append(plane + dst_block[b] * BLOCK_BYTES)
-        per_layer.append((src, dst, BLOCK_BYTES))
+        per_layer.append((src, dst, run * BLOCK_BYTES))
     if layer_wise:
         return per_layer
-    return [
-        ([o for p in per_layer for o in p[0]], [o for p in per_layer for o in p[1]], BLOCK_BYTES)
-    ]
+    size = run * BLOCK_BYTES
+    return [([o for p in per_layer for o in p[0]], [o for p in per_layer for o in p[1]], size)]
 
 
-def _shuffle(blocks: int) -> torch.Tensor:
-    return torch.randperm(blocks, generator=torch.Generator().manual_seed(0))
+def _dst_blocks(blocks: int, run: int) -> torch.Tensor:
+    """[blocks] the receiver's block for each of the sender's: runs of `run` blocks in a row,
+    the runs in shuffled order (run 1: every block shuffled)."""
+    runs = torch.randperm(blocks // run, generator=torch.Generator().manual_seed(0))
+    return (runs[:, None] * run + torch.arange(run)[None, :]).flatten()
 
 
 def _digest(x: torch.Tensor) -> int:
@@ -162,12 +169,12 @@ def _digest(x: torch.Tensor) -> int:
     return int((words * weights).sum().item())
 
 
-def _checked(rank: int, cache: torch.Tensor, blocks: int, shuffled: bool, gloo: Any) -> bool:
-    """The receiver's cache equals the sender's, block for block (shuffled: through the
-    permutation the pieces used)."""
+def _checked(rank: int, cache: torch.Tensor, blocks: int, run: int, gloo: Any) -> bool:
+    """The receiver's cache equals the sender's, block for block (run > 0: through the
+    permutation the pieces of that run length used)."""
     view = cache
-    if shuffled and rank == 1:
-        perm = _shuffle(blocks).to(cache.device)
+    if run and rank == 1:
+        perm = _dst_blocks(blocks, run).to(cache.device)
         view = cache.view(LAYERS * 2, blocks, BLOCK_BYTES)[:, perm].flatten()
     both = _exchange(json.dumps(_digest(view)).encode(), gloo)
     return json.loads(both[0]) == json.loads(both[1])
@@ -198,13 +205,16 @@ def main() -> None:
         cache.copy_(torch.randint(0, 256, (total,), dtype=torch.uint8))
     results: dict[str, Any] = {}
     results["nccl_whole"] = {"seconds": _nccl_whole(rank, cache, args.repeats, gloo)}
-    results["nccl_whole"]["bytes_ok"] = _checked(rank, cache, blocks, False, gloo)
+    results["nccl_whole"]["bytes_ok"] = _checked(rank, cache, blocks, 0, gloo)
     try:
         pair = NixlPair(rank, cache, gloo)
         ways = {
-            "nixl_whole": ([([0], [0], total)], False),
-            "nixl_blocks": (_block_pieces(blocks, False), True),
-            "nixl_layers": (_block_pieces(blocks, True), True),
+            "nixl_whole": ([([0], [0], total)], 0),
+            "nixl_blocks": (_block_pieces(blocks, False), 1),
+            "nixl_layers": (_block_pieces(blocks, True), 1),
+            "nixl_runs16": (_block_pieces(blocks, False, 16), 16),
+            "nixl_runs16_layers": (_block_pieces(blocks, True, 16), 16),
+            "nixl_planes": (_block_pieces(blocks, False, blocks), blocks),
         }
         for name, (pieces, shuffled) in ways.items():
             if rank == 1:
