@@ -123,6 +123,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     if watch is not None:
         out["steps"] = watch.finish()
     out.update(requests=len(requests), throughput_wall_s=wall)
+    out["most_in_flight"] = getattr(llm.engine, "most_in_flight", None)  # batches on the device
     out["output_tok_s"] = len(requests) * args.output_len / wall
     if not args.throughput_only:
         long, short = (24, 8) if args.tiny else (160, 32)

@@ -165,7 +165,8 @@ class LLMEngine:
         # that no stage waits for the others (vLLM's virtual engines). Steps with KV plans go
         # one at a time.
         self._inflight: deque[InFlight] = deque()
-        self.max_in_flight = 1 if self.runner.has_planner else config.pipeline_parallel_size
+        pp = config.pipeline_parallel_size
+        self.max_in_flight = 1 if self.runner.has_planner or pp == 1 else envs.pp_batches(pp)
         self.most_in_flight = 0  # the most batches on the device at once so far
         log.info(
             "KV cache: %s tokens (%d blocks of %d, %.2f GiB); "

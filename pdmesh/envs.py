@@ -56,6 +56,15 @@ def two_shot_bytes() -> int:
     return value
 
 
+def pp_batches(pipeline_parallel_size: int) -> int:
+    """PDMESH_PP_BATCHES: with pipeline stages, how many batches of other sequences are in
+    flight at once (default: one per stage, as vLLM's virtual engines)."""
+    value = int(os.environ.get("PDMESH_PP_BATCHES", str(pipeline_parallel_size)))
+    if value < 1:
+        raise ValueError(f"PDMESH_PP_BATCHES must be 1 or more, got {value}")
+    return value
+
+
 def dp_agreement() -> str:
     """PDMESH_DP_AGREEMENT: how data-parallel ranks under data-parallel attention agree on each
     step's size. 'auto' (default): through shared memory where every rank is on this x86-64
