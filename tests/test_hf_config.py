@@ -19,6 +19,8 @@ from pdmesh.engine.models import model_class
 from pdmesh.engine.models.hf_config import DEFAULTS, read_config
 from pdmesh.engine.models.info import ModelInfo
 from pdmesh.engine.models.llama import head_dim_of
+from pdmesh.engine.parallel.group import SINGLE
+from pdmesh.engine.parallel.pipeline import SINGLE_STAGE
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
@@ -68,6 +70,35 @@ def test_the_test_models_and_the_default_model_read_the_same(
         config.architectures = [model_cls.__name__]  # as saving the model writes it
         config.save_pretrained(tmp_path / arch)
         _assert_same(tmp_path / arch)
+
+
+_MISSED: set[str] = set()
+
+
+class _Recording(SimpleNamespace):
+    """A config that notes every attribute read that it lacks (the reader's getattr default
+    then decides, not transformers')."""
+
+    def __getattr__(self, name: str) -> Any:
+        _MISSED.add(name)
+        raise AttributeError(name)
+
+
+@pytest.mark.parametrize("model_type", sorted(DEFAULTS))
+def test_every_key_the_models_read_is_one_the_reader_gives(tmp_path: Path, model_type: str) -> None:
+    """Building the model of a bare config (transformers' defaults throughout; on the meta
+    device) reads no key that transformers' config holds and the reader's lacks: a model class
+    reading a new key fails here until DEFAULTS has it."""
+    bare = {"model_type": model_type, "architectures": [ARCHITECTURES[model_type]]}
+    folder = _folder(tmp_path, "bare", bare)
+    ours, theirs = read_config(folder), AutoConfig.from_pretrained(folder)
+    _MISSED.clear()
+    with torch.device("meta"):
+        model_class(ours)(_Recording(**vars(ours)), 64, SINGLE, SINGLE_STAGE)
+    missed = {k for k in _MISSED if not k.startswith("_")}
+    assert {k for k in missed if getattr(theirs, k, None) is not None} == set()
+    if model_type == "qwen2":  # the recording works: qwen2 has no head_dim, the models ask
+        assert "head_dim" in missed
 
 
 def test_what_only_transformers_models_goes_through_it(tmp_path: Path) -> None:
