@@ -13,8 +13,10 @@ import pytest
 import torch
 from support import _tiny_configs
 from transformers import AutoConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from pdmesh.engine.layers.rotary import RotaryEmbedding
+from pdmesh.bench.gpu_models import llama3_rope
+from pdmesh.engine.layers.rotary import RotaryEmbedding, llama3_inv_freq, rope_parameters
 from pdmesh.engine.models import model_class
 from pdmesh.engine.models.hf_config import DEFAULTS, read_config
 from pdmesh.engine.models.info import ModelInfo
@@ -59,14 +61,38 @@ def test_defaults_are_transformers_defaults(tmp_path: Path, model_type: str) -> 
     _assert_same(_folder(tmp_path, "explicit", explicit))
 
 
+@pytest.mark.parametrize("form", ["rope_parameters", "rope_scaling"])
+def test_llama_3_1_rope_is_read_without_transformers(tmp_path: Path, form: str) -> None:
+    """Llama 3.1's RoPE scaling (8B's values), written as transformers 5 writes it or as the
+    released checkpoints do: the same tables as transformers', bit for bit, over 128k positions."""
+    rope = llama3_rope()  # rope_type llama3, theta 500000, factor 8, original context 8192
+    if form == "rope_scaling":  # {"rope_theta": ..., "rope_scaling": {"type": "llama3", ...}}
+        scaling = {k: v for k, v in rope.items() if k not in ("rope_type", "rope_theta")}
+        rope = {"rope_theta": rope["rope_theta"], "rope_scaling": {"type": "llama3", **scaling}}
+    else:
+        rope = {"rope_parameters": rope}
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
+              "num_attention_heads": 32, "max_position_embeddings": 131072, **rope}  # fmt: skip
+    folder = _folder(tmp_path, "llama31", config)
+    _assert_same(folder)
+    ours, theirs = read_config(folder), AutoConfig.from_pretrained(folder)
+    # The frequencies against transformers' own llama3 function (RotaryEmbedding computes
+    # them itself now, whichever config it is given).
+    want, scale = ROPE_INIT_FUNCTIONS["llama3"](theirs, torch.device("cpu"))
+    params = rope_parameters(ours)
+    exps = torch.arange(0, 128, 2, dtype=torch.int64).float() / 128
+    assert torch.equal(llama3_inv_freq(1.0 / (params["rope_theta"] ** exps), params), want)
+    assert scale == 1.0
+    tables = (RotaryEmbedding(c, 128, 131072).cos_sin_cache for c in (ours, theirs))
+    assert torch.equal(*tables)
+
+
 def test_the_test_models_and_the_default_model_read_the_same(
     tmp_path: Path, default_model_folder: Path, small_model_folder: Path
 ) -> None:
     _assert_same(default_model_folder)
     _assert_same(small_model_folder)
-    for arch, (model_cls, config) in _tiny_configs().items():
-        if arch == "llama":  # llama3 RoPE scaling: transformers reads it (below)
-            continue
+    for arch, (model_cls, config) in _tiny_configs().items():  # llama: Llama 3.1's RoPE
         config.architectures = [model_cls.__name__]  # as saving the model writes it
         config.save_pretrained(tmp_path / arch)
         _assert_same(tmp_path / arch)
@@ -102,10 +128,9 @@ def test_every_key_the_models_read_is_one_the_reader_gives(tmp_path: Path, model
 
 
 def test_what_only_transformers_models_goes_through_it(tmp_path: Path) -> None:
-    _, llama3 = _tiny_configs()["llama"]
-    llama3.architectures = ["LlamaForCausalLM"]
-    llama3.save_pretrained(tmp_path / "llama3")
-    assert not isinstance(read_config(tmp_path / "llama3"), SimpleNamespace)
+    linear = {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+              "rope_scaling": {"rope_type": "linear", "factor": 2.0}}  # fmt: skip
+    assert not isinstance(read_config(_folder(tmp_path, "linear", linear)), SimpleNamespace)
     gemma = _folder(tmp_path, "gemma", {"model_type": "gemma", "architectures": ["Gemma"]})
     assert not isinstance(read_config(gemma), SimpleNamespace)
     with pytest.raises(ValueError, match="architecture"):

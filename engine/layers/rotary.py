@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -24,6 +25,24 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     return scaling
 
 
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling of the default frequencies ([rotary_dim / 2], float32): waves
+    longer than the original context / low_freq_factor slow down by `factor`, those shorter
+    than original context / high_freq_factor stay, and the band between blends the two. The
+    float32 operations are transformers' own, in its order, so the tables are equal bit for bit
+    (tests/test_hf_config.py)."""
+    factor, low, high, context = (params[k] for k in LLAMA3_KEYS)
+    wavelen = 2 * math.pi / inv_freq
+    slowed = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    blend = (context / wavelen - low) / (high - low)
+    blended = (1 - blend) * slowed / factor + blend * slowed
+    between = ~(wavelen < context / high) * ~(wavelen > context / low)
+    return torch.where(between, blended, slowed)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, config: Any, head_dim: int, max_position: int) -> None:
         super().__init__()
@@ -43,6 +62,12 @@ class RotaryEmbedding(nn.Module):
                 torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=cpu).float() / rotary_dim
             )
             inv_freq = 1.0 / (params["rope_theta"] ** exps)
+            scaling = 1.0
+        elif rope_type == "llama3":  # without transformers: models/hf_config.py reads these
+            exps = (
+                torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=cpu).float() / rotary_dim
+            )
+            inv_freq = llama3_inv_freq(1.0 / (params["rope_theta"] ** exps), params)
             scaling = 1.0
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

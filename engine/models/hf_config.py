@@ -1,14 +1,15 @@
 """A model folder's config.json as the object our model classes read, without transformers for
 the architectures whose defaults are written here.
 
-Importing transformers and running `AutoConfig` costs a worker or a TP rank about 2.5 s of its
-7 s start on 2 cores (the config classes import most of transformers and torch.distributed's
+Importing transformers and running `AutoConfig` cost a worker or a TP rank about 4 s of its 7 s
+start on 2 cores (the config classes import most of transformers and torch.distributed's
 DTensor). For a config.json whose `model_type` is in `DEFAULTS` and that uses nothing this reader
 does not model, `read_config` builds the config itself: the file's keys over transformers'
-defaults for that type, the same derived values (KV heads, RoPE parameters, expert-count aliases).
-Anything else goes through `AutoConfig`. `tests/test_hf_config.py` checks every default and
-derived value here against transformers' own classes, so a transformers release that changes one
-fails a test instead of loading a different model.
+defaults for that type, the same derived values (KV heads, RoPE parameters, expert-count
+aliases). Anything else goes through `AutoConfig`, as does RoPE scaling other than Llama 3.1's.
+`tests/test_hf_config.py` checks every default and derived value here against transformers' own
+classes, so a transformers release that changes one fails a test instead of loading a different
+model.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+
+from pdmesh.engine.layers.rotary import LLAMA3_KEYS
 
 # transformers' defaults, by model_type, for the keys the model classes read (models/*.py,
 # layers/rotary.py). A key absent here is absent from transformers' config too (head_dim of
@@ -71,17 +74,20 @@ def own_config(raw: dict[str, Any], folder: Path) -> SimpleNamespace | None:
     # transformers 5 writes rope_parameters; older files rope_scaling and rope_theta.
     rope = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
     rope_type = rope.pop("rope_type", rope.pop("type", "default"))
-    if rope_type != "default" or rope.keys() - {"rope_theta"}:
-        return None  # llama3, yarn, ...: transformers' RoPE helpers need its config object
+    extra = {"default": (), "llama3": LLAMA3_KEYS}.get(rope_type)
+    if extra is None or rope.keys() - {"rope_theta"} != set(extra):
+        return None  # linear, yarn, ...: transformers' RoPE helpers need its config object
     values = {**DEFAULTS[model_type], **raw, "_name_or_path": str(folder)}
     if values["num_key_value_heads"] is None:
         values["num_key_value_heads"] = values["num_attention_heads"]
     if model_type == "llama" and values["head_dim"] is None:  # LlamaConfig fills it in
         values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
     theta = float(rope.get("rope_theta", values.pop("rope_theta")))  # the file's or the default
+    scaling = {k: rope[k] for k in extra}  # llama3's factors (layers/rotary.py)
     values["rope_parameters"] = values["rope_scaling"] = {
         "rope_theta": theta,
-        "rope_type": "default",
+        "rope_type": rope_type,
+        **scaling,
     }
     if model_type in _EXPERT_ALIASES:
         stored, alias = _EXPERT_ALIASES[model_type]
