@@ -13,8 +13,8 @@ ranks; slot p is on rank p // (P / N). A placement is, per layer, the logical ex
 4. pay: a layer whose busiest rank the new placement would not relieve by at least `MIN_GAIN`
    (each expert's load split evenly over its replicas) keeps its old placement, so a steady load
    moves nothing after its first rebalance (a greedy from counts that barely differ would
-   otherwise reshuffle most experts each time: 200 of 544 slots per rebalance measured on two
-   H100s, 72 ms each).
+   otherwise reshuffle many experts each time: about 200 of 544 slots per rebalance, measured
+   on two H100s).
 Every rank runs this on the same all-reduced counts and gets the same placement.
 """
 
