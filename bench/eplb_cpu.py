@@ -87,18 +87,33 @@ def make_moe(
     return folder
 
 
-def run_engine(folder: Path, prompts: list[list[int]], max_tokens: int, **options: Any) -> dict:
+def run_engine(
+    folder: Path,
+    prompts: list[list[int]],
+    max_tokens: int,
+    step_times: bool = False,
+    **options: Any,
+) -> dict:
     """One engine (`options`; 8,192 KV tokens unless given) on `prompts`, greedy, after a short
-    warm-up: seconds, tokens/s, every output's token ids, and `eplb_figures` (None: EPLB off)."""
+    warm-up: seconds, tokens/s, every output's token ids, and `eplb_figures` (None: EPLB off).
+    step_times: also the decode steps' wall times as rank 0 sees them (p50 / p90 / max, ms;
+    every rank's step ends together, at the slowest rank's pace, the MoE layers' exchange
+    joining them)."""
     from pdmesh import LLM, SamplingParams
+    from pdmesh.bench.step_watch import StepWatch
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     inputs = [{"prompt_token_ids": p} for p in prompts]
+    steps = None
     with LLM(str(folder), **{"kv_cache_tokens": 8192, **options}) as llm:
         llm.generate(inputs[:2], SamplingParams(max_tokens=2, temperature=0))  # warm-up
+        # No profiled window (it would start past the run's last step).
+        watch = StepWatch(llm.engine, folder / "steps", first=1 << 30) if step_times else None
         start = time.perf_counter()
         outputs = llm.generate(inputs, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
+        if watch is not None:
+            steps = watch.finish().get("decode_step_ms")
         stats = llm.engine.eplb_stats()
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {
@@ -106,6 +121,7 @@ def run_engine(folder: Path, prompts: list[list[int]], max_tokens: int, **option
         "tokens_per_s": round(tokens / elapsed, 1),
         "outputs": [o.outputs[0].token_ids for o in outputs],
         "eplb": eplb_figures(stats) if stats is not None else None,
+        "decode_step_ms": steps,
     }
 
 

@@ -1,5 +1,6 @@
 """EPLB on two GPUs: a skewed-routing MoE at EP=2, the busiest rank's expert load against the
-mean, and tokens/s, with EPLB off and on.
+mean, tokens/s and the decode steps' time (every rank's step ends at the slowest rank's pace),
+with EPLB off and on.
 
     python -m pdmesh.bench.eplb_gpu --out DIR [--prompts 256] [--max-tokens 64] [--tiny]
 
@@ -51,7 +52,9 @@ def _in_process_of_its_own(folder: Path, work: Path, options: dict[str, Any]) ->
 def _one(args: argparse.Namespace) -> None:
     work = json.loads(args.work.read_text())
     options = json.loads(args.options)
-    result = run_engine(Path(args.one), work["prompts"], work["max_tokens"], **options)
+    result = run_engine(
+        Path(args.one), work["prompts"], work["max_tokens"], step_times=True, **options
+    )
     args.out.write_text(json.dumps(result))
 
 
@@ -116,17 +119,25 @@ def main() -> None:
         "eplb_on_tokens_per_s": statistics.median(r["tokens_per_s"] for r in ons),
         "runs_off": [r["tokens_per_s"] for r in offs],
         "runs_on": [r["tokens_per_s"] for r in ons],
+        # The decode steps' wall time, p50 / p90 / max ms, of each counted run (every rank ends
+        # a step together: the slowest rank's time).
+        "decode_step_ms_off": [r["decode_step_ms"] for r in offs],
+        "decode_step_ms_on": [r["decode_step_ms"] for r in ons],
         "warmup_runs": warmup,
         "same_tokens_runs": sum(r["outputs"] == offs[0]["outputs"] for r in (*offs, *ons)),
         **on["eplb"],
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "eplb.json").write_text(json.dumps(report, indent=2))
-    print("| EPLB | tokens/s (median) | busiest rank's load / mean |")
-    print("| --- | --- | --- |")
-    print(f"| off | {report['eplb_off_tokens_per_s']} | {report.get('imbalance_before')} |")
+    print("| EPLB | tokens/s (median) | busiest rank's load / mean | decode step p50 ms (runs) |")
+    print("| --- | --- | --- | --- |")
+    off_ms = [(d or {}).get("p50") for d in report["decode_step_ms_off"]]
+    on_ms = [(d or {}).get("p50") for d in report["decode_step_ms_on"]]
+    print(
+        f"| off | {report['eplb_off_tokens_per_s']} | {report.get('imbalance_before')} | {off_ms} |"
+    )
     after = report.get("imbalance_after") or ["-"]
-    print(f"| on | {report['eplb_on_tokens_per_s']} | {after[-1]} (after {after}) |")
+    print(f"| on | {report['eplb_on_tokens_per_s']} | {after[-1]} (after {after}) | {on_ms} |")
     print(json.dumps({k: v for k, v in report.items() if k not in ("shape", "workload")}))
 
 
