@@ -16,14 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from pdmesh.bench.report import replayed_us
 from pdmesh.engine.parallel.comm import init_group
 from pdmesh.engine.parallel.symm_all_reduce import SymmetricAllReduce
 
@@ -52,29 +52,6 @@ def _ways(fast: SymmetricAllReduce, group: object) -> dict[str, Callable[[torch.
     }
 
 
-def _time(way: Callable[[torch.Tensor], object], x: torch.Tensor, replays: int) -> float:
-    """µs per all-reduce: CALLS of them in one graph, the median of `replays` replays."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            way(x)  # warm-up outside the graph (NCCL's and symmetric memory's set-up)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            way(x)
-    times = []
-    for _ in range(replays):
-        dist.barrier()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        graph.replay()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) / CALLS * 1e6
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -93,7 +70,8 @@ def main() -> None:
         for r in rows:
             x = torch.randn(r, HIDDEN, dtype=torch.bfloat16, device=device)
             try:
-                results[name][str(r)] = round(_time(way, x, args.replays), 2)
+                us = replayed_us(partial(way, x), CALLS, args.replays, dist.barrier, graph=True)
+                results[name][str(r)] = round(us, 2)
             except (RuntimeError, AttributeError) as e:  # a way this build lacks
                 results[name][str(r)] = f"missing: {str(e).splitlines()[0][:120]}"
     if rank == 0:

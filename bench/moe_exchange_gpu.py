@@ -21,14 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from pdmesh.bench.report import replayed_us
 from pdmesh.engine.parallel.comm import init_group
 from pdmesh.engine.parallel.group import ParallelGroup
 from pdmesh.engine.parallel.symm_all_reduce import symmetric_all_reduce
@@ -69,40 +69,6 @@ def _ways(tp: ParallelGroup, tokens: int) -> dict[str, tuple[Callable[[], object
     }
 
 
-def _time(tp: ParallelGroup, layer: Callable[[], object], graph: bool, replays: int) -> float:
-    """µs per layer: LAYERS layers a replay (a CUDA graph, or eager), median over replays."""
-    cuda = tp.device.type == "cuda"
-    for _ in range(3):
-        layer()  # warm-up: NCCL's channels, symmetric memory
-    run: Callable[[], None]
-    if cuda and graph:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream), torch.cuda.graph(cuda_graph):
-            for _ in range(LAYERS):
-                layer()
-        torch.cuda.current_stream().wait_stream(stream)
-        run = cuda_graph.replay
-    else:
-
-        def run() -> None:
-            for _ in range(LAYERS):
-                layer()
-
-    times = []
-    for _ in range(replays):
-        dist.barrier(group=tp.host_group)
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        run()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) / LAYERS * 1e6
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -123,7 +89,8 @@ def main() -> None:
     for t in tokens:
         for name, (layer, graph) in _ways(tp, t).items():
             try:
-                us = round(_time(tp, layer, graph, args.replays), 1)
+                barrier = partial(dist.barrier, group=tp.host_group)
+                us = round(replayed_us(layer, LAYERS, args.replays, barrier, graph), 1)
                 results.setdefault(name, {})[str(t)] = us
             except RuntimeError as e:  # a way this build or backend lacks
                 results.setdefault(name, {})[str(t)] = f"failed: {str(e).splitlines()[0][:100]}"

@@ -10,6 +10,7 @@ import gc
 import json
 import os
 import platform
+import statistics
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -126,6 +127,46 @@ def median_s(fn: Callable[[], object], warmup: int = 25, rep: int = 200) -> floa
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=warmup, rep=rep, return_mode="median") / 1e3
+
+
+def replayed_us(
+    fn: Callable[[], object], calls: int, replays: int, barrier: Callable[[], object], graph: bool
+) -> float:
+    """µs per call of `fn` among ranks: `calls` calls in a row (captured in one CUDA graph when
+    `graph` and on a GPU, else run eagerly), the median of `replays` runs, each started after
+    `barrier` (every rank in step). Three warm-up calls first (NCCL channels, symmetric memory)."""
+    import torch
+
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    for _ in range(3):
+        fn()
+    run: Callable[[], object]
+    if cuda and graph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream), torch.cuda.graph(cuda_graph):
+            for _ in range(calls):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        run = cuda_graph.replay
+    else:
+
+        def run() -> None:
+            for _ in range(calls):
+                fn()
+
+    times = []
+    for _ in range(replays):
+        barrier()
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        run()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / calls * 1e6
 
 
 def ceilings(
