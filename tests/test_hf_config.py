@@ -16,7 +16,12 @@ from transformers import AutoConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from pdmesh.bench.gpu_models import llama3_rope
-from pdmesh.engine.layers.rotary import RotaryEmbedding, llama3_inv_freq, rope_parameters
+from pdmesh.engine.layers.rotary import (
+    RotaryEmbedding,
+    default_inv_freq,
+    llama3_inv_freq,
+    rope_parameters,
+)
 from pdmesh.engine.models import model_class
 from pdmesh.engine.models.hf_config import DEFAULTS, read_config
 from pdmesh.engine.models.info import ModelInfo
@@ -80,8 +85,7 @@ def test_llama_3_1_rope_is_read_without_transformers(tmp_path: Path, form: str) 
     # them itself now, whichever config it is given).
     want, scale = ROPE_INIT_FUNCTIONS["llama3"](theirs, torch.device("cpu"))
     params = rope_parameters(ours)
-    exps = torch.arange(0, 128, 2, dtype=torch.int64).float() / 128
-    assert torch.equal(llama3_inv_freq(1.0 / (params["rope_theta"] ** exps), params), want)
+    assert torch.equal(llama3_inv_freq(default_inv_freq(params["rope_theta"], 128), params), want)
     assert scale == 1.0
     tables = (RotaryEmbedding(c, 128, 131072).cos_sin_cache for c in (ours, theirs))
     assert torch.equal(*tables)

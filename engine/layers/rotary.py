@@ -25,6 +25,12 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     return scaling
 
 
+def default_inv_freq(theta: float, rotary_dim: int) -> torch.Tensor:
+    """[rotary_dim / 2] float32 on the CPU: theta ** (-2i / rotary_dim), as transformers."""
+    exps = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim
+    return 1.0 / (theta**exps)
+
+
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -57,18 +63,10 @@ class RotaryEmbedding(nn.Module):
         # device the model is being built on.
         target = torch.empty(0).device
         cpu = torch.device("cpu")
-        if rope_type == "default":
-            exps = (
-                torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=cpu).float() / rotary_dim
-            )
-            inv_freq = 1.0 / (params["rope_theta"] ** exps)
-            scaling = 1.0
-        elif rope_type == "llama3":  # without transformers: models/hf_config.py reads these
-            exps = (
-                torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=cpu).float() / rotary_dim
-            )
-            inv_freq = llama3_inv_freq(1.0 / (params["rope_theta"] ** exps), params)
-            scaling = 1.0
+        if rope_type in ("default", "llama3"):  # llama3 without transformers (hf_config.py)
+            inv_freq, scaling = default_inv_freq(params["rope_theta"], rotary_dim), 1.0
+            if rope_type == "llama3":
+                inv_freq = llama3_inv_freq(inv_freq, params)
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

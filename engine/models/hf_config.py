@@ -14,11 +14,11 @@ model.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from pdmesh.checkpoint.config import read_json
 from pdmesh.engine.layers.rotary import LLAMA3_KEYS
 
 # transformers' defaults, by model_type, for the keys the model classes read (models/*.py,
@@ -56,12 +56,10 @@ _TRANSFORMERS_ONLY = ("quantization_config", "partial_rotary_factor")
 def read_config(folder: Path) -> Any:
     """The config our model classes read: a namespace for a plain config of a known type, else
     transformers' `AutoConfig`. ValueError ("model: ...") when config.json cannot be read."""
-    path = folder / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"model: cannot read {path}: {e}") from None
-    config = own_config(raw, folder) if isinstance(raw, dict) else None
+    raw = read_json(folder / "config.json")
+    if raw is None:
+        raise ValueError(f"model: cannot read {folder / 'config.json'}: no such file")
+    config = own_config(raw, folder)
     return config if config is not None else _auto_config(folder)
 
 

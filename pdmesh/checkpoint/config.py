@@ -23,11 +23,11 @@ class ModelConfig:
     @classmethod
     def load(cls, folder: Path) -> ModelConfig:
         """ValueError ("model: ...") when config.json is missing, not JSON or lacks vocab_size."""
-        config = _read_json(folder / "config.json")
+        config = read_json(folder / "config.json")
         if config is None:
             raise ValueError(f"model: cannot read {folder / 'config.json'}")
         try:
-            generation = _read_json(folder / "generation_config.json") or {}
+            generation = read_json(folder / "generation_config.json") or {}
         except ValueError:
             generation = {}  # transformers ignores a broken one too
         vocab_size = config.get("vocab_size")
@@ -44,7 +44,7 @@ class ModelConfig:
         )
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+def read_json(path: Path) -> dict[str, Any] | None:
     """The object in `path`; None when there is no such file; ValueError when it is not JSON."""
     try:
         value = json.loads(path.read_text())
