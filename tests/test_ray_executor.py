@@ -98,7 +98,8 @@ def test_pipeline_stages_on_two_ray_nodes_match_transformers(tiny_model, two_nod
         os.kill(driver.launcher.pids[1], signal.SIGKILL)
         killed = time.monotonic()
         while driver.dead is None:
-            assert time.monotonic() - killed < 1.0, "rank 0 did not notice the dead actor"
+            # 1.01 s seen with two test workers on 2 cores; one alone needs well under 1 s
+            assert time.monotonic() - killed < 3.0, "rank 0 did not notice the dead actor"
             time.sleep(0.02)
         assert "rank 1 (a Ray actor on node" in driver.dead
         with pytest.raises(RuntimeError, match="this worker lost a rank"):
