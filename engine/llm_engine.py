@@ -147,9 +147,9 @@ class LLMEngine:
         # idle rank keeps stepping while its peers are busy, their MoE layers need it).
         self.group_busy = False
         # Async scheduling (see overlap.py): on with CUDA graphs unless the config says.
-        # Pipeline stages have their batches in flight too; a step is launched ahead when no
-        # other batch is (one sequence, say), its input ids then on rank 0's device only: only
-        # stages of one rank, whose first stage is rank 0 alone, can take them from there.
+        # Pipeline stages have a batch per stage in flight, and each batch's next step is
+        # launched ahead too, beside the others, its input ids then on rank 0's device only:
+        # only stages of one rank, whose first stage is rank 0 alone, can take them from there.
         # Data-parallel replicas under data-parallel attention launch one step each in lockstep
         # (`_lockstep`), the next one ahead of the tokens as well: on two H200s that took
         # DP=2 + EP=2 from 4.16 to 2.93 ms a token at batch 1 (BENCHMARKS.md, issue 30).
@@ -341,7 +341,9 @@ class LLMEngine:
         self._fill(cur)
         if cur.handle.verify is not None:  # a step that verified draft tokens
             return verified_step(self, cur)
-        if self.async_scheduling and not self._inflight:
+        # cur's next step, launched before its tokens are read, beside the other batches in
+        # flight (pipeline stages: then neither the device nor the host waits for the other).
+        if self.async_scheduling and len(self._inflight) < self.max_in_flight:
             if cur.handle.sample is not None:  # pipeline stages: the tokens, on the device
                 cur.handle.sample()
             nxt = self._launch_next(cur)
@@ -430,7 +432,7 @@ class LLMEngine:
             return None  # steps that push KV are planned one at a time
         if self.speculator is not None and self.speculator.active(len(self.scheduler.running)):
             return None  # drafts are proposed from every token so far
-        nxt = next_decode(cur, self.scheduler, self.max_model_len)
+        nxt = next_decode(cur, self.scheduler, self.max_model_len, self._inflight)
         if nxt is None:
             return None
         batch, token_ids = nxt

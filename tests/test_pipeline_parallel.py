@@ -128,6 +128,28 @@ def test_a_step_is_launched_ahead_over_stages_of_one_rank(tiny_model) -> None:
     assert got == expected
 
 
+def test_each_batch_in_flight_launches_its_next_step_ahead(tiny_model) -> None:
+    """Four sequences over two stages: a batch per stage, and each batch's next step is launched
+    before the host reads its tokens, beside the other batch in flight (neither the stages nor
+    the host then wait for each other). Greedy and seeded tokens equal one stage's, and
+    sequences of different lengths end on time."""
+    folder = str(tiny_model("llama"))
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([9, 40, 17, 25])]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (16, 12, 20, 7)]
+    params[1] = SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True)
+    with LLM(folder, kv_cache_tokens=1024) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    with LLM(folder, kv_cache_tokens=1024, pipeline_parallel_size=2, async_scheduling=True) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        engine = llm.engine
+        assert engine.most_in_flight == 2
+        # Each batch of two decodes about a dozen tokens: most of them are launched ahead.
+        assert engine.steps_launched_ahead >= 15, engine.steps_launched_ahead
+        assert engine.stats().kv_blocks_used == 0  # every block freed
+    assert got == expected
+    assert [len(t) for t in got] == [16, 12, 20, 7]
+
+
 def _children() -> set[int]:
     """This process's live child processes (pids)."""
     tasks = Path("/proc/self/task").glob("*/children")

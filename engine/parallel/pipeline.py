@@ -10,10 +10,15 @@ the last stage sends the logits of the rows to sample to global rank 0, which sa
 The logits go back over a group of their own (`back`): NCCL runs a communicator's operations in
 the order they were issued, so on one group rank 0's send of batch B's hidden states would wait
 behind its receive of batch A's logits, and the stages would take turns instead of overlapping.
+On a GPU rank 0 receives and samples them on a stream of their own (`sampling`): on the stream
+that runs the stages, batch A's sampling would queue behind batch B's stage 0, launched before A's
+logits came, and the host would wait for B's stage before it could schedule A's next step (the
+stages took turns that way: 13.6 ms a decode step on two H100s, where each stage computes 7 ms).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -69,6 +74,8 @@ class PipelineStage:
     back: Any = None
     # Sends to the next stage not known to be done: (work, tensor), oldest first.
     pending: deque[tuple[Any, torch.Tensor]] = field(default_factory=deque, compare=False)
+    # GPU rank 0: where the logits are received and sampled (see the module's docstring).
+    sampling: Any = field(default=None, compare=False)
 
     @property
     def is_first(self) -> bool:
@@ -116,18 +123,28 @@ class PipelineStage:
 
     def irecv_logits(
         self, shape: tuple[int, ...], dtype: torch.dtype
-    ) -> Callable[[], torch.Tensor]:
-        """Post the receive of a step's logits from the last stage; call the result to wait for
-        them. Posted at launch, the last stage's send completes while this rank runs the next
-        batch: with several batches in flight neither side waits on the other."""
-        out = torch.empty(shape, dtype=dtype, device=self.world.comm_device)
-        work = dist.irecv(out, (self.size - 1) * self.tp_size, group=self.back)
+    ) -> Callable[[Callable[[torch.Tensor], None]], None]:
+        """Post the receive of a step's logits from the last stage; call the result with a
+        function of the logits to run it once they are there. Posted at launch, the last stage's
+        send completes while this rank runs the next batch: with several batches in flight
+        neither side waits on the other. On a GPU the receive and the function run on
+        `sampling`; the current stream waits for them only from where the result is called."""
+        with _on(self.sampling):
+            out = torch.empty(shape, dtype=dtype, device=self.world.comm_device)
+            work = dist.irecv(out, (self.size - 1) * self.tp_size, group=self.back)
 
-        def wait() -> torch.Tensor:
-            work.wait()
-            return out
+        def consume(use: Callable[[torch.Tensor], None]) -> None:
+            with _on(self.sampling):
+                work.wait()
+                use(out)
+            if self.sampling is not None:
+                torch.cuda.current_stream().wait_stream(self.sampling)
 
-        return wait
+        return consume
+
+
+def _on(stream: Any) -> contextlib.AbstractContextManager[Any]:
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 SINGLE_STAGE = PipelineStage()
@@ -158,4 +175,6 @@ def stage_of(rank: int, tp: int, pp: int, num_layers: int, world: ParallelGroup)
     index = rank // tp
     layers = layer_partition(num_layers, pp, envs.pp_layer_partition())[index]
     back = dist.new_group(list(range(world.size)), timeout=IDLE_TIMEOUT)
-    return PipelineStage(index, pp, layers, rank % tp, tp, world, back=back)
+    device = world.comm_device
+    sampling = torch.cuda.Stream(device) if rank == 0 and device.type == "cuda" else None
+    return PipelineStage(index, pp, layers, rank % tp, tp, world, back=back, sampling=sampling)

@@ -402,7 +402,14 @@ class ModelRunner:
             # The last stage computes the logits: receive them without waiting, so the next
             # batch can start on this stage meanwhile (batches in flight, see LLMEngine).
             arriving = self.stage.irecv_logits((rows, self.info.vocab_size), self.dtype)
-            handle.sample = lambda: self._sample(handle, arriving(), seqs, batch, inputs, masks)
+
+            def sample_arrived() -> None:
+                arriving(lambda logits: self._sample(handle, logits, seqs, batch, inputs, masks))
+                if handle.tokens is not None and handle.tokens.is_cuda:
+                    # Sampled on the stage's own stream: a step launched ahead reads them here.
+                    handle.tokens.record_stream(torch.cuda.current_stream())
+
+            handle.sample = sample_arrived
         elif logits is not None:
             self._sample(handle, logits, seqs, batch, inputs, masks)
         return handle

@@ -20,6 +20,7 @@ otherwise write into a reused block while the step still writes there): the engi
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -47,15 +48,20 @@ class InFlight:
 
 
 def next_decode(
-    cur: InFlight, scheduler: Scheduler, max_model_len: int
+    cur: InFlight, scheduler: Scheduler, max_model_len: int, others: Iterable[InFlight] = ()
 ) -> tuple[ScheduledBatch, torch.Tensor] | None:
     """The step after `cur` when the scheduler is certain it is one decode token for each of
     `cur`'s continuing sequences (`Scheduler.schedule_lookahead`, which allocates their slots),
-    and which of `cur`'s sampled tokens (on the device, in its order) are its inputs."""
+    and which of `cur`'s sampled tokens (on the device, in its order) are its inputs. `others`:
+    the other steps in flight (pipeline stages: a batch each), whose sequences are not `cur`'s
+    to take."""
     seqs = cur.batch.seqs
     if cur.handle.tokens is None or penalties.shapes_logits(seqs) or structured.constrained(seqs):
         return None  # penalties and grammars read every token before the step
-    ahead = scheduler.schedule_lookahead(cur.batch, cur.handle.sample_seq_index, max_model_len)
+    busy = [seq for other in others for seq in other.batch.seqs]
+    ahead = scheduler.schedule_lookahead(
+        cur.batch, cur.handle.sample_seq_index, max_model_len, busy
+    )
     if ahead is None:
         return None
     tokens = cur.handle.tokens  # [S] int64: `cur`'s sampled tokens

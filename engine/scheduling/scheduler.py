@@ -315,12 +315,17 @@ class Scheduler:
         return ScheduledBatch(seqs, counts, preempted, tuple(forks), copies, host)
 
     def schedule_lookahead(
-        self, prev: ScheduledBatch, sampled: Seq[int], max_model_len: int
+        self,
+        prev: ScheduledBatch,
+        sampled: Seq[int],
+        max_model_len: int,
+        busy: Collection[Sequence] = (),
     ) -> Lookahead | None:
         """The step after `prev` (on the device, its tokens unread) when it is certain to be one
         decode token for each of `prev`'s continuing sequences, with their KV slots allocated;
         None, allocating nothing, when it is not. `sampled[j]`: the index in `prev.seqs` of the
-        sequence whose token is `prev`'s j-th sampled one."""
+        sequence whose token is `prev`'s j-th sampled one. `busy`: the sequences of the other
+        steps in flight (pipeline stages), which have their turn there."""
         if self.waiting:
             return None
         row_of = {i: j for j, i in enumerate(sampled)}
@@ -338,7 +343,9 @@ class Scheduler:
             rows.append(row_of[i])
             seqs.append(seq)
         # Every running sequence is accounted for: none waits for a turn the lookahead would take.
-        if not seqs or len(seqs) + ending != len(self.running):
+        skip = {id(s) for s in busy}
+        elsewhere = sum(1 for s in self.running if id(s) in skip)
+        if not seqs or len(seqs) + ending + elsewhere != len(self.running):
             return None
         if len(seqs) > self.max_num_batched_tokens:
             return None
