@@ -59,10 +59,32 @@ def small_llm(small_model_folder: Path):  # -> pdmesh.LLM
     return LLM(str(small_model_folder), kv_cache_tokens=16384)
 
 
+# Files whose tests take a minute or more on two cores, longest first. They run first: under
+# `--dist loadfile` a long file handed out last keeps one worker busy while the other idles (the
+# Triton engine test, collected last, ran alone at the end of the suite).
+LONG_FILES = (
+    "triton_kernels/test_triton_engine.py",
+    "test_faults_decode.py",
+    "test_http_gateway.py",
+    "test_fuzz_hostile.py",
+    "test_fuzz.py",
+    "test_speculative_mesh.py",
+    "test_default_model.py",
+    "test_migration.py",
+)
+
+
+def _long_first(item: pytest.Item) -> int:
+    path = item.nodeid.split("::")[0]
+    return next((i for i, name in enumerate(LONG_FILES) if path.endswith(name)), len(LONG_FILES))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `gpu` need CUDA; on a machine without it they are skipped, by design."""
+    """The longest files first (see LONG_FILES). Tests marked `gpu` need CUDA; on a machine
+    without it they are skipped, by design."""
     import torch
 
+    items.sort(key=_long_first)  # stable: each file's tests keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -150,6 +150,31 @@ def test_each_batch_in_flight_launches_its_next_step_ahead(tiny_model) -> None:
     assert [len(t) for t in got] == [16, 12, 20, 7]
 
 
+def test_greedy_steps_are_sampled_on_the_last_stage(tiny_model) -> None:
+    """A step whose rows are all plain greedy is sampled where its logits are: the last stage
+    sends rank 0 token ids instead of [S, V] logits. Tokens equal one stage's; a row asking for
+    log-probabilities takes its batch's logits back to rank 0, and they equal one stage's."""
+    folder = str(tiny_model("qwen3"))
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([9, 30, 17])]
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    scored = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
+    with LLM(folder, kv_cache_tokens=1024) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        want_scored = llm.generate(prompts, [greedy, scored, greedy])[1].outputs[0]
+    with LLM(folder, kv_cache_tokens=1024, pipeline_parallel_size=2) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        sampled_last = llm.engine.runner.steps_sampled_last
+        got_scored = llm.generate(prompts, [greedy, scored, greedy])[1].outputs[0]
+    assert got == want
+    assert sampled_last >= 10  # every decode step of both batches
+    assert got_scored.token_ids == want_scored.token_ids
+    assert got_scored.logprobs is not None and want_scored.logprobs is not None
+    for mine, theirs in zip(got_scored.logprobs, want_scored.logprobs, strict=True):
+        assert mine.keys() == theirs.keys()
+        for token, entry in mine.items():
+            assert entry.logprob == pytest.approx(theirs[token].logprob, abs=1e-5)
+
+
 def _children() -> set[int]:
     """This process's live child processes (pids)."""
     tasks = Path("/proc/self/task").glob("*/children")

@@ -30,7 +30,7 @@ _SIZES = (
     "num_offloads",
     "num_loads",
 )
-_FIELDS = ("op", *_SIZES, "extra", "ids_on_device", "overlap_loads")
+_FIELDS = ("op", *_SIZES, "extra", "ids_on_device", "overlap_loads", "greedy")
 
 
 def encode(op: int, host: HostInputs, extra: torch.Tensor | None) -> tuple[list[int], torch.Tensor]:
@@ -52,6 +52,7 @@ def encode(op: int, host: HostInputs, extra: torch.Tensor | None) -> tuple[list[
         extra.numel() if extra is not None else 0,
         int(ids_on_device),
         int(host.overlap_loads),
+        int(host.greedy),
     ]
     values = [
         *host.input_ids,
@@ -129,6 +130,7 @@ def receive_step(
         offloads=offloads,
         loads=loads,
         overlap_loads=bool(h["overlap_loads"]),
+        greedy=bool(h["greedy"]),
     )
     device_ids = None
     if h["ids_on_device"] == IDS_FOLLOW:

@@ -115,19 +115,22 @@ class PipelineStage:
         return out
 
     @property
-    def sends_logits(self) -> bool:
-        """TP rank 0 of the last stage of a pipeline: its logits go to global rank 0."""
+    def sends_back(self) -> bool:
+        """TP rank 0 of the last stage of a pipeline: its logits (or tokens) go to global rank
+        0."""
         return self.size > 1 and self.is_last and self.tp_rank == 0
 
-    def send_logits(self, logits: torch.Tensor) -> None:
-        # Blocking: the stream waits for the send before it overwrites a graph's logits buffer.
-        dist.send(logits.contiguous(), 0, group=self.back)
+    def send_back(self, out: torch.Tensor) -> None:
+        """A step's logits [S, V], or its tokens [2, S] (engine/runner/step_sampling.py), to
+        rank 0. Blocking: the stream waits for the send before it overwrites a graph's logits
+        buffer."""
+        dist.send(out.contiguous(), 0, group=self.back)
 
-    def irecv_logits(
+    def irecv_back(
         self, shape: tuple[int, ...], dtype: torch.dtype
     ) -> Callable[[Callable[[torch.Tensor], None]], None]:
-        """Post the receive of a step's logits from the last stage; call the result with a
-        function of the logits to run it once they are there. Posted at launch, the last stage's
+        """Post the receive of what the last stage sends back for a step (`send_back`); call the
+        result with a function of it to run it once it is there. Posted at launch, the last stage's
         send completes while this rank runs the next batch: with several batches in flight
         neither side waits on the other. On a GPU the receive and the function run on
         `sampling`; the current stream waits for them only from where the result is called."""

@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future
 from typing import Any, Protocol
 
 import torch
@@ -20,7 +19,7 @@ from pdmesh.engine.layers.attention import AttentionMetadata
 from pdmesh.engine.layers.moe import FusedMoE
 from pdmesh.engine.layers.quantization.registry import apply_quantization, resolve_quantization
 from pdmesh.engine.models.info import ModelInfo
-from pdmesh.engine.outputs import NO_ALLOWED_TOKEN, NON_FINITE_LOGITS, PositionLogprobs
+from pdmesh.engine.outputs import PositionLogprobs
 from pdmesh.engine.parallel.comm import all_reduce_min
 from pdmesh.engine.parallel.group import SINGLE, ParallelGroup
 from pdmesh.engine.parallel.pipeline import SINGLE_STAGE, PipelineStage
@@ -28,9 +27,8 @@ from pdmesh.engine.parallel.symm_all_reduce import symmetric_all_reduce
 from pdmesh.engine.runner.cuda_graphs import DecodeGraphs
 from pdmesh.engine.runner.step_handle import StepHandle
 from pdmesh.engine.runner.step_inputs import HostInputs, StepInputs
-from pdmesh.engine.sample import penalties, structured
-from pdmesh.engine.sample.logprobs import TopLogprobs, prompt_logprobs, wanted_logprobs
-from pdmesh.engine.sample.sampler import Sampler, SamplingBatch
+from pdmesh.engine.runner.step_sampling import StepSampler, greedy_tokens, plain_greedy
+from pdmesh.engine.sample import structured
 from pdmesh.engine.scheduling.scheduler import ScheduledBatch
 from pdmesh.engine.spec_decode.verify import Verify
 from pdmesh.engine.weights import init_dummy_weights, load_named, load_weights
@@ -138,7 +136,8 @@ class ModelRunner:
             if world.size > 1:  # every rank must hold the same slots
                 slots = all_reduce_min(slots, world)
             self.host_pool = HostPool(self.kv_spec, slots, device)
-        self.sampler = Sampler(config.seed)
+        self.step_sampler = StepSampler(config.seed, info.eos_token_ids, device)
+        self.steps_sampled_last = 0  # pipeline steps sampled on the last stage (step_sampling.py)
         # Decode steps replay CUDA graphs. With tensor parallelism every rank captures the same
         # graphs, their all-reduces over symmetric memory (NCCL stays out of the graphs: its
         # vocab all-gather for the logits runs after the replay).
@@ -370,10 +369,12 @@ class ModelRunner:
 
     @_on_device
     def follow_step(self, inputs: StepInputs, plan: torch.Tensor | None) -> None:
-        """A follower rank's part of a step; the last pipeline stage hands rank 0 the logits."""
+        """A follower rank's part of a step; the last pipeline stage hands rank 0 the logits,
+        or the tokens of a step of plain greedy rows (engine/runner/step_sampling.py)."""
         logits = self.forward_with_plan(inputs, plan)
-        if logits is not None and self.stage.sends_logits:
-            self.stage.send_logits(logits)
+        if logits is not None and self.stage.sends_back:
+            greedy = inputs.host.greedy  # [2, S] ids instead of [S, V] logits (see launch)
+            self.stage.send_back(torch.stack(greedy_tokens(logits)) if greedy else logits)
         if self.balancer is not None:
             self.balancer.after_step()
 
@@ -385,13 +386,15 @@ class ModelRunner:
         next step meanwhile. next_ids: see `prepare`."""
         inputs = self.prepare(batch, next_ids)
         plan = self.kv_connector.plan_step(batch) if self.kv_connector is not None else None
-        if self.followers is not None:  # every rank runs the step; rank 0 samples
-            self.followers.send_step(inputs, plan)
         seqs = [batch.seqs[i] for i in inputs.sample_seq_index]
         # Speculative decoding: a sequence with draft tokens samples a row per draft as well.
         verify = Verify.of(seqs, self.info.vocab_size)
         if verify is not None:
             seqs = verify.row_seqs
+        # Pipeline stages: a step of plain greedy rows is sampled on the last stage.
+        inputs.host.greedy = self.stage.size > 1 and plain_greedy(seqs, inputs, verify)
+        if self.followers is not None:  # every rank runs the step; rank 0 samples
+            self.followers.send_step(inputs, plan)
         masks = structured.start_masks(seqs, self.info.vocab_size)  # while the forward runs
         logits = self.forward_with_plan(inputs, plan)
         if self.balancer is not None:  # between this step and the next, as every rank does
@@ -399,77 +402,30 @@ class ModelRunner:
         handle = StepHandle(len(batch.seqs), inputs.sample_seq_index, None, verify=verify)
         rows = len(inputs.host.logits_indices)
         if self.stage.size > 1 and rows:
-            # The last stage computes the logits: receive them without waiting, so the next
-            # batch can start on this stage meanwhile (batches in flight, see LLMEngine).
-            arriving = self.stage.irecv_logits((rows, self.info.vocab_size), self.dtype)
+            # The last stage computes the logits: receive them (or its tokens) without waiting,
+            # so the next batch can start on this stage meanwhile (batches in flight, LLMEngine).
+            if inputs.host.greedy:
+                self.steps_sampled_last += 1
+                arriving = self.stage.irecv_back((2, rows), torch.int64)
+
+                def use(ids: torch.Tensor) -> None:  # [2, S]: tokens, flagged
+                    StepSampler.take(handle, ids[0], ids[1])
+            else:
+                arriving = self.stage.irecv_back((rows, self.info.vocab_size), self.dtype)
+
+                def use(logits: torch.Tensor) -> None:
+                    self.step_sampler.sample(handle, logits, seqs, batch, inputs, masks)
 
             def sample_arrived() -> None:
-                arriving(lambda logits: self._sample(handle, logits, seqs, batch, inputs, masks))
+                arriving(use)
                 if handle.tokens is not None and handle.tokens.is_cuda:
                     # Sampled on the stage's own stream: a step launched ahead reads them here.
                     handle.tokens.record_stream(torch.cuda.current_stream())
 
             handle.sample = sample_arrived
         elif logits is not None:
-            self._sample(handle, logits, seqs, batch, inputs, masks)
+            self.step_sampler.sample(handle, logits, seqs, batch, inputs, masks)
         return handle
-
-    def _sample(
-        self,
-        handle: StepHandle,
-        logits: torch.Tensor,
-        seqs: list[Any],
-        batch: ScheduledBatch,
-        inputs: StepInputs,
-        masks: Future[torch.Tensor] | None,
-    ) -> None:
-        """logits [S + P, V]: the step's rows to sample -> handle.tokens [S]; the prompt rows'
-        log-probabilities -> handle.prompt_logprobs. masks: the constrained rows' bitmasks."""
-        handle.sample = None
-        if inputs.prompt_rows:
-            handle.prompt_logprobs = prompt_logprobs(logits[len(seqs) :], batch, inputs)
-            logits = logits[: len(seqs)]
-        if not seqs:
-            return
-        raw = logits  # logprobs are of the model's own distribution
-        eos = self.info.eos_token_ids
-        if penalties.shapes_logits(seqs):
-            logits = penalties.apply(logits, seqs, eos)
-        if masks is not None:
-            shaped = logits
-            logits = structured.mask(shaped, masks)
-            if penalties.holds_stop_under_grammar(seqs):
-                # The grammar wins over min_tokens: a row whose grammar allows only stop tokens
-                # gets them back rather than nothing at all (no host sync: a select per row).
-                released = structured.mask(penalties.apply(raw, seqs, eos, hold_stop=False), masks)
-                empty = torch.isneginf(logits).all(dim=-1, keepdim=True)
-                logits = torch.where(empty, released, logits)
-        if all(s.params.greedy for s in seqs):  # the common case: no per-row tensors to build
-            best, tokens = logits.max(dim=-1)
-        else:
-            sampling = SamplingBatch.build(
-                [s.params for s in seqs], [s.generator for s in seqs], logits.shape[-1], self.device
-            )
-            tokens = self.sampler(logits, sampling)
-            best = logits.amax(dim=-1)
-        handle.tokens = tokens
-        wanted = [wanted_logprobs(s.params) for s in seqs]
-        if any(k is not None for k in wanted):
-            handle.logprobs = TopLogprobs.of(raw, tokens, max(k or 0 for k in wanted)), wanted
-        # The host reads a row it could not sample as a negative "token" (the request then ends
-        # alone, engine/scheduling/request.py); the device keeps a valid id for a step launched
-        # ahead, whose output for that request is dropped.
-        flagged = torch.where(
-            torch.isfinite(best),
-            tokens,
-            torch.where(torch.isneginf(best), NO_ALLOWED_TOKEN, NON_FINITE_LOGITS),
-        )
-        handle.flagged = flagged
-        if tokens.is_cuda:
-            handle.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            handle.host_tokens.copy_(flagged, non_blocking=True)
-            handle.copied = torch.cuda.Event()
-            handle.copied.record()
 
     @_on_device
     def collect(self, handle: StepHandle) -> list[int | None]:

@@ -55,6 +55,9 @@ class HostInputs:
     offloads: list[int] = field(default_factory=list)
     loads: list[int] = field(default_factory=list)
     overlap_loads: bool = False  # no sequence of the step reads the loaded blocks
+    # Pipeline stages: every row is plain greedy, and the last stage samples them
+    # (engine/runner/step_sampling.py)
+    greedy: bool = False
 
     @property
     def num_tokens(self) -> int:
