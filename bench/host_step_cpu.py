@@ -27,7 +27,7 @@ PARTS = {
     "lookahead": ("scheduler", "schedule_lookahead"),
     "prepare": ("runner", "prepare"),
     "forward": ("runner", "forward_with_plan"),
-    "sample": ("runner", "_sample"),
+    "sample": ("sampler", "sample"),
     "handle": ("engine", "_handle"),
 }
 
@@ -44,7 +44,12 @@ def one_run(folder: Path, seqs: int, steps: int) -> dict[str, float]:
         engine.add_request(f"r{i}", [rng.randrange(100, 500) for _ in range(40)], params)
     for _ in range(16):  # prompts prefilled, steps launched ahead
         engine.step()
-    owners = {"scheduler": engine.scheduler, "runner": engine.runner, "engine": engine}
+    owners = {
+        "scheduler": engine.scheduler,
+        "runner": engine.runner,
+        "sampler": engine.runner.step_sampler,
+        "engine": engine,
+    }
     spent = dict.fromkeys(PARTS, 0.0)
 
     def timed(part: str, fn: Any) -> Any:
