@@ -5,7 +5,9 @@ owns a contiguous range of decoder layers (the first also the embedding, the las
 and the LM head) and a KV cache for those layers only. Each step, stage s receives the hidden
 states and the residual ([2, T, H]) from the same TP rank of stage s - 1 and sends its own to
 stage s + 1, point to point (NCCL on GPUs, gloo on CPUs: raw tensors, no pickle). TP rank 0 of
-the last stage sends the logits of the rows to sample to global rank 0, which samples for all.
+the last stage sends the logits of the rows to sample to global rank 0, which samples for all;
+a step whose rows are all plain greedy it samples itself, and sends the token ids instead
+(engine/runner/step_sampling.py).
 
 The logits go back over a group of their own (`back`): NCCL runs a communicator's operations in
 the order they were issued, so on one group rank 0's send of batch B's hidden states would wait
