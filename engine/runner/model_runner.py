@@ -225,15 +225,19 @@ class ModelRunner:
             end = start + n
             table = seq.block_table
             drafts = seq.spec_token_ids  # speculative decoding: run after its last token
-            if next_ids is None:
-                ids = seq.token_ids + drafts if drafts else seq.token_ids
-                host.input_ids.extend(ids[start:end])
-            host.positions.extend(range(start, end))
-            host.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if n == 1:
+            if n == 1:  # a decode: most rows of most steps, without the ranges below
+                if next_ids is None:  # one token: never a draft (those follow the last one)
+                    host.input_ids.append(seq.token_ids[start])
+                host.positions.append(start)
+                host.slots.append(table[start // bs] * bs + start % bs)
                 host.decode_tables.append(table)
                 host.decode_lens.append(end)
             else:
+                if next_ids is None:
+                    ids = seq.token_ids + drafts if drafts else seq.token_ids
+                    host.input_ids.extend(ids[start:end])
+                host.positions.extend(range(start, end))
+                host.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
                 host.prefill_tables.append(table)
                 host.prefill_lens.append(end)
                 host.cu_seqlens.append(host.cu_seqlens[-1] + n)
