@@ -116,8 +116,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         gc.collect()
         gc.freeze()
     watch = None
-    if args.profile:
-        first = 3 if args.tiny else 40
+    if args.profile or args.watch:  # --watch: every step timed, none profiled
+        first = (3 if args.tiny else args.profile_first) if args.profile else 1 << 30
         watch = StepWatch(llm.engine, Path(args.json).with_suffix(""), first, args.keep_traces)
     wall = _generate_s(llm, requests, args.output_len)
     if watch is not None:
@@ -147,6 +147,9 @@ def _launch(args: argparse.Namespace, folder: Path, options: dict[str, Any], dev
         argv.append("--profile")
     if throughput_only:
         argv.append("--throughput-only")
+    if args.watch:
+        argv.append("--watch")
+    argv += ["--profile-first", str(args.profile_first)]
     if args.gc_freeze:
         argv.append("--gc-freeze")
     if args.keep_traces:
@@ -266,6 +269,12 @@ def main() -> None:
         "--profile",
         action="store_true",
         help="the throughput run's steps (wall, tokens by kind) and a profile of 8 on every rank",
+    )
+    parser.add_argument("--profile-first", type=int, default=40, help="the first step profiled")
+    parser.add_argument(
+        "--watch",
+        action="store_true",
+        help="every engine's throughput-run steps (wall, tokens by kind, rows), none profiled",
     )
     # One layout in this process (the parent's child).
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)

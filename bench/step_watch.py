@@ -27,6 +27,7 @@ class StepWatch:
         self.profiler: RankProfiler | None = None
         self._originals = step, launch = engine.step, engine.runner.launch
         self.launched = [0, 0]
+        self.span = (0.0, 0.0)  # the first step's start and the last one's end
 
         def counted_launch(batch: Any, *a: Any, **k: Any) -> Any:
             pairs = zip(batch.seqs, batch.num_new_tokens, strict=True)
@@ -41,7 +42,9 @@ class StepWatch:
                 self._profile(start=True)
             begin, self.launched = time.perf_counter(), [0, 0]
             deltas = step()
-            self.rows.append((time.perf_counter() - begin, *self.launched))
+            end = time.perf_counter()
+            self.rows.append((end - begin, *self.launched))
+            self.span = (self.span[0] or begin, end)
             if i == self.first + self.PROFILED - 1:
                 self._profile(start=False)
             return deltas
@@ -99,6 +102,8 @@ class StepWatch:
             f"gen{g}": dict(count=n, ms=round(1e3 * t, 2), longest_ms=round(1e3 * m, 2))
             for g, (n, t, m) in self.gc.items()
         }
+        out["steps_span_s"] = self.span[1] - self.span[0]  # the run's wall less add and output
+        out["rows"] = [(round(1e3 * t, 3), p, d) for t, p, d in self.rows]  # (ms, prefill, decode)
         out["profiled_steps"] = profiled = self.rows[self.first : self.first + self.PROFILED]
         for r in range(self.engine.config.world_size):
             path = Path(f"{self.trace}.rank{r}.json")

@@ -66,6 +66,35 @@ class Attention(nn.Module):
             out = torch.cat((self._decode(q[:nd], meta), self._prefill(q[nd:], meta)))
         return out.flatten(1)
 
+    @torch.inference_mode()
+    def warm_up(self, dtype: torch.dtype, max_context_len: int) -> None:
+        """Run a mixed step of one decode and one prefill row twice, storing nothing: first as
+        a short step (the decode written directly, the prefill's small query tile), then as a
+        long one (the decode in splits, the large tile). Every variant of the attention kernels
+        a step can launch is compiled before the first request, not in the middle of a step (a
+        Triton compile held rank 0's host for 0.5-0.7 s on an H100, with pipeline stages every
+        rank's too)."""
+        device = self.k_cache.device
+        i32 = {"dtype": torch.int32, "device": device}
+        q = torch.zeros(2, self.num_heads, self.head_dim, dtype=dtype, device=device)
+        kv = torch.zeros(2, self.num_kv_heads, self.head_dim, dtype=dtype, device=device)
+        table, one = torch.zeros(1, 1, **i32), torch.ones(1, **i32)
+        # The split count and the query tile follow the step's longest context and query.
+        for longest in (1, max_context_len):
+            meta = AttentionMetadata(
+                slot_mapping=torch.full((2,), -1, dtype=torch.int64, device=device),
+                num_decode_tokens=1,
+                decode_block_tables=table,
+                decode_context_lens=one,
+                max_decode_context_len=longest,
+                prefill_cu_seqlens=torch.tensor([0, 1], **i32),
+                prefill_context_lens=one,
+                prefill_block_tables=table,
+                max_prefill_query_len=longest,  # the kernel reads each row's own length
+                max_prefill_context_len=1,
+            )
+            self(q, kv, kv, meta)
+
     def _decode(self, q: torch.Tensor, m: AttentionMetadata) -> torch.Tensor:
         k, v, scale = self.k_cache, self.v_cache, self.scale
         tables, lens = m.decode_block_tables, m.decode_context_lens

@@ -144,6 +144,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # The torch reference kernels sync with the host: only the Triton ones are captured.
         capturable = envs.kernel_backend() != "torch"
+        if device.type == "cuda" and capturable:  # compiled now, not mid-step (attention.py)
+            attn_layers[0].warm_up(dtype, max_model_len)
         max_batch = min(config.max_num_seqs, 512)
         # A pipeline stage captures its own layers (the sends and receives between stages stay
         # outside its graphs); a stage of several TP ranks, its all-reduces over symmetric memory

@@ -23,13 +23,18 @@ from pdmesh.kernels.triton.kv_store import cache_strides
 # A split shorter than this costs more in its partial write and merge than it gains.
 MIN_SPLIT_TOKENS = 128
 MAX_SPLITS = 64
+MERGE_BLOCK_S = triton.next_power_of_2(MAX_SPLITS)
 # Programs per SM wanted in flight: decode is bound by memory latency, so more than one.
-# (The split count is a runtime argument: a new count does not compile a new kernel.)
 PROGRAMS_PER_SM = 4
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# Triton compiles a kernel again for each new pattern of its integer arguments (equal to 1, a
+# multiple of 16, neither). The split count and the block tables' width change from step to step
+# (a mixed step's tables are as wide as its longest context), so they are left unspecialized: a
+# compile mid-serving held rank 0's host (and its GIL) for 0.5-0.7 s on an H100, and with
+# pipeline stages every rank waited (bench/results/pp2-h100x2-2026-11-28b.json).
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -117,7 +122,7 @@ def _decode_split_kernel(
         tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g < GROUP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     part_ptr,
     lse_ptr,
@@ -267,7 +272,7 @@ def paged_decode_attention(
             out.stride(0),
             out.stride(1),
             HEAD_DIM=head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_S=MERGE_BLOCK_S,  # one size for every split count: one compile
             BLOCK_D=triton.next_power_of_2(head_dim),
             num_warps=4,
         )

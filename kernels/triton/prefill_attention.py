@@ -80,7 +80,9 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+# The block tables' width changes from step to step: unspecialized, so that a new width never
+# compiles the kernel again mid-serving (see decode_attention.py).
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,

@@ -161,3 +161,19 @@ def test_paged_prefill_matches_reference(
     out = paged_prefill_attention(*args)
     ref = paged_prefill_attention_ref(*args)
     assert_close(out, ref)
+
+
+def test_warm_up_runs_a_mixed_step_and_stores_nothing(
+    dtype: torch.dtype, device: torch.device
+) -> None:
+    """`Attention.warm_up` (run when an engine starts on a GPU, so that no kernel is compiled in
+    the middle of a step) passes one decode and one prefill row through the kernels, written
+    directly and in splits, and leaves every cache slot as it was."""
+    from pdmesh.engine.layers.attention import Attention
+
+    layer = Attention(num_heads=4, num_kv_heads=2, head_dim=64, scale=0.125)
+    k_cache, v_cache, _ = _paged_cache([40, 7], 2, 64, dtype, device, seed=3)
+    layer.k_cache, layer.v_cache = k_cache.clone(), v_cache.clone()
+    layer.warm_up(dtype, 1024)
+    assert torch.equal(layer.k_cache, k_cache)
+    assert torch.equal(layer.v_cache, v_cache)
