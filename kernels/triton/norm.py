@@ -19,7 +19,7 @@ from pdmesh.kernels.triton.device import last_dim_contiguous
 _TILE_ELEMENTS = 4096
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(
     x_ptr,
     res_ptr,
@@ -71,7 +71,9 @@ def _launch(
         res_out = torch.empty(n_rows, hidden, dtype=res_dtype, device=x.device)
     if n_rows:
         block_c = triton.next_power_of_2(hidden)
-        block_r = max(1, min(_TILE_ELEMENTS // block_c, triton.next_power_of_2(n_rows)))
+        # Rows a program takes: from the row size only, so that a new row count never compiles
+        # the kernel again mid-step (see decode_attention.py); short batches mask the rest.
+        block_r = max(1, _TILE_ELEMENTS // block_c)
         _rms_norm_kernel[(triton.cdiv(n_rows, block_r),)](
             x2,
             res2 if res2 is not None else x2,
