@@ -9,6 +9,7 @@ engines run side by side (two processes, a GPU each), each on half the requests.
                                                                   # dense: TP=4, TP=2 x PP=2
     python -m pdmesh.bench.gpu_data_parallel --out DIR --tiny     # a dry run on CPU (gloo)
     python -m pdmesh.bench.gpu_data_parallel --out DIR --profile  # + where the steps' time goes
+    python -m pdmesh.bench.gpu_data_parallel --out DIR --watch    # every step timed, by phase
 
 MoE: the Qwen3-30B-A3B shape cut to `--moe-layers` of its 48 layers; layouts one GPU, DP=2 + EP=2
 (data-parallel attention, experts split over both), EP=2 (tensor-parallel attention), DP=2
