@@ -30,6 +30,11 @@ def add_bench(sub: Any) -> None:
         help="hostile requests on both edges of a mesh: no 5xx, hang or worker death allowed",
     )
     mode.add_argument(
+        "--serve",
+        action="store_true",
+        help="pdmesh up against vllm serve, both driven by vllm bench serve (bench/serve_peer.py)",
+    )
+    mode.add_argument(
         "--speculative",
         action="store_true",
         help="n-gram speculative decoding against none, CPU, default model (bench/speculative.py)",
@@ -100,6 +105,11 @@ def add_bench(sub: Any) -> None:
     v.add_argument(
         "--draft-model", default=None, help="also a draft model at batch 1 (default: itself)"
     )
+    e = b.add_argument_group("against vllm serve (--serve; --num-requests, --input-len, ...)")
+    e.add_argument("--rounds", type=int, default=1, help="vllm, then pdmesh, this many times")
+    e.add_argument(
+        "--disagg", action="store_true", help="pdmesh up --prefill 1 --decode 1, not --colocated"
+    )
     f = b.add_argument_group("fuzz (--fuzz)")
     f.add_argument("--fuzz-cases", type=int, default=3000, help="hostile requests to send")
     f.add_argument(
@@ -118,4 +128,5 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "serving" if args.target else "relay" if args.relay else "soak" if args.soak else "offline"
     )
     mode = "speculative" if args.speculative else "fuzz" if args.fuzz else mode
+    mode = "serve_peer" if args.serve else mode
     return getattr(importlib.import_module(f"pdmesh.bench.{mode}"), f"run_{mode}_bench")(args)

@@ -1,0 +1,279 @@
+"""`pdmesh bench --serve --peer vllm`: the serving path against `vllm serve`, both driven by
+vLLM's own serving benchmark client (`vllm bench serve`) with the same requests and load.
+
+On this machine, one after the other (never together: they would share the cores): `vllm serve`
+(vLLM's CPU build, from the venv `--peer-venv`, made when missing) and `pdmesh up --colocated`
+(`--disagg`: `pdmesh up --prefill 1 --decode 1`), each on the same model folder (the embedded
+default unless `--model`), fp32, the same `--max-model-len`, served under one name. Each server
+is started, waited for (a completion of one token answered), measured with
+
+    vllm bench serve --backend openai --endpoint /v1/completions --dataset-name random
+        --random-input-len IN --random-output-len OUT --num-prompts N --max-concurrency C
+        --ignore-eos --seed 0
+
+and stopped. `--rounds` alternates them that many times. Reports output tokens/s, TTFT and
+inter-token latency (mean, median, p99) of each run and pdmesh's ratios to vLLM's; writes every
+run's client result with `--json-out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from pdmesh.bench.offline import VLLM_MEMORY_FRACTION, vllm_python
+from pdmesh.checkpoint.source import model_display_name, resolve_model_folder
+from pdmesh.processes import free_port
+
+READY_TIMEOUT_S = 600.0
+RUN_TIMEOUT_S = 1800.0
+METRICS = (
+    "output_throughput",
+    "request_throughput",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "mean_itl_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+)
+
+
+class Server:
+    """A server process group on `port`, its output in `log`; stopped with the whole group."""
+
+    def __init__(self, argv: list[str], port: int, log: Path, cwd: Path) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        with log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True
+            )
+
+    def wait_ready(self, model: str) -> float:
+        """Seconds until a one-token completion is answered (the server, its engine, its
+        tokenizer all up); RuntimeError if the process ends first."""
+        start = time.monotonic()
+        body = json.dumps({"model": model, "prompt": "Hi", "max_tokens": 1}).encode()
+        while time.monotonic() - start < READY_TIMEOUT_S:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode} while starting")
+            request = urllib.request.Request(
+                f"{self.url}/v1/completions", body, {"Content-Type": "application/json"}
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=30) as response:
+                    if response.status == 200:
+                        return time.monotonic() - start
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"no completion from {self.url} within {READY_TIMEOUT_S:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def vllm_cli(venv: Path, work: Path) -> list[str]:
+    """`vllm` as the peer venv's python runs it (bench/vllm_cli.py), from a copy in `work`:
+    neither bench/ nor the checkout may be on its path (their `kernels` would shadow vLLM's)."""
+    script = work / "vllm_cli.py"
+    if not script.exists():
+        shutil.copyfile(Path(__file__).with_name("vllm_cli.py"), script)
+    return [str(venv / "bin" / "python"), str(script)]
+
+
+def vllm_server(cli: list[str], folder: Path, name: str, max_len: int, port: int) -> list[str]:
+    return [
+        *cli,
+        "serve",
+        str(folder),
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(max_len),
+        "--seed",
+        "0",
+        "--served-model-name",
+        name,
+        "--gpu-memory-utilization",
+        str(VLLM_MEMORY_FRACTION),
+    ]
+
+
+def pdmesh_server(model: str | None, max_len: int, port: int, disagg: bool) -> list[str]:
+    """model: as the user gave it (None: the embedded default), so it is served under the name
+    `model_display_name` gives, which vLLM is told to use too."""
+    layout = ["--prefill", "1", "--decode", "1"] if disagg else ["--colocated"]
+    model_flag = ["--model", model] if model else []
+    return [
+        sys.executable,
+        "-m",
+        "pdmesh.cli",
+        "up",
+        *layout,
+        "--port",
+        str(free_port()),
+        "--http-port",
+        str(port),
+        *model_flag,
+        "--max-model-len",
+        str(max_len),
+    ]
+
+
+def client(cli: list[str], url: str, name: str, folder: Path, args: argparse.Namespace,
+           out: Path) -> list[str]:  # fmt: skip
+    return [
+        *cli,
+        "bench",
+        "serve",
+        "--backend",
+        "openai",
+        "--base-url",
+        url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        name,
+        "--tokenizer",
+        str(folder),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(args.input_len),
+        "--random-output-len",
+        str(args.output_len or 64),
+        "--num-prompts",
+        str(args.num_requests),
+        "--max-concurrency",
+        str(args.concurrency or 8),
+        "--ignore-eos",
+        "--seed",
+        "0",
+        "--percentile-metrics",
+        "ttft,tpot,itl",
+        "--metric-percentiles",
+        "50,99",
+        "--save-result",
+        "--result-dir",
+        str(out.parent),
+        "--result-filename",
+        out.name,
+    ]
+
+
+def measure(engine: str, argv: list[str], port: int, cli: list[str], folder: Path, name: str,
+            args: argparse.Namespace, work: Path, index: int) -> dict[str, Any]:  # fmt: skip
+    """Start one server, run the client against it, stop it: the client's figures."""
+    log = work / f"{engine}-{index}.log"
+    server = Server(argv, port, log, cwd=work)
+    try:
+        ready_s = server.wait_ready(name)
+        result = work / f"{engine}-{index}.json"
+        with log.open("ab") as out:
+            subprocess.run(
+                client(cli, server.url, name, folder, args, result),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=work,
+                check=True,
+                timeout=RUN_TIMEOUT_S,
+            )
+        data = json.loads(result.read_text())
+    finally:
+        server.stop()
+    figures = {k: data[k] for k in METRICS if k in data}
+    figures.update(engine=engine, ready_s=round(ready_s, 1), completed=data.get("completed"))
+    if data.get("completed") != args.num_requests:
+        raise RuntimeError(f"{engine}: {data.get('completed')} of {args.num_requests} completed")
+    return figures
+
+
+def run_serve_peer_bench(args: argparse.Namespace) -> int:
+    venv = Path(args.peer_venv).expanduser()
+    vllm_python(venv)  # made once when missing
+    folder = resolve_model_folder(args.model)
+    name = model_display_name(args.model)
+    max_len = args.max_model_len or 1024
+    work = Path(tempfile.mkdtemp(prefix="pdmesh-serve-peer-"))
+    cli = vllm_cli(venv, work)
+    runs: list[dict[str, Any]] = []
+    for index in range(args.rounds):
+        for engine in ("vllm", "pdmesh"):
+            port = free_port()
+            argv = (
+                vllm_server(cli, folder, name, max_len, port)
+                if engine == "vllm"
+                else pdmesh_server(args.model, max_len, port, args.disagg)
+            )
+            runs.append(measure(engine, argv, port, cli, folder, name, args, work, index))
+            print(json.dumps(runs[-1]), flush=True)
+    summary = summarize(runs)
+    print(table(runs, summary))
+    if args.json_out:
+        Path(args.json_out).write_text(
+            json.dumps({"workload": workload(args), "runs": runs, "summary": summary}, indent=1)
+        )
+    print(f"logs and client results: {work}")
+    return 0
+
+
+def workload(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "client": "vllm bench serve (random dataset, /v1/completions, ignore_eos)",
+        "num_prompts": args.num_requests,
+        "input_len": args.input_len,
+        "output_len": args.output_len or 64,
+        "max_concurrency": args.concurrency or 8,
+        "pdmesh_layout": "pdmesh up --prefill 1 --decode 1" if args.disagg else "--colocated",
+        "cores": os.cpu_count(),
+    }
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the rounds of each engine, and pdmesh's ratio to vLLM's for each figure."""
+    med = {
+        engine: {
+            k: statistics.median(r[k] for r in runs if r["engine"] == engine)
+            for k in METRICS
+            if all(k in r for r in runs)
+        }
+        for engine in ("vllm", "pdmesh")
+    }
+    ratios = {k: med["pdmesh"][k] / med["vllm"][k] for k in med["pdmesh"] if med["vllm"].get(k)}
+    return {"median": med, "pdmesh_over_vllm": ratios}
+
+
+def table(runs: list[dict[str, Any]], summary: dict[str, Any]) -> str:
+    cols = ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_itl_ms",
+            "p99_itl_ms")  # fmt: skip
+    rows = ["| run | " + " | ".join(cols) + " |", "| --- |" + " ---: |" * len(cols)]
+    for i, r in enumerate(runs):
+        rows.append(
+            f"| {r['engine']} {i // 2 + 1} | " + " | ".join(f"{r[c]:.1f}" for c in cols) + " |"
+        )
+    ratio = summary["pdmesh_over_vllm"]
+    rows.append("| pdmesh / vLLM (medians) | " + " | ".join(f"{ratio[c]:.2f}" for c in cols) + " |")
+    return "\n".join(rows)
