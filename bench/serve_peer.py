@@ -84,13 +84,25 @@ class Server:
         raise TimeoutError(f"no completion from {self.url} within {READY_TIMEOUT_S:.0f} s")
 
     def stop(self) -> None:
+        """Stop the server and every process it started (its engine's too), so that none of
+        them is still running while the next server is measured."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
+        deadline = time.monotonic() + 60
+        while self._group_alive():
+            self.proc.poll()  # reap the leader, or the group stays alive as a zombie's
+            if time.monotonic() > deadline:
                 os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+                deadline = time.monotonic() + 60
+            time.sleep(0.2)
+        self.proc.wait()
+
+    def _group_alive(self) -> bool:
+        try:
+            os.killpg(self.proc.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
 
 def vllm_cli(venv: Path, work: Path) -> list[str]:
@@ -188,6 +200,7 @@ def measure(engine: str, argv: list[str], port: int, cli: list[str], folder: Pat
             args: argparse.Namespace, work: Path, index: int) -> dict[str, Any]:  # fmt: skip
     """Start one server, run the client against it, stop it: the client's figures."""
     log = work / f"{engine}-{index}.log"
+    load_before = os.getloadavg()[0]  # the machine's 1-minute load as the server starts
     server = Server(argv, port, log, cwd=work)
     try:
         ready_s = server.wait_ready(name)
@@ -206,6 +219,7 @@ def measure(engine: str, argv: list[str], port: int, cli: list[str], folder: Pat
         server.stop()
     figures = {k: data[k] for k in METRICS if k in data}
     figures.update(engine=engine, ready_s=round(ready_s, 1), completed=data.get("completed"))
+    figures["load_before"] = round(load_before, 2)
     if data.get("completed") != args.num_requests:
         raise RuntimeError(f"{engine}: {data.get('completed')} of {args.num_requests} completed")
     return figures
@@ -221,7 +235,7 @@ def run_serve_peer_bench(args: argparse.Namespace) -> int:
     cli = vllm_cli(venv, work)
     runs: list[dict[str, Any]] = []
     for index in range(args.rounds):
-        for engine in ("vllm", "pdmesh"):
+        for engine in ("pdmesh",) if args.skip_peer else ("vllm", "pdmesh"):
             port = free_port()
             argv = (
                 vllm_server(cli, folder, name, max_len, port)
@@ -254,6 +268,8 @@ def workload(args: argparse.Namespace) -> dict[str, Any]:
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over the rounds of each engine, and pdmesh's ratio to vLLM's for each figure."""
+    if not any(r["engine"] == "vllm" for r in runs):  # --skip-peer
+        return {"median": {}, "pdmesh_over_vllm": {}}
     med = {
         engine: {
             k: statistics.median(r[k] for r in runs if r["engine"] == engine)
@@ -275,5 +291,8 @@ def table(runs: list[dict[str, Any]], summary: dict[str, Any]) -> str:
             f"| {r['engine']} {i // 2 + 1} | " + " | ".join(f"{r[c]:.1f}" for c in cols) + " |"
         )
     ratio = summary["pdmesh_over_vllm"]
-    rows.append("| pdmesh / vLLM (medians) | " + " | ".join(f"{ratio[c]:.2f}" for c in cols) + " |")
+    if ratio:
+        rows.append(
+            "| pdmesh / vLLM (medians) | " + " | ".join(f"{ratio[c]:.2f}" for c in cols) + " |"
+        )
     return "\n".join(rows)
