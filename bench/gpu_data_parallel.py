@@ -227,6 +227,29 @@ def ratios(results: dict[str, Any], cases: list[list[int]], gpus: int) -> None:
             r["tpot_b64_vs_ceiling"] = r["tpot_b64_ms"] / one[f"tpot_b{64 // gpus}_ms"]
 
 
+def phases(data: dict[str, Any]) -> str:
+    """Where each engine's throughput run went (--watch, --profile): seconds of prefill steps
+    (those with prompt tokens) and of decode-only steps, and the decode step's median."""
+    rows = ["| model | engine | wall s | prefill s (steps) | decode s (steps) | decode p50 ms |",
+            "| --- | --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for name in LAYOUTS:
+        for layout, r in data.get(name, {}).items():
+            runs = r.get("halves", []) if layout == "ceiling" else [r]
+            for i, run in enumerate(runs):
+                steps = run.get("steps")
+                if not steps:
+                    continue
+                pre, dec = steps["prefill"], steps["decode_only"]
+                engine = f"{layout} {i}" if layout == "ceiling" else layout
+                p50 = steps.get("decode_step_ms", {}).get("p50", "-")
+                rows.append(
+                    f"| {name} | {engine} | {run['throughput_wall_s']:.2f} | "
+                    f"{pre['seconds']:.2f} ({pre['steps']}) | "
+                    f"{dec['seconds']:.2f} ({dec['steps']}) | {p50} |"
+                )
+    return "\n".join(rows) if len(rows) > 2 else ""
+
+
 def table(data: dict[str, Any]) -> str:
     rows = ["| model | layout | tok/s | vs 1 GPU | vs ceiling | b1 ms | b64 ms (vs 1) | close s |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
@@ -321,6 +344,7 @@ def main() -> None:
         save_word_tokenizer(folder, config.vocab_size)
         run_model(args, name, folder, report)
     print(table(report.data))
+    print(phases(report.data))
 
 
 if __name__ == "__main__":
