@@ -111,6 +111,16 @@ def vllm_python(venv: Path) -> Path:
     return python
 
 
+def peer_script(name: str, folder: Path) -> Path:
+    """A copy of bench/`name` (a script the peer's python runs by path) in `folder`, which the
+    peer runs from: neither bench/ nor the checkout may be on its path (their `kernels` would
+    shadow the package vLLM imports), and python's -P would reach vLLM's spawned engine
+    processes, which then fail to start."""
+    script = folder / name
+    shutil.copyfile(Path(__file__).with_name(name), script)
+    return script
+
+
 def run_vllm(python: Path, folder: str, work: Workload, **options: Any) -> dict[str, Any]:
     """The workload on vLLM in a process of its own (bench/vllm_peer.py); its JSON result.
     options: the job's optional fields (ignore_eos, batch, speculative_config)."""
@@ -129,11 +139,7 @@ def run_vllm(python: Path, folder: str, work: Workload, **options: Any) -> dict[
                 }
             )
         )
-        # Run from a copy in the temporary folder: neither bench/ nor the checkout may be on
-        # its path (their `kernels` would shadow the package vLLM imports), and python's -P
-        # would reach vLLM's spawned engine processes, which then fail to start.
-        script = Path(tmp) / "vllm_peer.py"
-        shutil.copyfile(Path(__file__).with_name("vllm_peer.py"), script)
+        script = peer_script("vllm_peer.py", Path(tmp))
         done = subprocess.run(
             [str(python), str(script), str(job)],
             stdout=subprocess.PIPE,

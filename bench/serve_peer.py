@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import statistics
 import subprocess
@@ -30,10 +29,11 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdmesh.bench.offline import VLLM_MEMORY_FRACTION, vllm_python
+from pdmesh.bench.offline import VLLM_MEMORY_FRACTION, peer_script, vllm_python
 from pdmesh.checkpoint.source import model_display_name, resolve_model_folder
 from pdmesh.processes import free_port
 
@@ -105,144 +105,84 @@ class Server:
         return True
 
 
-def vllm_cli(venv: Path, work: Path) -> list[str]:
-    """`vllm` as the peer venv's python runs it (bench/vllm_cli.py), from a copy in `work`:
-    neither bench/ nor the checkout may be on its path (their `kernels` would shadow vLLM's)."""
-    script = work / "vllm_cli.py"
-    if not script.exists():
-        shutil.copyfile(Path(__file__).with_name("vllm_cli.py"), script)
-    return [str(venv / "bin" / "python"), str(script)]
+@dataclass(frozen=True)
+class Comparison:
+    """What both servers and every run share: vLLM's command line (`cli`, the peer venv's python
+    running bench/vllm_cli.py), the model's folder and served name, the length, the flags."""
 
+    cli: list[str]
+    folder: Path
+    name: str
+    max_len: int
+    args: argparse.Namespace
+    work: Path  # logs, the clients' results, the script vLLM runs from
 
-def vllm_server(cli: list[str], folder: Path, name: str, max_len: int, port: int) -> list[str]:
-    return [
-        *cli,
-        "serve",
-        str(folder),
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        str(max_len),
-        "--seed",
-        "0",
-        "--served-model-name",
-        name,
-        "--gpu-memory-utilization",
-        str(VLLM_MEMORY_FRACTION),
-    ]
+    def server_argv(self, engine: str, port: int) -> list[str]:
+        if engine == "vllm":
+            return [*self.cli, "serve", str(self.folder), "--port", str(port),
+                    "--dtype", "float32", "--max-model-len", str(self.max_len), "--seed", "0",
+                    "--served-model-name", self.name,
+                    "--gpu-memory-utilization", str(VLLM_MEMORY_FRACTION)]  # fmt: skip
+        # The model as the user gave it (None: the embedded default), so that it is served under
+        # the name `model_display_name` gives, which vLLM is told to use too.
+        layout = ["--prefill", "1", "--decode", "1"] if self.args.disagg else ["--colocated"]
+        model = ["--model", self.args.model] if self.args.model else []
+        return [sys.executable, "-m", "pdmesh.cli", "up", *layout, "--port", str(free_port()),
+                "--http-port", str(port), *model, "--max-model-len", str(self.max_len)]  # fmt: skip
 
+    def client_argv(self, url: str, out: Path) -> list[str]:
+        a = self.args
+        return [*self.cli, "bench", "serve", "--backend", "openai", "--base-url", url,
+                "--endpoint", "/v1/completions", "--model", self.name,
+                "--tokenizer", str(self.folder), "--dataset-name", "random",
+                "--random-input-len", str(a.input_len),
+                "--random-output-len", str(a.output_len or 64),
+                "--num-prompts", str(a.num_requests),
+                "--max-concurrency", str(a.concurrency or 8), "--ignore-eos", "--seed", "0",
+                "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+                "--save-result", "--result-dir", str(out.parent),
+                "--result-filename", out.name]  # fmt: skip
 
-def pdmesh_server(model: str | None, max_len: int, port: int, disagg: bool) -> list[str]:
-    """model: as the user gave it (None: the embedded default), so it is served under the name
-    `model_display_name` gives, which vLLM is told to use too."""
-    layout = ["--prefill", "1", "--decode", "1"] if disagg else ["--colocated"]
-    model_flag = ["--model", model] if model else []
-    return [
-        sys.executable,
-        "-m",
-        "pdmesh.cli",
-        "up",
-        *layout,
-        "--port",
-        str(free_port()),
-        "--http-port",
-        str(port),
-        *model_flag,
-        "--max-model-len",
-        str(max_len),
-    ]
-
-
-def client(cli: list[str], url: str, name: str, folder: Path, args: argparse.Namespace,
-           out: Path) -> list[str]:  # fmt: skip
-    return [
-        *cli,
-        "bench",
-        "serve",
-        "--backend",
-        "openai",
-        "--base-url",
-        url,
-        "--endpoint",
-        "/v1/completions",
-        "--model",
-        name,
-        "--tokenizer",
-        str(folder),
-        "--dataset-name",
-        "random",
-        "--random-input-len",
-        str(args.input_len),
-        "--random-output-len",
-        str(args.output_len or 64),
-        "--num-prompts",
-        str(args.num_requests),
-        "--max-concurrency",
-        str(args.concurrency or 8),
-        "--ignore-eos",
-        "--seed",
-        "0",
-        "--percentile-metrics",
-        "ttft,tpot,itl",
-        "--metric-percentiles",
-        "50,99",
-        "--save-result",
-        "--result-dir",
-        str(out.parent),
-        "--result-filename",
-        out.name,
-    ]
-
-
-def measure(engine: str, argv: list[str], port: int, cli: list[str], folder: Path, name: str,
-            args: argparse.Namespace, work: Path, index: int) -> dict[str, Any]:  # fmt: skip
-    """Start one server, run the client against it, stop it: the client's figures."""
-    log = work / f"{engine}-{index}.log"
-    load_before = os.getloadavg()[0]  # the machine's 1-minute load as the server starts
-    server = Server(argv, port, log, cwd=work)
-    try:
-        ready_s = server.wait_ready(name)
-        result = work / f"{engine}-{index}.json"
-        with log.open("ab") as out:
-            subprocess.run(
-                client(cli, server.url, name, folder, args, result),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=work,
-                check=True,
-                timeout=RUN_TIMEOUT_S,
-            )
-        data = json.loads(result.read_text())
-    finally:
-        server.stop()
-    figures = {k: data[k] for k in METRICS if k in data}
-    figures.update(engine=engine, ready_s=round(ready_s, 1), completed=data.get("completed"))
-    figures["load_before"] = round(load_before, 2)
-    if data.get("completed") != args.num_requests:
-        raise RuntimeError(f"{engine}: {data.get('completed')} of {args.num_requests} completed")
-    return figures
+    def measure(self, engine: str, index: int) -> dict[str, Any]:
+        """Start one server, run the client against it, stop it: the client's figures."""
+        port, log = free_port(), self.work / f"{engine}-{index}.log"
+        load_before = os.getloadavg()[0]  # the machine's 1-minute load as the server starts
+        server = Server(self.server_argv(engine, port), port, log, cwd=self.work)
+        try:
+            ready_s = server.wait_ready(self.name)
+            result = self.work / f"{engine}-{index}.json"
+            with log.open("ab") as out:
+                subprocess.run(self.client_argv(server.url, result), stdout=out,
+                               stderr=subprocess.STDOUT, cwd=self.work, check=True,
+                               timeout=RUN_TIMEOUT_S)  # fmt: skip
+            data = json.loads(result.read_text())
+        finally:
+            server.stop()
+        wanted = self.args.num_requests
+        if data.get("completed") != wanted:
+            raise RuntimeError(f"{engine}: {data.get('completed')} of {wanted} completed")
+        figures = {k: data[k] for k in METRICS if k in data}
+        figures.update(engine=engine, ready_s=round(ready_s, 1), completed=data["completed"])
+        figures["load_before"] = round(load_before, 2)
+        return figures
 
 
 def run_serve_peer_bench(args: argparse.Namespace) -> int:
     venv = Path(args.peer_venv).expanduser()
-    vllm_python(venv)  # made once when missing
-    folder = resolve_model_folder(args.model)
-    name = model_display_name(args.model)
-    max_len = args.max_model_len or 1024
+    python = vllm_python(venv)  # made once when missing
     work = Path(tempfile.mkdtemp(prefix="pdmesh-serve-peer-"))
-    cli = vllm_cli(venv, work)
+    comparison = Comparison(
+        cli=[str(python), str(peer_script("vllm_cli.py", work))],
+        folder=resolve_model_folder(args.model),
+        name=model_display_name(args.model),
+        max_len=args.max_model_len or 1024,
+        args=args,
+        work=work,
+    )
     runs: list[dict[str, Any]] = []
     for index in range(args.rounds):
         for engine in ("pdmesh",) if args.skip_peer else ("vllm", "pdmesh"):
-            port = free_port()
-            argv = (
-                vllm_server(cli, folder, name, max_len, port)
-                if engine == "vllm"
-                else pdmesh_server(args.model, max_len, port, args.disagg)
-            )
-            runs.append(measure(engine, argv, port, cli, folder, name, args, work, index))
+            runs.append(comparison.measure(engine, index))
             print(json.dumps(runs[-1]), flush=True)
     summary = summarize(runs)
     print(table(runs, summary))
