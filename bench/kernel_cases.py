@@ -236,7 +236,7 @@ def moe_cases(s: Shapes, dtype: torch.dtype, device: torch.device) -> Iterator[C
             _nbytes(logits) + tokens * s.top_k * 12,
             0.0,
         )
-        weights, ids = moe_route_ref(logits, s.top_k, True)
+        weights, ids, _ = moe_route_ref(logits, s.top_k, True)
         x = torch.randn(tokens, h, dtype=dtype, device=device)
         hit = int(torch.unique(ids).numel())
         args = (x, w13, w2, weights, ids, 0)

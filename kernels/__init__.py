@@ -11,13 +11,15 @@ from pdmesh.kernels.attention import (
     store_kv_cache,
 )
 from pdmesh.kernels.linear import linear, silu_and_mul_linear
-from pdmesh.kernels.moe import count_expert_tokens, moe_experts, moe_route
+from pdmesh.kernels.moe import RouteTally, Routing, SlotTable, moe_experts, moe_route
 from pdmesh.kernels.norm import fused_add_rms_norm, rms_norm
 from pdmesh.kernels.rotary import apply_rotary
 
 __all__ = [
+    "RouteTally",
+    "Routing",
+    "SlotTable",
     "apply_rotary",
-    "count_expert_tokens",
     "fused_add_rms_norm",
     "linear",
     "moe_experts",

@@ -7,6 +7,8 @@ global and ids outside that range are skipped.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -14,19 +16,70 @@ from pdmesh.kernels.backend import pick
 from pdmesh.kernels.fp8 import dequantize_rows
 
 
+class SlotTable(NamedTuple):
+    """Logical experts -> physical slots under EPLB (pdmesh.engine.layers.expert_map): expert e
+    has replicas[e] slots, log2phy[e, 0 .. replicas[e] - 1]; the pair of batch row r goes to
+    replica (first_token + r) % replicas[e], so a hot expert's tokens split evenly and the same
+    batch always dispatches the same way."""
+
+    log2phy: torch.Tensor  # [E, P] int64
+    replicas: torch.Tensor  # [E] int64
+    first_token: int  # the batch index of logits row 0
+
+
+class RouteTally(NamedTuple):
+    """Routed pairs to count as they are routed (load statistics, EPLB): those of rows
+    [lo, hi) of the logits (under expert parallelism each rank counts its own share, so the
+    ranks' counts summed count every pair once) are added to `expert_counts` ([E] int64) and,
+    with a slot table, to `slot_counts` ([P] int64), in place."""
+
+    lo: int
+    hi: int
+    expert_counts: torch.Tensor
+    slot_counts: torch.Tensor | None = None
+
+
+class Routing(NamedTuple):
+    weights: torch.Tensor  # [T, k] float32
+    ids: torch.Tensor  # [T, k] int64 logical experts
+    slots: torch.Tensor  # [T, k] int64 physical slots (`ids` itself without a slot table)
+
+
 def moe_route(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits: [T, E] -> (weights [T, k] float32, expert ids [T, k] int64)."""
-    return pick("moe_route", router_logits, moe_route_ref)(router_logits, top_k, renormalize)
+    router_logits: torch.Tensor,  # [T, E]
+    top_k: int,
+    renormalize: bool,
+    table: SlotTable | None = None,
+    tally: RouteTally | None = None,
+) -> Routing:
+    """Softmax, top-k (renormalised), each pair's physical slot and the counts, in one kernel
+    on GPUs: at decode batch sizes every one of these is a launch of ~2 us for nanoseconds of
+    work, and a step runs them once per MoE layer."""
+    fn = pick("moe_route", router_logits, moe_route_ref)
+    return fn(router_logits, top_k, renormalize, table, tally)
 
 
-def moe_route_ref(router_logits, top_k, renormalize):
+def moe_route_ref(router_logits, top_k, renormalize, table=None, tally=None):
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+    slots = ids
+    if table is not None:
+        row = torch.arange(ids.shape[0], device=ids.device) + table.first_token
+        slots = table.log2phy[ids, row[:, None] % table.replicas[ids]]
+    if tally is not None:
+        _count(tally.expert_counts, ids[tally.lo : tally.hi])
+        if tally.slot_counts is not None:
+            _count(tally.slot_counts, slots[tally.lo : tally.hi])
+    return Routing(weights, ids, slots)
+
+
+def _count(counts: torch.Tensor, ids: torch.Tensor) -> None:
+    # scatter_add, not bincount: bincount reads its input's max on the host, which a CUDA graph
+    # capture does not allow.
+    flat = ids.flatten()
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=counts.dtype))
 
 
 def moe_experts(
@@ -80,12 +133,3 @@ def moe_experts_ref(
         h = h * topk_weights[token_idx, slot, None]
         out.index_add_(0, token_idx, h.to(out.dtype))
     return out
-
-
-def count_expert_tokens(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Tokens routed to each expert in this batch: [E] int64 (for load statistics)."""
-    # scatter_add, not bincount: bincount reads its input's max on the host, which a CUDA graph
-    # capture does not allow.
-    ids = topk_ids.flatten()
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
-    return counts.scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.int64))

@@ -139,7 +139,7 @@ def test_moe_matches_dense_per_token(top_k: int, renormalize: bool, first_expert
     w13 = torch.randn(local, 2 * inter, hidden, dtype=torch.float64)
     w2 = torch.randn(local, hidden, inter, dtype=torch.float64)
     logits = torch.randn(20, num_experts, dtype=torch.float64)
-    weights, ids = moe_route_ref(logits, top_k, renormalize)
+    weights, ids, _ = moe_route_ref(logits, top_k, renormalize)
     probs = logits.softmax(-1)
     torch.testing.assert_close(
         weights,

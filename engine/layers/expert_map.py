@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from pdmesh.kernels import SlotTable
+
 
 class ExpertMap(nn.Module):
     def __init__(self, num_experts: int, num_physical: int, num_ranks: int) -> None:
@@ -43,11 +45,9 @@ class ExpertMap(nn.Module):
     def placement(self) -> tuple[int, ...]:
         return tuple(self.phy2log.tolist())
 
-    def physical(self, ids: torch.Tensor, first_token: int) -> torch.Tensor:
-        """ids: [t, k] logical experts of tokens first_token.. of the batch -> [t, k] slots."""
-        token = torch.arange(first_token, first_token + ids.shape[0], device=ids.device)
-        replica = token[:, None] % self.replicas[ids]  # [t, k]
-        return self.log2phy[ids, replica]
+    def table(self, first_token: int) -> SlotTable:
+        """The tables routing reads to send the pairs of batch rows first_token.. to slots."""
+        return SlotTable(self.log2phy, self.replicas, first_token)
 
     def local_experts(self, rank: int) -> list[int]:
         """The logical expert of each of `rank`'s slots."""

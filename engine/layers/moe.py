@@ -44,7 +44,7 @@ from pdmesh.engine.layers.linear import ReplicatedLinear
 from pdmesh.engine.layers.quantization.rows import store_rows
 from pdmesh.engine.parallel.group import SINGLE, ParallelGroup
 from pdmesh.engine.weights import CheckpointTensor
-from pdmesh.kernels import count_expert_tokens, moe_experts, moe_route
+from pdmesh.kernels import RouteTally, moe_experts, moe_route
 
 
 class FusedMoE(nn.Module):
@@ -144,26 +144,24 @@ class FusedMoE(nn.Module):
             if self.tp.moe_all_reduce:
                 return self._forward_all_reduce(x, self.experts)
             return self._forward_expert_parallel(x, self.experts)
-        weights, ids = moe_route(self.gate(x), self.top_k, self.renormalize)
-        self.expert_counts += count_expert_tokens(ids, self.num_experts)
+        tally = RouteTally(0, x.shape[0], self.expert_counts)
+        r = moe_route(self.gate(x), self.top_k, self.renormalize, tally=tally)
         w13, w2, first = self.w13_weight, self.w2_weight, self.first_expert
-        out = moe_experts(x, w13, w2, weights, ids, first, *self._scales())
+        out = moe_experts(x, w13, w2, r.weights, r.ids, first, *self._scales())
         return self.tp.all_reduce(out)
 
     def _forward_all_reduce(self, x: torch.Tensor, experts: ExpertMap) -> torch.Tensor:
         # x: [T, H], the same on every rank -> [T, H]
         g, num_tokens = self.tp, x.shape[0]
-        weights, ids = moe_route(self.gate(x), self.top_k, self.renormalize)  # [T, k]
-        slots = experts.physical(ids, 0)  # [T, k]
         # Each rank counts its own slice of the tokens, so the counts summed over the ranks
         # count every pair once (as with all_to_all).
         per_rank = -(-num_tokens // g.size)
         lo, hi = min(g.rank * per_rank, num_tokens), min((g.rank + 1) * per_rank, num_tokens)
-        self.expert_counts += count_expert_tokens(ids[lo:hi], self.num_experts)
-        self.physical_counts += count_expert_tokens(slots[lo:hi], experts.num_physical)
+        tally = RouteTally(lo, hi, self.expert_counts, self.physical_counts)
+        r = moe_route(self.gate(x), self.top_k, self.renormalize, experts.table(0), tally)
         # Pairs of experts held elsewhere are skipped (they count zero here).
         w13, w2, first = self.w13_weight, self.w2_weight, self.first_expert
-        out = moe_experts(x, w13, w2, weights, slots, first, *self._scales())
+        out = moe_experts(x, w13, w2, r.weights, r.slots, first, *self._scales())
         return g.all_reduce(out)
 
     def _forward_gather_scatter(self, x: torch.Tensor, experts: ExpertMap) -> torch.Tensor:
@@ -187,16 +185,15 @@ class FusedMoE(nn.Module):
         if flagged:
             keep = everyone[:, hidden] > 0  # [N * width]
             everyone = everyone[:, :hidden].contiguous()
-        weights, ids = moe_route(self.gate(everyone), self.top_k, self.renormalize)
-        slots = experts.physical(ids, 0)
         # Count this rank's own pairs (padding rows route too).
         lo, real = g.rank * width, t - g.step_tokens[1]
-        self.expert_counts += count_expert_tokens(ids[lo : lo + real], self.num_experts)
-        self.physical_counts += count_expert_tokens(slots[lo : lo + real], experts.num_physical)
+        tally = RouteTally(lo, lo + real, self.expert_counts, self.physical_counts)
+        r = moe_route(self.gate(everyone), self.top_k, self.renormalize, experts.table(0), tally)
+        slots = r.slots
         if flagged:  # slot -1 is held nowhere: the kernels skip the pair
             slots = torch.where(keep.unsqueeze(1), slots, -1)
         w13, w2, first = self.w13_weight, self.w2_weight, self.first_expert
-        out = moe_experts(everyone, w13, w2, weights, slots, first, *self._scales())
+        out = moe_experts(everyone, w13, w2, r.weights, slots, first, *self._scales())
         return g.reduce_scatter(out)[:t]
 
     def _forward_expert_parallel(
@@ -210,12 +207,12 @@ class FusedMoE(nn.Module):
         lo = min(g.rank * per_rank, num_tokens) if split else 0
         mine = x[lo : min(lo + per_rank, num_tokens)]  # [t, H]: this rank's slice of the tokens
         t, k = mine.shape[0], self.top_k
-        weights, ids = moe_route(self.gate(mine), k, self.renormalize)  # [t, k]
         real = t if split else t - g.step_tokens[1]  # an idle rank's padding is not counted
-        self.expert_counts += count_expert_tokens(ids[:real], self.num_experts)
+        tally = RouteTally(0, real, self.expert_counts, self.physical_counts)
+        r = moe_route(self.gate(mine), k, self.renormalize, experts.table(lo), tally)  # [t, k]
+        weights, ids = r.weights, r.ids
         # Pairs (token, slot) sorted by the rank that holds their expert's physical slot.
-        pair_ids = experts.physical(ids, lo).flatten()  # [t * k]
-        self.physical_counts += count_expert_tokens(pair_ids[: real * k], experts.num_physical)
+        pair_ids = r.slots.flatten()  # [t * k]
         dest = torch.div(pair_ids, self.num_local_experts, rounding_mode="floor")
         order = torch.argsort(dest, stable=True)
         send_counts = torch.bincount(dest, minlength=g.size)

@@ -1,4 +1,5 @@
-"""Fused MoE experts: align pairs by expert, two grouped GEMMs, sum each token's k results.
+"""Fused MoE experts: align pairs by expert, two grouped GEMMs, sum each token's k results
+(batches of a few tokens take two GEMV kernels instead: moe_gemv.py).
 
     align      topk_ids [T, k]            -> rows grouped by local expert, padded to BLOCK_M
     w13 GEMM   x [T, H], w13 [E, 2I, H]   -> h = silu(gate) * up: [T*k, I]
@@ -19,6 +20,7 @@ from pdmesh.kernels.backend import register_triton
 from pdmesh.kernels.triton.device import last_dim_contiguous
 from pdmesh.kernels.triton.moe_align import moe_align_block_size
 from pdmesh.kernels.triton.moe_gemm import moe_gemm_config, w2_gemm, w13_silu_gemm
+from pdmesh.kernels.triton.moe_gemv import MAX_TOKENS, moe_experts_gemv
 
 _BLOCK_H = 1024
 
@@ -61,14 +63,30 @@ def moe_experts(
     w2_scale: Tensor | None = None,
 ) -> Tensor:
     # The contract, shapes included, of `pdmesh.kernels.moe.moe_experts`, which calls this.
+    if w13.stride(-1) != 1 or w2.stride(-1) != 1:
+        raise ValueError("expert weights must be dense in their last dimension")
+    small = x.shape[0] <= MAX_TOKENS
+    fn = moe_experts_gemv if small else moe_experts_grouped
+    return fn(x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale)
+
+
+def moe_experts_grouped(
+    x: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    first_expert: int,
+    w13_scale: Tensor | None = None,
+    w2_scale: Tensor | None = None,
+) -> Tensor:
+    """`moe_experts` by the grouped GEMMs, whatever the batch size (benchmarks compare)."""
     num_tokens, hidden = x.shape
     num_local, _, _ = w13.shape
     top_k = topk_ids.shape[1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
-    if w13.stride(-1) != 1 or w2.stride(-1) != 1:
-        raise ValueError("expert weights must be dense in their last dimension")
     x = last_dim_contiguous(x)
     topk_ids = topk_ids.contiguous()
     weights = topk_weights.reshape(-1).contiguous()  # [T*k]

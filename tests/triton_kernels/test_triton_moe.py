@@ -7,9 +7,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from pdmesh.kernels import moe_experts, moe_route
+from pdmesh.kernels import RouteTally, SlotTable, moe_experts, moe_route
 from pdmesh.kernels.moe import moe_experts_ref, moe_route_ref
 from pdmesh.kernels.triton.moe_align import moe_align_block_size
+from pdmesh.kernels.triton.moe_gemv import MAX_TOKENS
 
 Check = Callable[[torch.Tensor, torch.Tensor], None]
 
@@ -24,11 +25,51 @@ def test_moe_route_matches_reference(
     ranks = torch.stack([torch.randperm(num_experts, generator=g) for _ in range(13)])
     logits = ((ranks - num_experts / 2) * (4 / num_experts)).to(device, dtype)
 
-    weights, ids = moe_route(logits, top_k, renormalize)
-    ref_weights, ref_ids = moe_route_ref(logits, top_k, renormalize)
+    weights, ids, _ = moe_route(logits, top_k, renormalize)
+    ref_weights, ref_ids, _ = moe_route_ref(logits, top_k, renormalize)
     assert ids.dtype == torch.int64 and weights.dtype == torch.float32
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("first_token", [0, 5])
+def test_moe_route_maps_slots_and_counts_like_the_reference(
+    first_token: int, device: torch.device
+) -> None:
+    # EPLB's tables: 6 experts in 8 slots, experts 1 and 4 twice; rows 2..8 counted.
+    num_experts, top_k, num_tokens = 6, 2, 11
+    placement = [0, 1, 2, 3, 4, 5, 1, 4]
+    log2phy = torch.zeros(num_experts, len(placement), dtype=torch.int64)
+    replicas = torch.zeros(num_experts, dtype=torch.int64)
+    for slot, e in enumerate(placement):
+        log2phy[e, replicas[e]] = slot
+        replicas[e] += 1
+    g = torch.Generator().manual_seed(first_token)
+    ranks = torch.stack([torch.randperm(num_experts, generator=g) for _ in range(num_tokens)])
+    logits = (ranks * 0.5).float().to(device)
+    table = SlotTable(log2phy.to(device), replicas.to(device), first_token)
+
+    def counted(route) -> tuple:
+        # Counters that already hold counts: routing adds to them.
+        counts = torch.arange(num_experts, dtype=torch.int64, device=device)
+        slot_counts = torch.full((len(placement),), 3, dtype=torch.int64, device=device)
+        r = route(logits, top_k, True, table, RouteTally(2, 9, counts, slot_counts))
+        return r, counts, slot_counts
+
+    (r, counts, slot_counts), (ref, ref_counts, ref_slot_counts) = (
+        counted(moe_route),
+        counted(moe_route_ref),
+    )
+    assert torch.equal(r.ids, ref.ids) and torch.equal(r.slots, ref.slots)
+    assert torch.equal(counts, ref_counts) and torch.equal(slot_counts, ref_slot_counts)
+    # Every pair went to a slot holding its expert, and the counts grew by the 7 rows' pairs.
+    assert torch.equal(torch.tensor(placement, device=device)[r.slots], r.ids)
+    assert int(counts.sum()) == sum(range(num_experts)) + 7 * top_k
+    assert int(slot_counts.sum()) == 3 * len(placement) + 7 * top_k
+    # A replicated expert's tokens alternate between its slots.
+    rows, cols = torch.where(r.ids == 1)
+    expect = log2phy[1, (rows.cpu() + first_token) % 2].to(device)
+    assert torch.equal(r.slots[rows, cols], expect)
 
 
 @pytest.mark.parametrize(("first_expert", "block_m"), [(0, 4), (2, 16)])
@@ -66,6 +107,9 @@ def test_moe_align_groups_every_held_pair_by_expert(
         (9, 64, 32, 2, 0),
         (9, 72, 40, 2, 2),  # widths off the tile sizes; expert parallel: experts 2..5 here
         (70, 64, 32, 2, 4),  # a larger batch: another tile configuration
+        (1, 64, 32, 4, 0),  # decode batches: the GEMV kernels
+        (MAX_TOKENS, 72, 40, 3, 2),
+        (3, 96, 48, 2, 4),  # experts 4..7 here
     ],
 )
 def test_moe_experts_matches_reference(
@@ -84,20 +128,25 @@ def test_moe_experts_matches_reference(
     w13 = (torch.randn(num_local, 2 * inter, hidden, generator=g) / hidden**0.5).to(device, dtype)
     w2 = (torch.randn(num_local, hidden, inter, generator=g) / inter**0.5).to(device, dtype)
     logits = torch.randn(num_tokens, num_global, generator=g).to(device)
-    weights, ids = moe_route_ref(logits, top_k, renormalize=True)
+    weights, ids, _ = moe_route_ref(logits, top_k, renormalize=True)
 
     out = moe_experts(x, w13, w2, weights, ids, first_expert)
     ref = moe_experts_ref(x, w13, w2, weights, ids, first_expert)
     assert_close(out, ref)
 
 
-def test_moe_experts_gives_zero_for_tokens_routed_elsewhere(device: torch.device) -> None:
-    # Under expert parallelism a token whose experts all live on other ranks contributes nothing.
-    x = torch.randn(3, 64, device=device)
+@pytest.mark.parametrize("num_tokens", [3, MAX_TOKENS + 1])  # GEMV kernels, grouped GEMMs
+def test_moe_experts_gives_zero_for_tokens_routed_elsewhere(
+    num_tokens: int, device: torch.device, assert_close: Check
+) -> None:
+    # Under expert parallelism a token whose experts all live on other ranks contributes nothing,
+    # and so does a pair sent to slot -1 (a padding row's).
+    x = torch.randn(num_tokens, 64, device=device)
     w13 = torch.randn(2, 64, 64, device=device)
     w2 = torch.randn(2, 64, 32, device=device)
-    ids = torch.tensor([[0, 1], [6, 7], [2, 7]], device=device)
-    weights = torch.full((3, 2), 0.5, device=device)
+    ids = torch.tensor([[0, 1], [6, -1], [2, 7]] * 3, device=device)[:num_tokens]
+    weights = torch.full((num_tokens, 2), 0.5, device=device)
     out = moe_experts(x, w13, w2, weights, ids, first_expert=2)
     assert bool((out[:2] == 0).all())
     assert bool((out[2] != 0).any())
+    assert_close(out, moe_experts_ref(x, w13, w2, weights, ids, 2))

@@ -1,0 +1,237 @@
+"""MoE experts for a few tokens: two GEMV kernels, no alignment, no separate combine.
+
+    up     x [T, H], w13 [E, 2I, H]  -> h = silu(x @ gate.T) * (x @ up.T): [T*k, I]
+           grid (pairs, I / BLOCK_N): each program streams BLOCK_N gate rows and the matching up
+           rows of its pair's expert
+    down   h, w2 [E, H, I]           -> out[t] = sum_j weight_j * (h[t, j] @ w2[e_j].T): [T, H]
+           grid (tokens, H / BLOCK_N): each program walks its token's k experts in slot order
+
+At decode batch sizes (a token's k pairs almost never share an expert) the grouped GEMMs' row
+alignment (three kernels, plus the buffers it zeroes) and the combine cost more launches than the
+expert weights take to stream; these two kernels read each held expert's weights once per pair, at
+the memory's rate. The products are rounded as the grouped path rounds them (each projection to
+the activations' dtype, the weighted down projection again before the sum), and pairs of experts
+held on other ranks (or slot -1) are skipped.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from pdmesh.kernels.triton.activation import silu_mul
+from pdmesh.kernels.triton.device import last_dim_contiguous
+
+# Batches of at most this many tokens take these kernels; larger ones the grouped GEMMs, which
+# read an expert's weights once for all of its rows (measured: BENCHMARKS.md, issue 34).
+MAX_TOKENS = 8
+
+
+class ExpertGemvConfig(NamedTuple):
+    block_n: int  # output features a program computes (both kernels)
+    up_block_k: int  # hidden features a step of the up kernel's loop reads
+    down_block_k: int  # intermediate features a step of the down kernel's loop reads
+    num_warps: int
+
+
+def default_config(hidden: int, inter: int) -> ExpertGemvConfig:
+    down_k = 256 if inter % 256 == 0 else 128
+    return ExpertGemvConfig(
+        block_n=8,
+        up_block_k=min(512, triton.next_power_of_2(hidden)),
+        down_block_k=min(down_k, triton.next_power_of_2(inter)),
+        num_warps=4,
+    )
+
+
+@triton.jit
+def _load_w_tile(w_ptrs, k_ok, EVEN_K: tl.constexpr):
+    """A [BLOCK_N, BLOCK_K] tile of weight rows in fp32 (read once a step: evicted first)."""
+    if EVEN_K:
+        w = tl.load(w_ptrs, eviction_policy="evict_first")
+    else:
+        w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+    return w.to(tl.float32)
+
+
+@triton.jit
+def _load_row_tiles(x_ptrs, w_ptrs, k_ok, EVEN_K: tl.constexpr):
+    """A [BLOCK_K] tile of an activation row and a [BLOCK_N, BLOCK_K] tile of weight rows."""
+    x = tl.load(x_ptrs) if EVEN_K else tl.load(x_ptrs, mask=k_ok, other=0.0)
+    return x.to(tl.float32), _load_w_tile(w_ptrs, k_ok, EVEN_K)
+
+
+@triton.jit
+def _up_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    ids_ptr,
+    h_ptr,
+    first_expert,
+    num_local,
+    I,  # noqa: E741 (the intermediate size, as in the shapes above)
+    K,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_ht,
+    TOP_K: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pair = tl.program_id(0).to(tl.int64)
+    e = tl.load(ids_ptr + pair) - first_expert
+    if (e < 0) | (e >= num_local):  # held on another rank: h's row stays unwritten, unread
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(cols, I - 1).to(tl.int64)  # rows past I re-read row I - 1, never stored
+    ks = tl.arange(0, BLOCK_K)
+    g_ptrs = w_ptr + e * stride_we + rows[:, None] * stride_wn + ks[None, :]  # [BLOCK_N, BLOCK_K]
+    u_ptrs = g_ptrs + I * stride_wn
+    x_ptrs = x_ptr + (pair // TOP_K) * stride_xt + ks
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + ks) < K
+        x, g = _load_row_tiles(x_ptrs, g_ptrs, k_ok, EVEN_K)
+        u = _load_w_tile(u_ptrs, k_ok, EVEN_K)
+        acc_g += x[None, :] * g
+        acc_u += x[None, :] * u
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    gate = tl.sum(acc_g, 1)  # [BLOCK_N]
+    up = tl.sum(acc_u, 1)
+    if HAS_SCALE:  # fp8 weights: row n of w13[e] is w13[e, n] * scale[e, n]
+        gate *= tl.load(s_ptr + e * stride_se + rows)
+        up *= tl.load(s_ptr + e * stride_se + I + rows)
+    dtype = h_ptr.dtype.element_ty
+    h = silu_mul(gate.to(dtype), up.to(dtype), dtype)
+    tl.store(h_ptr + pair * stride_ht + cols, h, mask=cols < I)
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr,
+    w_ptr,
+    s_ptr,
+    ids_ptr,
+    weights_ptr,
+    out_ptr,
+    first_expert,
+    num_local,
+    N,
+    K,
+    stride_ht,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_ot,
+    TOP_K: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(cols, N - 1).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    dtype = out_ptr.dtype.element_ty
+    total = tl.zeros([BLOCK_N], tl.float32)
+    for j in tl.static_range(TOP_K):  # slot order, as the grouped path's combine sums
+        pair = t * TOP_K + j
+        e = tl.load(ids_ptr + pair) - first_expert
+        if (e >= 0) & (e < num_local):
+            w_ptrs = w_ptr + e * stride_we + rows[:, None] * stride_wn + ks[None, :]
+            h_ptrs = h_ptr + pair * stride_ht + ks
+            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                h, w = _load_row_tiles(h_ptrs, w_ptrs, (k0 + ks) < K, EVEN_K)
+                acc += h[None, :] * w
+                h_ptrs += BLOCK_K
+                w_ptrs += BLOCK_K
+            y = tl.sum(acc, 1)
+            if HAS_SCALE:
+                y *= tl.load(s_ptr + e * stride_se + rows)
+            weight = tl.load(weights_ptr + pair)
+            total += (y.to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + cols, total.to(dtype), mask=cols < N)
+
+
+def moe_experts_gemv(
+    x: Tensor,  # [T, H]
+    w13: Tensor,  # [E_local, 2I, H]
+    w2: Tensor,  # [E_local, H, I]
+    topk_weights: Tensor,  # [T, k] float32
+    topk_ids: Tensor,  # [T, k] global expert ids (or physical slots)
+    first_expert: int,
+    w13_scale: Tensor | None = None,  # [E_local, 2I] float32: w13 is fp8
+    w2_scale: Tensor | None = None,  # [E_local, H] float32: w2 is fp8
+    config: ExpertGemvConfig | None = None,
+) -> Tensor:  # [T, H]
+    num_tokens, hidden = x.shape
+    num_local, two_inter, _ = w13.shape
+    inter, top_k = two_inter // 2, topk_ids.shape[1]
+    cfg = config or default_config(hidden, inter)
+    x = last_dim_contiguous(x)
+    ids = topk_ids.contiguous()
+    weights = topk_weights.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    h = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    _up_kernel[(num_tokens * top_k, triton.cdiv(inter, cfg.block_n))](
+        x,
+        w13,
+        w13_scale if w13_scale is not None else w13,
+        ids,
+        h,
+        first_expert,
+        num_local,
+        inter,
+        hidden,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        w13_scale.stride(0) if w13_scale is not None else 0,
+        h.stride(0),
+        TOP_K=top_k,
+        HAS_SCALE=w13_scale is not None,
+        EVEN_K=hidden % cfg.up_block_k == 0,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.up_block_k,
+        num_warps=cfg.num_warps,
+    )
+    _down_kernel[(num_tokens, triton.cdiv(hidden, cfg.block_n))](
+        h,
+        w2,
+        w2_scale if w2_scale is not None else w2,
+        ids,
+        weights,
+        out,
+        first_expert,
+        num_local,
+        hidden,
+        inter,
+        h.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        w2_scale.stride(0) if w2_scale is not None else 0,
+        out.stride(0),
+        TOP_K=top_k,
+        HAS_SCALE=w2_scale is not None,
+        EVEN_K=inter % cfg.down_block_k == 0,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.down_block_k,
+        num_warps=cfg.num_warps,
+    )
+    return out
