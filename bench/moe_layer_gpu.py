@@ -2,7 +2,8 @@
 work (issues 30 and 34): what each costs on one GPU and on one rank of expert parallelism.
 
     python -m pdmesh.bench.moe_layer_gpu --out DIR
-    python -m pdmesh.bench.moe_layer_gpu --out DIR --tiny     # a dry run on CPU (interpreter)
+    python -m pdmesh.bench.moe_layer_gpu --out DIR --sweep    # the GEMV kernels' launch shapes
+    TRITON_INTERPRET=1 python -m pdmesh.bench.moe_layer_gpu --out DIR --tiny   # a CPU dry run
 
 Qwen3-30B-A3B's MoE layer (128 experts, top 8, hidden 2048, intermediate 768, bf16). For each
 batch of T tokens:
@@ -16,7 +17,8 @@ as rank 0 of EP=2 runs it. Each figure is one call's share of a CUDA graph that 
 over copies of the weights (together far beyond L2, as a decode step's layers are); the floor is
 the held experts the batch touches, their bytes over the copy bandwidth measured in the same run.
 Every path's output is checked against the torch reference first. Writes DIR/moe-layer.json and
-prints a table.
+prints a table. `--sweep` times the up and the down GEMV kernel alone at 1-8 tokens over a grid of
+launch shapes (each checked first), for `moe_gemv.default_config` (DIR/moe-gemv-sweep.json).
 """
 
 from __future__ import annotations
@@ -161,9 +163,71 @@ def measure(layer: Layer, tokens: int, bw: float, cuda: bool) -> dict[str, Any]:
     }
 
 
+UP_SHAPES = [(n, k, w) for n in (4, 8, 16) for k in (256, 512, 1024) for w in (4, 8)]
+DOWN_SHAPES = [(n, k, w) for n in (4, 8, 16) for k in (64, 128, 256) for w in (2, 4, 8)]
+
+
+def sweep(layer: Layer, tokens: int, cuda: bool) -> dict[str, Any]:
+    """µs of the up and of the down kernel alone for each launch shape (wrong results dropped)."""
+    from pdmesh.kernels.moe import moe_experts_ref, moe_route_ref
+    from pdmesh.kernels.triton.moe_gemv import (
+        default_config,
+        down_projection,
+        moe_experts_gemv,
+        up_projection,
+    )
+
+    s, copies = layer.shape, len(layer.w13)
+    g = torch.Generator(device=layer.device).manual_seed(tokens)
+    x = torch.randn(tokens, s["hidden"], device=layer.device, generator=g).to(layer.dtype)
+    routed = [
+        moe_route_ref(
+            torch.randn(tokens, s["experts"], device=layer.device, generator=g), s["top_k"], True
+        )
+        for _ in range(copies)
+    ]
+    base = default_config(s["hidden"], s["inter"])
+    ref = moe_experts_ref(x, layer.w13[0], layer.w2[0], routed[0].weights, routed[0].ids, 0)
+    hs = [up_projection(x, layer.w13[c], routed[c].ids, 0, None, base) for c in range(copies)]
+    result: dict[str, Any] = {"tokens": tokens, "up": [], "down": []}
+    defaults = {
+        "up": (base.up_block_n, base.up_block_k, base.up_warps),
+        "down": (base.down_block_n, base.down_block_k, base.down_warps),
+    }
+    for part, shapes in (("up", UP_SHAPES), ("down", DOWN_SHAPES)):
+        tried = shapes if cuda else shapes[:2]  # CPU: a dry run
+        for n, k, w in [defaults[part], *[t for t in tried if t != defaults[part]]]:
+            if part == "up":
+                cfg = base._replace(up_block_n=n, up_block_k=k, up_warps=w)
+            else:
+                cfg = base._replace(down_block_n=n, down_block_k=k, down_warps=w)
+            r = routed[0]
+            out = moe_experts_gemv(x, layer.w13[0], layer.w2[0], r.weights, r.ids, 0, config=cfg)
+            err = rel_err(out, ref)
+            if not err < 2e-2:
+                result[part].append({"shape": (n, k, w), "error": f"wrong result: {err:.3g}"})
+                continue
+
+            def run(c: int, cfg=cfg, part=part) -> object:
+                r = routed[c]
+                if part == "up":
+                    return up_projection(x, layer.w13[c], r.ids, 0, None, cfg)
+                return down_projection(
+                    hs[c], layer.w2[c], r.weights, r.ids, 0, None, cfg, layer.dtype
+                )
+
+            result[part].append({"shape": (n, k, w), "us": per_call_us(run, copies, cuda)})
+    for part in ("up", "down"):
+        timed = [t for t in result[part] if "us" in t]
+        result[f"best_{part}"] = min(timed, key=lambda t: t["us"])
+        result[f"default_{part}"] = result[part][0]
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = out_parser(__doc__)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU (a dry run)")
+    parser.add_argument("--sweep", action="store_true", help="the GEMV kernels' launch shapes")
     args = parser.parse_args(argv)
     if args.tiny:
         os.environ["PDMESH_KERNEL_BACKEND"] = "triton"
@@ -174,7 +238,24 @@ def main(argv: list[str] | None = None) -> int:
     shape = TINY if args.tiny else QWEN3_30B
     c = ceilings() if cuda else {"copy_gb_s": 1.0}
     bw = c["copy_gb_s"] * 1e9
-    report = Report(args.out / "moe-layer.json", indent=1, **run_info(), ceilings=c, shape=shape)
+    name = "moe-gemv-sweep.json" if args.sweep else "moe-layer.json"
+    report = Report(args.out / name, indent=1, **run_info(), ceilings=c, shape=shape)
+    if args.sweep:
+        for mode, held in (("one GPU", shape["experts"]), ("EP=2 rank", shape["experts"] // 2)):
+            layer = Layer(shape, held, copies=2 if args.tiny else 4, device=device)
+            for t in (1, 2) if args.tiny else (1, 2, 4, 8):
+                r = sweep(layer, t, cuda)
+                report.append(mode, r)
+                print(
+                    f"{mode} T={t}: up default {r['default_up']['us']:.1f} best "
+                    f"{r['best_up']['us']:.1f} {r['best_up']['shape']}; down default "
+                    f"{r['default_down']['us']:.1f} best {r['best_down']['us']:.1f} "
+                    f"{r['best_down']['shape']}",
+                    flush=True,
+                )
+            del layer
+            free_memory()
+        return 0
     tokens = (1, 3, 9) if args.tiny else TOKENS
     for name, held in (("one GPU", shape["experts"]), ("EP=2 rank", shape["experts"] // 2)):
         layer = Layer(shape, held, copies=2 if args.tiny else 4, device=device)

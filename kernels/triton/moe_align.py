@@ -33,7 +33,9 @@ class MoEAlignment(NamedTuple):
     max_blocks: int  # grid bound for the GEMMs (rows actually used: num_padded)
 
 
-@triton.jit
+# The pair count and grid bound change with the batch: specialising on their values (1, or
+# multiples of 16) would compile new variants in the middle of a run.
+@triton.jit(do_not_specialize=["num_pairs"])
 def _count_kernel(ids_ptr, counts_ptr, num_pairs, first_expert, num_local, BLOCK: tl.constexpr):
     f = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     e = tl.load(ids_ptr + f, mask=f < num_pairs, other=-1).to(tl.int32) - first_expert
@@ -41,7 +43,7 @@ def _count_kernel(ids_ptr, counts_ptr, num_pairs, first_expert, num_local, BLOCK
     tl.atomic_add(counts_ptr + e, 1, mask=keep)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_blocks"])
 def _scan_kernel(
     counts_ptr,
     cursor_ptr,
@@ -72,7 +74,7 @@ def _scan_kernel(
         tl.store(expert_ids_ptr + b, owner, mask=b < max_blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _scatter_kernel(
     ids_ptr, cursor_ptr, sorted_ids_ptr, num_pairs, first_expert, num_local, BLOCK: tl.constexpr
 ):

@@ -71,7 +71,8 @@ def _load_k_tile(ptrs, mask, k_mask, EVEN_K: tl.constexpr):
     return tl.load(ptrs, mask=mask, other=0.0)
 
 
-@triton.jit
+# The pair and row-block counts change with the batch: not specialised on (no mid-run compiles).
+@triton.jit(do_not_specialize=["num_pairs", "num_m"])
 def _grouped_gemm_kernel(
     a_ptr,
     w_ptr,

@@ -4,14 +4,14 @@
            grid (pairs, I / BLOCK_N): each program streams BLOCK_N gate rows and the matching up
            rows of its pair's expert
     down   h, w2 [E, H, I]           -> out[t] = sum_j weight_j * (h[t, j] @ w2[e_j].T): [T, H]
-           grid (tokens, H / BLOCK_N): each program walks its token's k experts in slot order
+           grid (tokens, H / BLOCK_N): each program reads its token's k experts' rows together
 
 At decode batch sizes (a token's k pairs almost never share an expert) the grouped GEMMs' row
 alignment (three kernels, plus the buffers it zeroes) and the combine cost more launches than the
-expert weights take to stream; these two kernels read each held expert's weights once per pair, at
-the memory's rate. The products are rounded as the grouped path rounds them (each projection to
-the activations' dtype, the weighted down projection again before the sum), and pairs of experts
-held on other ranks (or slot -1) are skipped.
+expert weights take to stream; these two kernels read each held expert's weights once per pair.
+The products are rounded as the grouped path rounds them (each projection to the activations'
+dtype, the weighted down projection again before the sum), and pairs of experts held on other
+ranks (or slot -1) are skipped.
 """
 
 from __future__ import annotations
@@ -32,19 +32,22 @@ MAX_TOKENS = 8
 
 
 class ExpertGemvConfig(NamedTuple):
-    block_n: int  # output features a program computes (both kernels)
-    up_block_k: int  # hidden features a step of the up kernel's loop reads
-    down_block_k: int  # intermediate features a step of the down kernel's loop reads
-    num_warps: int
+    up_block_n: int  # intermediate features an up program computes (gate and up rows each)
+    up_block_k: int  # hidden features a step of its loop reads
+    up_warps: int
+    down_block_n: int  # hidden features a down program computes
+    down_block_k: int  # intermediate features a step of its loop reads (of all k experts)
+    down_warps: int
 
 
 def default_config(hidden: int, inter: int) -> ExpertGemvConfig:
-    down_k = 256 if inter % 256 == 0 else 128
     return ExpertGemvConfig(
-        block_n=8,
+        up_block_n=8,
         up_block_k=min(512, triton.next_power_of_2(hidden)),
-        down_block_k=min(down_k, triton.next_power_of_2(inter)),
-        num_warps=4,
+        up_warps=4,
+        down_block_n=8,
+        down_block_k=min(128, triton.next_power_of_2(inter)),
+        down_warps=4,
     )
 
 
@@ -138,62 +141,63 @@ def _down_kernel(
     TOP_K: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     EVEN_K: tl.constexpr,
+    BLOCK_J: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    # All k experts of the token at once: a [BLOCK_J, BLOCK_N, BLOCK_K] tile of their rows per
+    # step (one program would otherwise wait on k small loads in turn). Experts held elsewhere
+    # are masked off, so their rows are never read.
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(cols, N - 1).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
+    j = tl.arange(0, BLOCK_J)
+    pairs = t * TOP_K + j
+    e = tl.load(ids_ptr + pairs, mask=j < TOP_K, other=-1) - first_expert  # [BLOCK_J]
+    held = (j < TOP_K) & (e >= 0) & (e < num_local)
+    e = tl.where(held, e, 0)
+    w_ptrs = (
+        w_ptr + e[:, None, None] * stride_we + rows[None, :, None] * stride_wn + ks[None, None, :]
+    )  # [BLOCK_J, BLOCK_N, BLOCK_K]
+    h_ptrs = h_ptr + pairs[:, None] * stride_ht + ks[None, :]  # [BLOCK_J, BLOCK_K]
+    acc = tl.zeros([BLOCK_J, BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        h_mask = held[:, None] if EVEN_K else held[:, None] & ((k0 + ks) < K)[None, :]
+        h = tl.load(h_ptrs, mask=h_mask, other=0.0)
+        w = tl.load(w_ptrs, mask=h_mask[:, None, :], other=0.0, eviction_policy="evict_first")
+        acc += h.to(tl.float32)[:, None, :] * w.to(tl.float32)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    y = tl.sum(acc, 2)  # [BLOCK_J, BLOCK_N]
+    if HAS_SCALE:
+        y *= tl.load(s_ptr + e[:, None] * stride_se + rows[None, :], mask=held[:, None], other=0.0)
     dtype = out_ptr.dtype.element_ty
-    total = tl.zeros([BLOCK_N], tl.float32)
-    for j in tl.static_range(TOP_K):  # slot order, as the grouped path's combine sums
-        pair = t * TOP_K + j
-        e = tl.load(ids_ptr + pair) - first_expert
-        if (e >= 0) & (e < num_local):
-            w_ptrs = w_ptr + e * stride_we + rows[:, None] * stride_wn + ks[None, :]
-            h_ptrs = h_ptr + pair * stride_ht + ks
-            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                h, w = _load_row_tiles(h_ptrs, w_ptrs, (k0 + ks) < K, EVEN_K)
-                acc += h[None, :] * w
-                h_ptrs += BLOCK_K
-                w_ptrs += BLOCK_K
-            y = tl.sum(acc, 1)
-            if HAS_SCALE:
-                y *= tl.load(s_ptr + e * stride_se + rows)
-            weight = tl.load(weights_ptr + pair)
-            total += (y.to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)
+    weight = tl.load(weights_ptr + pairs, mask=held, other=0.0)
+    # As the grouped path: the projection in the activations' dtype, times the fp32 routing
+    # weight, rounded again; then the pairs summed in fp32.
+    y = (y.to(dtype).to(tl.float32) * weight[:, None]).to(dtype).to(tl.float32)
+    total = tl.sum(tl.where(held[:, None], y, 0.0), 0)  # [BLOCK_N]
     tl.store(out_ptr + t * stride_ot + cols, total.to(dtype), mask=cols < N)
 
 
-def moe_experts_gemv(
+def up_projection(
     x: Tensor,  # [T, H]
     w13: Tensor,  # [E_local, 2I, H]
-    w2: Tensor,  # [E_local, H, I]
-    topk_weights: Tensor,  # [T, k] float32
-    topk_ids: Tensor,  # [T, k] global expert ids (or physical slots)
+    topk_ids: Tensor,  # [T, k] contiguous
     first_expert: int,
-    w13_scale: Tensor | None = None,  # [E_local, 2I] float32: w13 is fp8
-    w2_scale: Tensor | None = None,  # [E_local, H] float32: w2 is fp8
-    config: ExpertGemvConfig | None = None,
-) -> Tensor:  # [T, H]
+    w13_scale: Tensor | None,
+    cfg: ExpertGemvConfig,
+) -> Tensor:  # h: [T * k, I]; rows of pairs not held here are left unwritten
     num_tokens, hidden = x.shape
     num_local, two_inter, _ = w13.shape
     inter, top_k = two_inter // 2, topk_ids.shape[1]
-    cfg = config or default_config(hidden, inter)
-    x = last_dim_contiguous(x)
-    ids = topk_ids.contiguous()
-    weights = topk_weights.contiguous()
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if num_tokens == 0:
-        return out
     h = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
-    _up_kernel[(num_tokens * top_k, triton.cdiv(inter, cfg.block_n))](
+    _up_kernel[(num_tokens * top_k, triton.cdiv(inter, cfg.up_block_n))](
         x,
         w13,
         w13_scale if w13_scale is not None else w13,
-        ids,
+        topk_ids,
         h,
         first_expert,
         num_local,
@@ -207,16 +211,32 @@ def moe_experts_gemv(
         TOP_K=top_k,
         HAS_SCALE=w13_scale is not None,
         EVEN_K=hidden % cfg.up_block_k == 0,
-        BLOCK_N=cfg.block_n,
+        BLOCK_N=cfg.up_block_n,
         BLOCK_K=cfg.up_block_k,
-        num_warps=cfg.num_warps,
+        num_warps=cfg.up_warps,
     )
-    _down_kernel[(num_tokens, triton.cdiv(hidden, cfg.block_n))](
+    return h
+
+
+def down_projection(
+    h: Tensor,  # [T * k, I]
+    w2: Tensor,  # [E_local, H, I]
+    topk_weights: Tensor,  # [T, k] float32, contiguous
+    topk_ids: Tensor,  # [T, k] contiguous
+    first_expert: int,
+    w2_scale: Tensor | None,
+    cfg: ExpertGemvConfig,
+    dtype: torch.dtype,
+) -> Tensor:  # [T, H]: each token's weighted sum over its experts held here
+    num_local, hidden, inter = w2.shape
+    num_tokens, top_k = topk_ids.shape
+    out = torch.empty(num_tokens, hidden, dtype=dtype, device=h.device)
+    _down_kernel[(num_tokens, triton.cdiv(hidden, cfg.down_block_n))](
         h,
         w2,
         w2_scale if w2_scale is not None else w2,
-        ids,
-        weights,
+        topk_ids,
+        topk_weights,
         out,
         first_expert,
         num_local,
@@ -230,8 +250,29 @@ def moe_experts_gemv(
         TOP_K=top_k,
         HAS_SCALE=w2_scale is not None,
         EVEN_K=inter % cfg.down_block_k == 0,
-        BLOCK_N=cfg.block_n,
+        BLOCK_J=triton.next_power_of_2(top_k),
+        BLOCK_N=cfg.down_block_n,
         BLOCK_K=cfg.down_block_k,
-        num_warps=cfg.num_warps,
+        num_warps=cfg.down_warps,
     )
     return out
+
+
+def moe_experts_gemv(
+    x: Tensor,  # [T, H]
+    w13: Tensor,  # [E_local, 2I, H]
+    w2: Tensor,  # [E_local, H, I]
+    topk_weights: Tensor,  # [T, k] float32
+    topk_ids: Tensor,  # [T, k] global expert ids (or physical slots)
+    first_expert: int,
+    w13_scale: Tensor | None = None,  # [E_local, 2I] float32: w13 is fp8
+    w2_scale: Tensor | None = None,  # [E_local, H] float32: w2 is fp8
+    config: ExpertGemvConfig | None = None,
+) -> Tensor:  # [T, H]
+    if x.shape[0] == 0:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    cfg = config or default_config(x.shape[1], w2.shape[2])
+    x = last_dim_contiguous(x)
+    ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
+    h = up_projection(x, w13, ids, first_expert, w13_scale, cfg)
+    return down_projection(h, w2, weights, ids, first_expert, w2_scale, cfg, x.dtype)
