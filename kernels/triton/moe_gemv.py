@@ -27,8 +27,10 @@ from pdmesh.kernels.triton.activation import silu_mul
 from pdmesh.kernels.triton.device import last_dim_contiguous
 
 # Batches of at most this many tokens take these kernels; larger ones the grouped GEMMs, which
-# read an expert's weights once for all of its rows (measured: BENCHMARKS.md, issue 34).
-MAX_TOKENS = 8
+# read an expert's weights once for all of its rows. Qwen3-30B-A3B's layer on an H200 (µs, GEMV
+# kernels against grouped GEMMs, all 128 experts / 64 of them): 1 token 29 / 37, 19 / 29;
+# 4 tokens 80 / 87, 54 / 60; 8 tokens 140 / 133, 87 / 80 (bench/moe_layer_gpu.py, BENCHMARKS.md).
+MAX_TOKENS = 4
 
 
 class ExpertGemvConfig(NamedTuple):
@@ -41,13 +43,15 @@ class ExpertGemvConfig(NamedTuple):
 
 
 def default_config(hidden: int, inter: int) -> ExpertGemvConfig:
+    """The launch shapes with the least time summed over 1, 2 and 4 tokens, all 128 experts and
+    64 of them, of Qwen3-30B-A3B's layer on an H200 (`bench/moe_layer_gpu.py --sweep`)."""
     return ExpertGemvConfig(
         up_block_n=8,
-        up_block_k=min(512, triton.next_power_of_2(hidden)),
+        up_block_k=min(256, triton.next_power_of_2(hidden)),
         up_warps=4,
-        down_block_n=8,
+        down_block_n=16,
         down_block_k=min(128, triton.next_power_of_2(inter)),
-        down_warps=4,
+        down_warps=8,
     )
 
 
