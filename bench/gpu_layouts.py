@@ -43,7 +43,7 @@ from pdmesh.bench.gpu_models import (
 )
 from pdmesh.bench.gpu_workloads import _admit, _drain, _sync
 from pdmesh.bench.report import Report, free_memory, out_parser, run_info
-from pdmesh.bench.step_timeline import summarize_file
+from pdmesh.bench.step_timeline import follower_lag, summarize
 from pdmesh.engine.executor.profiling import ProfileRank, RankProfiler
 
 DENSE = {
@@ -72,7 +72,9 @@ MOE = {
         "async_scheduling": False,
     },
 }
-HOST_PROFILED = ("ep2-eplb", "dp2ep2", "dp2ep2-sync")
+# Host operators recorded too (the profile's own cost slows the host a little); the TP / EP
+# layouts also get each follower's lag behind rank 0 (`follower_lag`).
+HOST_PROFILED = ("ep2-eplb", "dp2ep2", "dp2ep2-sync", "tp2", "ep2")
 # Four GPUs, the dense model. TP=4 and TP=2 x PP=2 register symmetric memory, so on GPUs each
 # runs in a process of its own (`--layouts`, then `--merge`).
 DENSE4 = {
@@ -135,13 +137,17 @@ def timeline(
     _drain(engine, ids)
     while engine.has_unfinished_requests():
         engine.step()
-    result = {}
+    result: dict[str, Any] = {}
+    traces = []
     for r in range(ranks):
         path = Path(f"{trace}.rank{r}.json")
         if not path.exists():  # a rank of a replica's TP group: not profiled
             continue
-        result[f"rank{r}"] = summarize_file(path, steps)
+        traces.append(json.loads(path.read_text()))
+        result[f"rank{r}"] = summarize(traces[-1], steps)
         path.unlink()  # large; the summary is what is kept
+    if host and driver is not None and len(traces) > 1:
+        result["follower_lag_us"] = follower_lag(traces)
     return result
 
 

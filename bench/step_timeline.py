@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,57 @@ def summarize(trace: dict[str, Any], steps: int) -> dict[str, Any]:
 
 def summarize_file(path: Path, steps: int) -> dict[str, Any]:
     return summarize(json.loads(path.read_text()), steps)
+
+
+def _spans(trace: dict[str, Any], name: str) -> list[tuple[float, float]]:
+    """(start, end) in µs since the epoch of every host span or runtime call named `name`
+    (the ranks of one host share the clock, so their traces line up)."""
+    base = trace.get("baseTimeNanoseconds", 0) / 1e3
+    return sorted(
+        (base + e["ts"], base + e["ts"] + e["dur"])
+        for e in trace.get("traceEvents", [])
+        if e.get("ph") == "X" and e.get("name") == name
+    )
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 1) if values else None
+
+
+def follower_lag(traces: list[dict[str, Any]]) -> dict[str, Any]:
+    """How far behind rank 0 each follower runs a step, from the host spans of one profile on
+    every rank (engine/executor/profiling.py `span`; a profile with host operators): the
+    medians, in µs, of rank 0's spans (sending a step, launching one ahead, waiting for its
+    tokens), each follower's (waiting for the next step, receiving it, running it), and, step by
+    step, a follower's graph launch after rank 0's and its run's start after rank 0's send."""
+
+    def durations(trace: dict[str, Any], name: str) -> float | None:
+        return _median([e - s for s, e in _spans(trace, name)])
+
+    lead = traces[0]
+    result: dict[str, Any] = {
+        "rank0": {
+            name: durations(lead, name)
+            for name in ("driver.send_step", "engine.launch_next", "engine.collect")
+        }
+    }
+    sends = _spans(lead, "driver.send_step")
+    graphs = _spans(lead, "cudaGraphLaunch")
+    for r, trace in enumerate(traces[1:], start=1):
+        runs = _spans(trace, "follower.run_step")
+        their_graphs = _spans(trace, "cudaGraphLaunch")
+        entry = {
+            name: durations(trace, name)
+            for name in ("follower.wait_step", "follower.receive_step", "follower.run_step")
+        }
+        # The k-th of each in the window is the same step (every rank starts profiling between
+        # two steps); a rank may end the window with one more.
+        entry["run_after_send"] = _median([r[0] - s[0] for s, r in zip(sends, runs, strict=False)])
+        entry["graph_after_rank0_graph"] = _median(
+            [g[0] - g0[0] for g0, g in zip(graphs, their_graphs, strict=False)]
+        )
+        result[f"rank{r}"] = entry
+    return result
 
 
 def main() -> None:

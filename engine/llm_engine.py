@@ -13,6 +13,7 @@ from pdmesh.checkpoint.source import resolve_model_folder
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.eplb.balancer import CountEplb, EplbCounts, EplbStats
 from pdmesh.engine.executor.driver import CountExperts, ExpertCounts, TPDriver, rank_device
+from pdmesh.engine.executor.profiling import span
 from pdmesh.engine.kv_cache.block_manager import BlockManager
 from pdmesh.engine.kv_cache.host.index import HostIndex
 from pdmesh.engine.models.info import ModelInfo
@@ -384,7 +385,8 @@ class LLMEngine:
 
     def _handle(self, cur: InFlight) -> list[StepDelta]:
         """Read a launched step's tokens and output them; its deltas."""
-        sampled = self.runner.collect(cur.handle)
+        with span("engine.collect"):  # waits for the step's tokens
+            sampled = self.runner.collect(cur.handle)
         logprobs = self.runner.collect_logprobs(cur.handle, sampled)
         self.record_prompt_logprobs(cur)
         self.scheduler.complete(cur.batch)
@@ -436,7 +438,8 @@ class LLMEngine:
         if nxt is None:
             return None
         batch, token_ids = nxt
-        return InFlight(batch, self.runner.launch(batch, next_ids=token_ids))
+        with span("engine.launch_next"):
+            return InFlight(batch, self.runner.launch(batch, next_ids=token_ids))
 
     def _end(self, seq: Sequence, reason: str) -> None:
         """Finish `seq`; its blocks are freed once no step on the device writes to them."""

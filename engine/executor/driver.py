@@ -24,6 +24,7 @@ import torch.distributed as dist
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.executor import step_codec
 from pdmesh.engine.executor.base import FollowerSpec, create_launcher
+from pdmesh.engine.executor.profiling import span
 from pdmesh.engine.parallel.comm import (
     broadcast_bytes,
     broadcast_ints,
@@ -162,7 +163,8 @@ class TPDriver:
         """The step's inputs and KV plan to every follower, before rank 0 runs it."""
         self._check_alive()
         if self._outbox is None:
-            step_codec.send(OP_STEP, inputs, plan, self.group)
+            with span("driver.send_step"):
+                step_codec.send(OP_STEP, inputs, plan, self.group)
         else:
             self._outbox.put(inputs, plan)
 

@@ -31,7 +31,7 @@ from pdmesh.engine.executor.driver import (
     init_ranks,
     rank_device,
 )
-from pdmesh.engine.executor.profiling import ProfileRank, RankProfiler
+from pdmesh.engine.executor.profiling import ProfileRank, RankProfiler, span
 from pdmesh.engine.kv_cache.host.pool import OffloadNow
 from pdmesh.engine.llm_engine import resolve_max_model_len
 from pdmesh.engine.models.info import ModelInfo
@@ -68,11 +68,14 @@ def serve_rank(spec: dict[str, Any]) -> None:
     profiler = RankProfiler()
     try:
         while True:
-            header = step_codec.receive_header(group)
+            with span("follower.wait_step"):
+                header = step_codec.receive_header(group)
             op = header["op"]
             if op == OP_STEP:
-                inputs, plan = step_codec.receive_step(header, group, device)
-                runner.follow_step(inputs, plan)
+                with span("follower.receive_step"):
+                    inputs, plan = step_codec.receive_step(header, group, device)
+                with span("follower.run_step"):
+                    runner.follow_step(inputs, plan)
             elif op == OP_CONTROL:
                 message = decode(broadcast_bytes(None, group))
                 if isinstance(message, ProfileRank):
