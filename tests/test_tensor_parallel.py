@@ -38,9 +38,10 @@ def test_tp3_equals_tp1(small_llm: LLM, small_model_folder: Path) -> None:
 @pytest.mark.parametrize("overlap", [None, True], ids=["default", "async"])
 def test_tiny_llama_tp2_equals_tp1(tiny_model, overlap: bool | None) -> None:
     """async: the follower rank runs the decode steps rank 0 launches ahead, their input ids
-    taken on the device from the step before."""
+    taken on the device from the step before. default: steps of up to 512 tokens, whose inputs
+    outgrow the first broadcast to the follower (step_codec.INLINE) and cross in two."""
     folder = str(tiny_model("llama"))
-    prompts = [{"prompt_token_ids": p} for p in random_prompts([5, 17, 40, 100, 150])]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([5, 17, 40, 100, 150, 300])]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     expected = [
         o.outputs[0].token_ids for o in LLM(folder, kv_cache_tokens=1024).generate(prompts, params)
@@ -49,7 +50,7 @@ def test_tiny_llama_tp2_equals_tp1(tiny_model, overlap: bool | None) -> None:
         folder,
         kv_cache_tokens=1024,
         tensor_parallel_size=2,
-        max_num_batched_tokens=64,
+        max_num_batched_tokens=64 if overlap else 512,
         async_scheduling=overlap,
     )
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

@@ -27,7 +27,6 @@ from pdmesh.engine.executor.base import FollowerSpec, create_launcher
 from pdmesh.engine.executor.profiling import span
 from pdmesh.engine.parallel.comm import (
     broadcast_bytes,
-    broadcast_ints,
     destroy,
     gather_bytes,
     init_group,
@@ -174,7 +173,7 @@ class TPDriver:
         self._check_alive()
         if self._outbox is not None:
             self._outbox.drain()
-        broadcast_ints([OP_CONTROL], step_codec.HEADER_LEN, self.group)
+        step_codec.send_op(OP_CONTROL, self.group)
         broadcast_bytes(encode(message), self.group)
         replies = gather_bytes(b"", self.group)
         return raise_failures([decode(r) for r in replies[1:]])
@@ -205,7 +204,7 @@ class TPDriver:
             if self.dead is None and self.launcher.poll() is None:
                 if self._outbox is not None:
                     self._outbox.drain()
-                broadcast_ints([OP_STOP], step_codec.HEADER_LEN, self.group)
+                step_codec.send_op(OP_STOP, self.group)
         except RuntimeError as e:
             log.warning("could not stop the followers cleanly: %s", e)
         # NCCL tears a communicator down with all its ranks (ncclCommFinalize and ncclCommDestroy

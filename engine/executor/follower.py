@@ -70,7 +70,7 @@ def serve_rank(spec: dict[str, Any]) -> None:
         while True:
             with span("follower.wait_step"):
                 header = step_codec.receive_header(group)
-            op = header["op"]
+            op = header.fields["op"]
             if op == OP_STEP:
                 with span("follower.receive_step"):
                     inputs, plan = step_codec.receive_step(header, group, device)

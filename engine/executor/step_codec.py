@@ -2,6 +2,10 @@
 payload, both over the host group; and the input ids over the model's group when they exist only
 on the device (a step launched before the step sampling them finished: async scheduling).
 
+Every message to the followers starts with one fixed-size broadcast: the header and the first
+INLINE ints of the payload, so a step of a few sequences crosses in one gloo broadcast (each is a
+rendezvous of the ranks' host threads); a longer payload's rest follows in a second.
+
 Followers rebuild exactly the `StepInputs` rank 0 runs (its copies on write of KV blocks and its
 host-tier copies included), plus an optional int64 `extra` payload: the step's plan from the KV
 connector (`KVConnector.plan_step`, e.g. the prefill worker's pushes).
@@ -10,15 +14,18 @@ connector (`KVConnector.plan_step`, e.g. the prefill worker's pushes).
 from __future__ import annotations
 
 import itertools
+from typing import NamedTuple
 
 import torch
 
-from pdmesh.engine.parallel.comm import broadcast_device, broadcast_host, broadcast_ints
+from pdmesh.engine.parallel.comm import broadcast_device, broadcast_host
 from pdmesh.engine.parallel.group import ParallelGroup
 from pdmesh.engine.runner.step_inputs import HostInputs, StepInputs, host_tensor, padded
 
 # Header layout (int64): op first, then the sizes below.
 HEADER_LEN = 16
+INLINE = 1024  # payload ints carried by the first broadcast (a decode step of ~50 sequences)
+FIRST_LEN = HEADER_LEN + INLINE
 _SIZES = (
     "tokens",
     "num_decode",
@@ -92,26 +99,52 @@ def send(
     ids = _FIELDS.index("ids_on_device")
     if header[ids] and not ids_travel:
         header[ids] = IDS_STAY
-    broadcast_ints(header, HEADER_LEN, group)
-    broadcast_host(payload, payload.numel(), torch.int64, group)
+    _send_first(header, payload, group)
+    if payload.numel() > INLINE:
+        rest = payload[INLINE:]
+        broadcast_host(rest, rest.numel(), torch.int64, group)
     if header[ids] == IDS_FOLLOW:
         # the ids: queued on the device after the step that samples them
         broadcast_device(inputs.input_ids, inputs.host.num_tokens, torch.int64, group)
 
 
-def receive_header(group: ParallelGroup) -> dict[str, int]:
-    values = broadcast_ints(None, HEADER_LEN, group)
-    return dict(zip(_FIELDS, values, strict=False))
+def send_op(op: int, group: ParallelGroup) -> None:
+    """A message of `op` alone (control, stop): the first broadcast, no payload."""
+    _send_first([op], torch.empty(0, dtype=torch.int64), group)
+
+
+def _send_first(header: list[int], payload: torch.Tensor, group: ParallelGroup) -> None:
+    first = torch.zeros(FIRST_LEN, dtype=torch.int64)
+    first[: len(header)] = torch.tensor(header, dtype=torch.int64)
+    inline = payload[:INLINE]
+    first[HEADER_LEN : HEADER_LEN + inline.numel()] = inline
+    broadcast_host(first, FIRST_LEN, torch.int64, group)
+
+
+class Header(NamedTuple):
+    fields: dict[str, int]  # "op", then the sizes (`_FIELDS`)
+    inline: torch.Tensor  # [INLINE] int64: the payload's first ints
+
+
+def receive_header(group: ParallelGroup) -> Header:
+    first = broadcast_host(None, FIRST_LEN, torch.int64, group)
+    fields = dict(zip(_FIELDS, first[:HEADER_LEN].tolist(), strict=False))
+    return Header(fields, first[HEADER_LEN:])
 
 
 def receive_step(
-    h: dict[str, int], group: ParallelGroup, device: torch.device
+    header: Header, group: ParallelGroup, device: torch.device
 ) -> tuple[StepInputs, torch.Tensor | None]:
+    h = header.fields
     t, d, dw, p, pw, s, c, o, ld = (h[name] for name in _SIZES)
     e = h["extra"]
     on_device = bool(h["ids_on_device"])
     sizes = [0 if on_device else t, t, t, d * dw, d, p + 1, p, p * pw, s, 2 * c, 2 * o, 2 * ld]
-    payload = broadcast_host(None, sum(sizes) + e, torch.int64, group)
+    total = sum(sizes) + e
+    payload = header.inline[: min(total, INLINE)]
+    if total > INLINE:
+        rest = broadcast_host(None, total - INLINE, torch.int64, group)
+        payload = torch.cat([payload, rest])
     values = payload[: sum(sizes)].tolist()
     ends = list(itertools.accumulate(sizes))
     parts = [values[end - n : end] for n, end in zip(sizes, ends, strict=True)]
