@@ -75,6 +75,16 @@ def dp_agreement() -> str:
     return value
 
 
+def step_channel() -> str:
+    """PDMESH_STEP_CHANNEL: how rank 0 sends each step to its tensor- and pipeline-parallel
+    followers. 'auto' (default): through shared memory on GPUs where every rank is on this
+    x86-64 machine, else gloo; 'shm': shared memory on CPUs too; 'gloo': gloo always."""
+    value = os.environ.get("PDMESH_STEP_CHANNEL", "auto").lower()
+    if value not in ("auto", "shm", "gloo"):
+        raise ValueError(f"PDMESH_STEP_CHANNEL must be auto, shm or gloo, got {value!r}")
+    return value
+
+
 def num_threads() -> int | None:
     """PDMESH_NUM_THREADS: torch intra-op threads on CPU (default: torch's own choice)."""
     value = os.environ.get("PDMESH_NUM_THREADS")

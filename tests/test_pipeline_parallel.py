@@ -90,9 +90,11 @@ def test_pipeline_matches_transformers(tiny_model, monkeypatch, arch, tp, pp, pa
     assert stats.num_preemptions > 0
 
 
-def test_seeded_sampling_over_a_pipeline_with_a_batch_per_stage(tiny_model) -> None:
+def test_seeded_sampling_over_a_pipeline_with_a_batch_per_stage(tiny_model, monkeypatch) -> None:
     """Seeded sampling gives the same tokens over three stages with three batches in flight
-    (one per stage, each of other sequences)."""
+    (one per stage, each of other sequences). The steps reach the stages through shared memory,
+    sent from rank 0's outbox thread (engine/parallel/step_channel.py; GPUs' default)."""
+    monkeypatch.setenv("PDMESH_STEP_CHANNEL", "shm")
     folder = str(tiny_model("qwen3_moe"))
     prompts = [{"prompt_token_ids": p} for p in random_prompts([8, 20, 33])]
     params = [SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=s) for s in (1, 2, 3)]
@@ -102,6 +104,7 @@ def test_seeded_sampling_over_a_pipeline_with_a_batch_per_stage(tiny_model) -> N
     with LLM(folder, kv_cache_tokens=1024, **pipeline) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         assert llm.engine.most_in_flight == 3
+        assert llm.engine.tp_driver.channel.shared
     assert got == expected
 
 

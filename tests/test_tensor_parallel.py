@@ -35,11 +35,17 @@ def test_tp3_equals_tp1(small_llm: LLM, small_model_folder: Path) -> None:
     assert got == expected
 
 
-@pytest.mark.parametrize("overlap", [None, True], ids=["default", "async"])
-def test_tiny_llama_tp2_equals_tp1(tiny_model, overlap: bool | None) -> None:
+@pytest.mark.parametrize(
+    ("overlap", "channel"),
+    [(None, "auto"), (True, "auto"), (True, "shm")],
+    ids=["default", "async", "async-shm"],
+)
+def test_tiny_llama_tp2_equals_tp1(tiny_model, monkeypatch, overlap: bool | None, channel) -> None:
     """async: the follower rank runs the decode steps rank 0 launches ahead, their input ids
     taken on the device from the step before. default: steps of up to 512 tokens, whose inputs
-    outgrow the first broadcast to the follower (step_codec.INLINE) and cross in two."""
+    outgrow the step's first message to the follower (step_codec.INLINE) and cross in two.
+    shm: the steps go through shared memory, as on GPUs (engine/parallel/step_channel.py)."""
+    monkeypatch.setenv("PDMESH_STEP_CHANNEL", channel)
     folder = str(tiny_model("llama"))
     prompts = [{"prompt_token_ids": p} for p in random_prompts([5, 17, 40, 100, 150, 300])]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -55,6 +61,7 @@ def test_tiny_llama_tp2_equals_tp1(tiny_model, overlap: bool | None) -> None:
     )
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     ahead = llm.engine.steps_launched_ahead
+    assert llm.engine.tp_driver.channel.shared == (channel == "shm")
     start = time.perf_counter()
     llm.close()
     # Generous for a loaded 2-core machine; the ranks stop and tear down together (a rank

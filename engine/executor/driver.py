@@ -35,6 +35,7 @@ from pdmesh.engine.parallel.comm import (
 )
 from pdmesh.engine.parallel.group import ParallelGroup
 from pdmesh.engine.parallel.pipeline import PipelineStage, stage_of
+from pdmesh.engine.parallel.step_channel import StepChannel
 from pdmesh.engine.runner.step_inputs import StepInputs
 from pdmesh.kv_transfer.connector import control_message, decode, encode, raise_failures
 from pdmesh.logger import get_logger
@@ -83,8 +84,8 @@ class StepOutbox:
     input ids (async scheduling) keeps them on rank 0's device, where stage 0 reads them; that
     needs stages of one rank (`ids_stay`): no follower embeds tokens then."""
 
-    def __init__(self, group: ParallelGroup, ids_stay: bool) -> None:
-        self.group = group
+    def __init__(self, group: ParallelGroup, channel: StepChannel, ids_stay: bool) -> None:
+        self.group, self.channel = group, channel
         self.ids_stay = ids_stay
         self._queue: queue.Queue[tuple[StepInputs, torch.Tensor | None]] = queue.Queue()
         self._error: BaseException | None = None
@@ -110,7 +111,9 @@ class StepOutbox:
             inputs, plan = self._queue.get()
             try:
                 if self._error is None:
-                    step_codec.send(OP_STEP, inputs, plan, self.group, ids_travel=False)
+                    step_codec.send(
+                        OP_STEP, inputs, plan, self.group, self.channel, ids_travel=False
+                    )
             except BaseException as e:  # raised on the engine thread at the next put or drain
                 self._error = e
             finally:
@@ -152,18 +155,20 @@ class TPDriver:
         self.group, self.tp, self.stage = init_ranks(
             0, config, init_method, rank_device(device, 0), num_layers, store
         )
+        # Where each step's first message goes (shared memory with followers on this machine).
+        self.channel = StepChannel(self.group, step_codec.FIRST_LEN)
         # With pipeline stages a step's broadcast waits for a later stage still busy with an
         # earlier batch: it runs on a thread of its own while rank 0 computes its stage.
         self._outbox = None
         if self.stage.size > 1:
-            self._outbox = StepOutbox(self.group, ids_stay=self.stage.tp_size == 1)
+            self._outbox = StepOutbox(self.group, self.channel, ids_stay=self.stage.tp_size == 1)
 
     def send_step(self, inputs: StepInputs, plan: torch.Tensor | None) -> None:
         """The step's inputs and KV plan to every follower, before rank 0 runs it."""
         self._check_alive()
         if self._outbox is None:
             with span("driver.send_step"):
-                step_codec.send(OP_STEP, inputs, plan, self.group)
+                step_codec.send(OP_STEP, inputs, plan, self.group, self.channel)
         else:
             self._outbox.put(inputs, plan)
 
@@ -173,7 +178,7 @@ class TPDriver:
         self._check_alive()
         if self._outbox is not None:
             self._outbox.drain()
-        step_codec.send_op(OP_CONTROL, self.group)
+        step_codec.send_op(OP_CONTROL, self.channel)
         broadcast_bytes(encode(message), self.group)
         replies = gather_bytes(b"", self.group)
         return raise_failures([decode(r) for r in replies[1:]])
@@ -204,7 +209,7 @@ class TPDriver:
             if self.dead is None and self.launcher.poll() is None:
                 if self._outbox is not None:
                     self._outbox.drain()
-                step_codec.send_op(OP_STOP, self.group)
+                step_codec.send_op(OP_STOP, self.channel)
         except RuntimeError as e:
             log.warning("could not stop the followers cleanly: %s", e)
         # NCCL tears a communicator down with all its ranks (ncclCommFinalize and ncclCommDestroy

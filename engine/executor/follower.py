@@ -36,6 +36,7 @@ from pdmesh.engine.kv_cache.host.pool import OffloadNow
 from pdmesh.engine.llm_engine import resolve_max_model_len
 from pdmesh.engine.models.info import ModelInfo
 from pdmesh.engine.parallel.comm import broadcast_bytes, destroy, gather_bytes
+from pdmesh.engine.parallel.step_channel import StepChannel
 from pdmesh.engine.runner.model_runner import ModelRunner
 from pdmesh.kv_transfer.connector import (
     Failed,
@@ -59,6 +60,7 @@ def serve_rank(spec: dict[str, Any]) -> None:
     device = rank_device(torch.device(s.device), s.local_rank)
     info = ModelInfo.load(resolve_model_folder(config.model))
     group, tp, stage = init_ranks(s.rank, config, s.init_method, device, info.num_layers)
+    channel = StepChannel(group, step_codec.FIRST_LEN)  # as rank 0 builds it, at this point
     options = decode(s.kv_connector.encode())
     if options is not None and s.kv_host is not None:  # on another node than rank 0
         options = on_node(options, s.kv_host, s.kv_advertise)
@@ -69,7 +71,7 @@ def serve_rank(spec: dict[str, Any]) -> None:
     try:
         while True:
             with span("follower.wait_step"):
-                header = step_codec.receive_header(group)
+                header = step_codec.receive_header(channel)
             op = header.fields["op"]
             if op == OP_STEP:
                 with span("follower.receive_step"):

@@ -2,9 +2,10 @@
 payload, both over the host group; and the input ids over the model's group when they exist only
 on the device (a step launched before the step sampling them finished: async scheduling).
 
-Every message to the followers starts with one fixed-size broadcast: the header and the first
-INLINE ints of the payload, so a step of a few sequences crosses in one gloo broadcast (each is a
-rendezvous of the ranks' host threads); a longer payload's rest follows in a second.
+Every message to the followers starts with one fixed-size message on the step channel (shared
+memory on one machine, else a gloo broadcast: engine/parallel/step_channel.py): the header and
+the first INLINE ints of the payload, so a step of a few sequences is one message; a longer
+payload's rest follows over the host group.
 
 Followers rebuild exactly the `StepInputs` rank 0 runs (its copies on write of KV blocks and its
 host-tier copies included), plus an optional int64 `extra` payload: the step's plan from the KV
@@ -20,6 +21,7 @@ import torch
 
 from pdmesh.engine.parallel.comm import broadcast_device, broadcast_host
 from pdmesh.engine.parallel.group import ParallelGroup
+from pdmesh.engine.parallel.step_channel import StepChannel
 from pdmesh.engine.runner.step_inputs import HostInputs, StepInputs, host_tensor, padded
 
 # Header layout (int64): op first, then the sizes below.
@@ -91,6 +93,7 @@ def send(
     inputs: StepInputs,
     extra: torch.Tensor | None,
     group: ParallelGroup,
+    channel: StepChannel,
     ids_travel: bool = True,
 ) -> None:
     """ids_travel=False: input ids that exist only on rank 0's device are not sent (the
@@ -99,7 +102,7 @@ def send(
     ids = _FIELDS.index("ids_on_device")
     if header[ids] and not ids_travel:
         header[ids] = IDS_STAY
-    _send_first(header, payload, group)
+    _send_first(header, payload, channel)
     if payload.numel() > INLINE:
         rest = payload[INLINE:]
         broadcast_host(rest, rest.numel(), torch.int64, group)
@@ -108,17 +111,17 @@ def send(
         broadcast_device(inputs.input_ids, inputs.host.num_tokens, torch.int64, group)
 
 
-def send_op(op: int, group: ParallelGroup) -> None:
-    """A message of `op` alone (control, stop): the first broadcast, no payload."""
-    _send_first([op], torch.empty(0, dtype=torch.int64), group)
+def send_op(op: int, channel: StepChannel) -> None:
+    """A message of `op` alone (control, stop): the first message, no payload."""
+    _send_first([op], torch.empty(0, dtype=torch.int64), channel)
 
 
-def _send_first(header: list[int], payload: torch.Tensor, group: ParallelGroup) -> None:
+def _send_first(header: list[int], payload: torch.Tensor, channel: StepChannel) -> None:
     first = torch.zeros(FIRST_LEN, dtype=torch.int64)
     first[: len(header)] = torch.tensor(header, dtype=torch.int64)
     inline = payload[:INLINE]
     first[HEADER_LEN : HEADER_LEN + inline.numel()] = inline
-    broadcast_host(first, FIRST_LEN, torch.int64, group)
+    channel.broadcast(first)
 
 
 class Header(NamedTuple):
@@ -126,8 +129,8 @@ class Header(NamedTuple):
     inline: torch.Tensor  # [INLINE] int64: the payload's first ints
 
 
-def receive_header(group: ParallelGroup) -> Header:
-    first = broadcast_host(None, FIRST_LEN, torch.int64, group)
+def receive_header(channel: StepChannel) -> Header:
+    first = channel.broadcast(None)
     fields = dict(zip(_FIELDS, first[:HEADER_LEN].tolist(), strict=False))
     return Header(fields, first[HEADER_LEN:])
 

@@ -18,27 +18,15 @@ with lists of the same length (`width`); each call returns the same list on ever
 
 from __future__ import annotations
 
-import mmap
-import os
-import platform
-import secrets
-import socket
-import time
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 
 from pdmesh import envs
 from pdmesh.engine.parallel.group import ParallelGroup
+from pdmesh.engine.parallel.shm import shared_segment, wait_until
 
 _SLOT = 8  # int64 words a slot: the round, then up to 7 values (64 bytes, a cache line)
-_SPIN_S = 0.002  # spin (yielding the core) this long, then sleep between looks,
-_SLEEP_S = (50e-6, 1e-3)  # from the first to the last, doubling: idle ranks (a mesh worker's
-# lockstep waits up to 50 ms for a command before each agreement) wake ~1,000 times a second
-_TIMEOUT_S = 7 * 24 * 3600.0  # ranks idle together wait as long as the gloo group's timeout
 _KEY = "pdmesh/host-max"
-_SHM = Path("/dev/shm")
 
 
 class HostMax:
@@ -51,15 +39,10 @@ class HostMax:
         self.group, self.width = group, width
         self.round = 0
         # The segment's int64 words (the mapping lives as long as the view); None: gloo.
-        self._words: memoryview | None = None
-        name = _shared_segment(group)
-        self.segment = name  # under /dev/shm while the ranks map it, then unlinked ("": gloo)
-        if name:
-            with open(_SHM / name, "r+b") as f:
-                self._words = memoryview(mmap.mmap(f.fileno(), _size(group))).cast("q")
-        dist.barrier(group=group.host_group)  # every rank has mapped it: the name can go
-        if name and group.rank == 0:
-            (_SHM / name).unlink(missing_ok=True)
+        segment = shared_segment(group, _KEY, _size(group), envs.dp_agreement() == "auto")
+        self.segment = segment.name  # under /dev/shm while the ranks map it, then unlinked
+        memory = segment.memory
+        self._words = memoryview(memory).cast("q") if memory is not None else None
 
     @property
     def shared(self) -> bool:
@@ -78,18 +61,9 @@ class HostMax:
             words[mine + 1 + i] = v
         words[mine] = r  # after the values: a reader that sees the round sees them
         out = list(values)
-        start, nap = time.monotonic(), _SLEEP_S[0]
         for rank in range(size):
             slot = bank + rank * _SLOT
-            while words[slot] != r:
-                waited = time.monotonic() - start
-                if waited > _TIMEOUT_S:
-                    raise RuntimeError(f"data-parallel rank {rank} did not reach round {r}")
-                if waited < _SPIN_S:
-                    os.sched_yield()
-                else:
-                    time.sleep(nap)
-                    nap = min(2 * nap, _SLEEP_S[1])
+            wait_until(lambda slot=slot: words[slot] == r, f"data-parallel rank {rank}, round {r}")
             theirs = words[slot + 1 : slot + 1 + self.width].tolist()
             out = [max(a, b) for a, b in zip(out, theirs, strict=True)]
         return out
@@ -98,30 +72,3 @@ class HostMax:
 def _size(group: ParallelGroup) -> int:
     """Bytes of the segment: two banks of a slot per rank."""
     return 2 * group.size * _SLOT * 8
-
-
-def _shared_segment(group: ParallelGroup) -> str:
-    """The name under /dev/shm of the segment rank 0 made for the group, or "" where the ranks
-    cannot share one (another machine or container among them, not x86-64, no /dev/shm)."""
-    store = group.store
-    store.set(f"{_KEY}/machine/{group.rank}", _machine())
-    if group.rank == 0:
-        name = ""
-        machines = {store.get(f"{_KEY}/machine/{r}").decode() for r in range(group.size)}
-        one = len(machines) == 1 and platform.machine() in ("x86_64", "AMD64")
-        if one and _SHM.is_dir() and envs.dp_agreement() == "auto":
-            name = f"pdmesh-host-max-{secrets.token_hex(8)}"
-            with open(_SHM / name, "wb") as f:
-                f.truncate(_size(group))
-        store.set(f"{_KEY}/name", name)
-    return store.get(f"{_KEY}/name").decode()
-
-
-def _machine() -> str:
-    """This machine and boot, as seen from inside its container: equal on two ranks only where
-    they can map one /dev/shm file."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}/{os.stat(_SHM).st_ino if _SHM.is_dir() else ''}"
