@@ -7,6 +7,7 @@ order; through shared memory (PDMESH_STEP_CHANNEL=shm, as on GPUs) and through t
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -49,6 +50,34 @@ def test_every_follower_reads_every_message_in_order(tmp_path, monkeypatch, mode
         # One machine: shared memory when asked; 'auto' keeps gloo on CPUs.
         assert result["shared"] == (mode == "shm")
     assert not list(Path("/dev/shm").glob("pdmesh-step-channel-*"))  # unlinked once mapped
+
+
+def _rank0_dies(rank: int, init_method: str, out: str) -> None:
+    group = init_group(rank, 2, init_method, torch.device("cpu"), expert_parallel=False)
+    channel = StepChannel(group, WORDS)
+    channel.broadcast(_message(0) if rank == 0 else None)
+    if rank == 0:
+        os._exit(0)  # gone without a word, its store with it
+    start = time.monotonic()
+    try:
+        channel.broadcast(None)
+        error = ""
+    except Exception as e:  # what a gloo broadcast from a dead rank raises too
+        error = type(e).__name__
+    seconds = time.monotonic() - start
+    Path(out, "follower.json").write_text(json.dumps({"error": error, "seconds": seconds}))
+
+
+def test_a_follower_waiting_on_a_dead_rank_0_raises(tmp_path, monkeypatch) -> None:
+    """Shared memory has no socket to close: a waiting follower checks rank 0's store about
+    once a second, and raises when it is gone (the follower then exits, as over gloo)."""
+    monkeypatch.setenv("PDMESH_STEP_CHANNEL", "shm")
+    torch.multiprocessing.spawn(
+        _rank0_dies, args=(f"tcp://127.0.0.1:{_port()}", str(tmp_path)), nprocs=2, join=True
+    )
+    result = json.loads((tmp_path / "follower.json").read_text())
+    assert result["error"]
+    assert result["seconds"] < 10
 
 
 def _port() -> int:

@@ -157,6 +157,7 @@ class TPDriver:
         )
         # Where each step's first message goes (shared memory with followers on this machine).
         self.channel = StepChannel(self.group, step_codec.FIRST_LEN)
+        self.channel.check_followers = self._check_alive
         # With pipeline stages a step's broadcast waits for a later stage still busy with an
         # earlier batch: it runs on a thread of its own while rank 0 computes its stage.
         self._outbox = None

@@ -27,6 +27,7 @@ SHM = Path("/dev/shm")
 SPIN_S = 0.005  # spin (yielding the core) this long, then sleep between looks,
 SLEEP_S = (50e-6, 1e-3)  # from the first to the last, doubling: idle ranks wake ~1,000 times a s
 TIMEOUT_S = 7 * 24 * 3600.0  # ranks idle together wait as long as the gloo groups' timeout
+PROBE_S = 1.0  # a waiting rank checks this often that the rank it waits for still runs
 
 
 class Segment(NamedTuple):
@@ -59,16 +60,24 @@ def shared_segment(group: ParallelGroup, key: str, size: int, wanted: bool) -> S
     return Segment(name, mapped)
 
 
-def wait_until(ready: Callable[[], bool], what: str) -> None:
+def wait_until(
+    ready: Callable[[], bool], what: str, alive: Callable[[], object] | None = None
+) -> None:
     """Until `ready()`: spinning (yielding the core) for SPIN_S, then sleeping in doubling naps;
-    RuntimeError naming `what` after TIMEOUT_S."""
+    RuntimeError naming `what` after TIMEOUT_S. `alive`, called about once a second of waiting,
+    raises when the rank being waited for is gone (a gloo peer's socket would have closed)."""
     if ready():
         return
     start, nap = time.monotonic(), SLEEP_S[0]
+    probed = start
     while not ready():
-        waited = time.monotonic() - start
+        now = time.monotonic()
+        waited = now - start
         if waited > TIMEOUT_S:
             raise RuntimeError(f"waited {waited:.0f} s for {what}")
+        if alive is not None and now - probed > PROBE_S:
+            alive()
+            probed = now
         if waited < SPIN_S:
             os.sched_yield()
         else:

@@ -22,6 +22,8 @@ with messages of `words` int64s, and each call returns rank 0's message; only on
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from pdmesh import envs
@@ -41,6 +43,9 @@ class StepChannel:
     def __init__(self, group: ParallelGroup, words: int) -> None:
         self.group, self.words = group, words
         self.count = 0  # messages so far
+        # Rank 0: raises when a follower has died (the driver's process monitoring sets it), so
+        # a full ring does not wait on a rank that will never acknowledge.
+        self.check_followers: Callable[[], object] | None = None
         mode = envs.step_channel()
         wanted = mode == "shm" or (mode == "auto" and group.device.type == "cuda")
         # Layout (int64 words): a line per rank (the followers' acknowledgements), then SLOTS
@@ -54,6 +59,9 @@ class StepChannel:
         if segment.memory is not None:
             self._words = memoryview(segment.memory).cast("q")
             self._tensor = torch.frombuffer(segment.memory, dtype=torch.int64)
+
+    def _rank0_alive(self) -> None:
+        self.group.store.check([f"{_KEY}/name"])  # a round trip to rank 0's store; raises if gone
 
     @property
     def shared(self) -> bool:
@@ -72,11 +80,13 @@ class StepChannel:
                 raise ValueError(f"rank 0 broadcasts messages of {self.words} int64s")
             # The slot's last message, n - SLOTS, acknowledged by every follower.
             for rank in range(1, size):
-                wait_until(lambda r=rank: words[r * _LINE] >= n - SLOTS, f"rank {rank}'s step")
+                acked = lambda r=rank: words[r * _LINE] >= n - SLOTS  # noqa: E731
+                wait_until(acked, f"rank {rank}'s step", self.check_followers)
             self._tensor[data].copy_(message)
             words[slot] = n  # after the message: a rank that sees the number sees it
             return message
-        wait_until(lambda: words[slot] == n, f"rank 0's message {n}")
+        # Rank 0 gone (its store with it): raised here, as a gloo broadcast would have.
+        wait_until(lambda: words[slot] == n, f"rank 0's message {n}", self._rank0_alive)
         out = self._tensor[data].clone()
         words[self.group.rank * _LINE] = n  # after the copy: the slot may be written again
         return out
