@@ -95,7 +95,7 @@ def follower_lag(traces: list[dict[str, Any]]) -> dict[str, Any]:
     every rank (engine/executor/profiling.py `span`; a profile with host operators): the
     medians, in µs, of rank 0's spans (sending a step, launching one ahead, waiting for its
     tokens), each follower's (waiting for the next step, receiving it, running it), and, step by
-    step, a follower's graph launch after rank 0's and its run's start after rank 0's send."""
+    step, how long after rank 0's graph launch the follower launched its own."""
 
     def durations(trace: dict[str, Any], name: str) -> float | None:
         return _median([e - s for s, e in _spans(trace, name)])
@@ -107,18 +107,15 @@ def follower_lag(traces: list[dict[str, Any]]) -> dict[str, Any]:
             for name in ("driver.send_step", "engine.launch_next", "engine.collect")
         }
     }
-    sends = _spans(lead, "driver.send_step")
     graphs = _spans(lead, "cudaGraphLaunch")
     for r, trace in enumerate(traces[1:], start=1):
-        runs = _spans(trace, "follower.run_step")
         their_graphs = _spans(trace, "cudaGraphLaunch")
         entry = {
             name: durations(trace, name)
             for name in ("follower.wait_step", "follower.receive_step", "follower.run_step")
         }
-        # The k-th of each in the window is the same step (every rank starts profiling between
-        # two steps); a rank may end the window with one more.
-        entry["run_after_send"] = _median([r[0] - s[0] for s, r in zip(sends, runs, strict=False)])
+        # The k-th graph launch of each rank in the window is the same step (every rank starts
+        # profiling between two steps); a rank may end the window with one more.
         entry["graph_after_rank0_graph"] = _median(
             [g[0] - g0[0] for g0, g in zip(graphs, their_graphs, strict=False)]
         )
