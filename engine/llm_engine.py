@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import deque
 from collections.abc import Callable, Collection
 
@@ -32,6 +33,7 @@ from pdmesh.engine.parallel.pipeline import SINGLE_STAGE, check_world
 from pdmesh.engine.runner.model_runner import ModelRunner
 from pdmesh.engine.sample.sampler import Sampler
 from pdmesh.engine.sample.structured import Grammars
+from pdmesh.engine.scheduling.burst import PrefillRate
 from pdmesh.engine.scheduling.choices import (
     Limits,
     check_choices,
@@ -131,6 +133,7 @@ class LLMEngine:
             overlap_loads=rank0.type == "cuda",  # copies beside a forward: a stream of their own
         )
         self._requests: dict[str, Request] = {}
+        self.prefill_rate = PrefillRate()
         # Speculative decoding (engine/spec_decode/speculator.py); None: off.
         self.speculator = make_speculator(
             config.speculative,
@@ -326,6 +329,17 @@ class LLMEngine:
         """Queued requests beyond what the KV cache can take now (see Scheduler)."""
         return self.scheduler.num_waiting_for_blocks()
 
+    def burst_window_s(self) -> float:
+        """How long a serving loop that was idle may wait for more requests before this engine's
+        first step (see pdmesh/serving/engine_loop.py): a small share of the prefill that step
+        runs, as the prefills so far have cost; 0 while any sequence runs (its next token would
+        wait) or before a prefill was timed."""
+        s = self.scheduler
+        if s.running or not s.waiting:
+            return 0.0
+        tokens = sum(seq.num_uncomputed_tokens for seq in s.waiting)
+        return self.prefill_rate.window_s(min(tokens, self.config.max_num_batched_tokens))
+
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> list[StepDelta]:
         """Run a step and return its deltas. The step handled may be one launched by an earlier
@@ -387,6 +401,7 @@ class LLMEngine:
         """Read a launched step's tokens and output them; its deltas."""
         with span("engine.collect"):  # waits for the step's tokens
             sampled = self.runner.collect(cur.handle)
+        self.prefill_rate.observe(cur.batch, time.perf_counter() - cur.started)
         logprobs = self.runner.collect_logprobs(cur.handle, sampled)
         self.record_prompt_logprobs(cur)
         self.scheduler.complete(cur.batch)
@@ -410,7 +425,10 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule(busy, self._batch_cap())
-        return InFlight(batch, self.runner.launch(batch)) if batch else None
+        if not batch:
+            return None
+        started = time.perf_counter()
+        return InFlight(batch, self.runner.launch(batch), started)
 
     def _batch_cap(self) -> int | None:
         """With batches in flight for p stages, each takes about 1/p of the sequences."""
@@ -439,7 +457,8 @@ class LLMEngine:
             return None
         batch, token_ids = nxt
         with span("engine.launch_next"):
-            return InFlight(batch, self.runner.launch(batch, next_ids=token_ids))
+            started = time.perf_counter()
+            return InFlight(batch, self.runner.launch(batch, next_ids=token_ids), started)
 
     def _end(self, seq: Sequence, reason: str) -> None:
         """Finish `seq`; its blocks are freed once no step on the device writes to them."""

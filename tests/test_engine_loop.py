@@ -4,10 +4,14 @@ whose caller gave up (a cancelled future), which are left alone rather than cras
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
+from support import random_prompts
 
-from pdmesh import LLM
+from pdmesh import LLM, SamplingParams
+from pdmesh.engine.scheduling.burst import BURST_MAX_S, BURST_SHARE, PrefillRate
+from pdmesh.engine.scheduling.scheduler import ScheduledBatch
 from pdmesh.serving.engine_loop import EngineLoop
 
 
@@ -29,3 +33,47 @@ def test_commands_queued_at_stop_fail_and_cancelled_ones_are_skipped(default_llm
         assert errors == []
     finally:
         threading.excepthook = old_hook
+
+
+def test_an_idle_loop_keeps_a_burst_of_requests_together(default_llm: LLM) -> None:
+    """Requests a client sends together arrive a few ms apart (each through the gateway, the
+    router and the gRPC hops): an idle loop waits a share of the coming prefill for the rest
+    (engine/scheduling/burst.py), so they prefill in one step instead of the first alone."""
+    engine = default_llm.engine
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    prompts = random_prompts([256] * 5, seed=9)
+    steps: list[set[str]] = []  # the requests with a token in each step
+    loop = EngineLoop(engine, on_deltas=lambda ds: steps.append({d.request_id for d in ds}))
+    loop.start()
+    try:
+
+        def run(ids: list[str], gap_s: float) -> None:
+            for rid in ids:
+                prompt = prompts[int(rid[-1])]
+                loop.call(lambda e, rid=rid, p=prompt: e.add_request(rid, p, params))
+                time.sleep(gap_s)
+            deadline = time.monotonic() + 120
+            while not all(loop.call(lambda e, r=r: e.is_finished(r)).result() for r in ids):
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            for rid in ids:
+                loop.call(lambda e, r=rid: e.release(r)).result()
+
+        run(["w0"], 0)  # times a prefill: the window is a share of the next one's estimate
+        assert engine.prefill_rate.seconds_per_token is not None
+        steps.clear()
+        run(["b1", "b2", "b3", "b4"], 0.002)
+        first = next(s for s in steps if s)
+        assert first == {"b1", "b2", "b3", "b4"}, steps[:3]
+    finally:
+        loop.stop(timeout=5)
+
+
+def test_the_burst_window_is_a_share_of_the_coming_prefill_capped() -> None:
+    rate = PrefillRate()
+    assert rate.window_s(256) == 0.0  # nothing timed yet: no wait
+    rate.observe(ScheduledBatch([object()] * 8, [1] * 8, []), 0.1)  # decode rows: not counted
+    assert rate.seconds_per_token is None
+    rate.observe(ScheduledBatch([object()], [200], []), 0.4)  # 2 ms a prompt token
+    assert rate.window_s(100) == pytest.approx(BURST_SHARE * 0.2)
+    assert rate.window_s(100_000) == BURST_MAX_S

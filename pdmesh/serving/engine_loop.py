@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -95,16 +96,19 @@ class EngineLoop:
         if deltas:
             self._on_deltas(deltas)
 
-    def _drain(self, block: bool) -> None:
-        timeout = IDLE_TICK_S if block else None
+    def _drain(self, block: bool, timeout: float = IDLE_TICK_S) -> bool:
+        """Run the queued commands (block: waiting up to `timeout` for the first); whether any
+        command came."""
+        came = False
         while True:
             try:
-                item = self._commands.get(block=block, timeout=timeout)
+                item = self._commands.get(block=block, timeout=timeout if block else None)
             except queue.Empty:
-                return
+                return came
             block = False
             if item is None:
-                return
+                return came
+            came = True
             fn, future = item
             if not future.set_running_or_notify_cancel():
                 continue
@@ -113,6 +117,13 @@ class EngineLoop:
             except BaseException as exc:
                 future.set_exception(exc)
 
+    def _gather_burst(self) -> None:
+        """Woken from idle by new requests: let the rest of their burst arrive before the first
+        step (engine/scheduling/burst.py), for at most the engine's window."""
+        deadline = time.monotonic() + self.engine.burst_window_s()
+        while not self._stopped.is_set() and (left := deadline - time.monotonic()) > 0:
+            self._drain(block=True, timeout=left)
+
     def _run(self) -> None:
         engine = self.engine
         try:
@@ -120,7 +131,10 @@ class EngineLoop:
                 # A stalled engine waits for a command (a remote prefill landing) rather than
                 # spinning through empty steps; in lockstep, only while its peers idle too.
                 idle_here = not engine.has_unfinished_requests() or engine.stalled
+                was_idle = not engine.has_unfinished_requests()
                 self._drain(block=idle_here and not (self.lockstep and engine.group_busy))
+                if was_idle and not self.lockstep and engine.has_unfinished_requests():
+                    self._gather_burst()
                 if self._stopped.is_set():
                     break
                 if self._on_tick is not None:
