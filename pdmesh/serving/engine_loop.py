@@ -96,19 +96,16 @@ class EngineLoop:
         if deltas:
             self._on_deltas(deltas)
 
-    def _drain(self, block: bool, timeout: float = IDLE_TICK_S) -> bool:
-        """Run the queued commands (block: waiting up to `timeout` for the first); whether any
-        command came."""
-        came = False
+    def _drain(self, block: bool, timeout: float = IDLE_TICK_S) -> None:
+        """Run the queued commands (block: waiting up to `timeout` for the first)."""
         while True:
             try:
                 item = self._commands.get(block=block, timeout=timeout if block else None)
             except queue.Empty:
-                return came
+                return
             block = False
             if item is None:
-                return came
-            came = True
+                return
             fn, future = item
             if not future.set_running_or_notify_cancel():
                 continue
