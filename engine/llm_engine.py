@@ -329,17 +329,6 @@ class LLMEngine:
         """Queued requests beyond what the KV cache can take now (see Scheduler)."""
         return self.scheduler.num_waiting_for_blocks()
 
-    def burst_window_s(self) -> float:
-        """How long a serving loop that was idle may wait for more requests before this engine's
-        first step (see pdmesh/serving/engine_loop.py): a small share of the prefill that step
-        runs, as the prefills so far have cost; 0 while any sequence runs (its next token would
-        wait) or before a prefill was timed."""
-        s = self.scheduler
-        if s.running or not s.waiting:
-            return 0.0
-        tokens = sum(seq.num_uncomputed_tokens for seq in s.waiting)
-        return self.prefill_rate.window_s(min(tokens, self.config.max_num_batched_tokens))
-
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> list[StepDelta]:
         """Run a step and return its deltas. The step handled may be one launched by an earlier

@@ -53,7 +53,7 @@ class StepChannel:
         self._slot_words = _LINE + words
         size = 8 * (group.size * _LINE + SLOTS * self._slot_words)
         segment = shared_segment(group, _KEY, size, wanted)
-        self._memory = segment.memory  # the mapping lives as long as the views below
+        # Views of the mapping (which lives as long as they do): words to poll, a tensor to copy.
         self._words: memoryview | None = None
         self._tensor: torch.Tensor | None = None
         if segment.memory is not None:

@@ -14,7 +14,7 @@ milliseconds, the wait is a fraction of one.
 
 from __future__ import annotations
 
-from pdmesh.engine.scheduling.scheduler import ScheduledBatch
+from pdmesh.engine.scheduling.scheduler import ScheduledBatch, Scheduler
 
 BURST_SHARE = 0.05
 BURST_MAX_S = 0.05
@@ -42,3 +42,12 @@ class PrefillRate:
         if self.seconds_per_token is None:
             return 0.0
         return min(BURST_MAX_S, BURST_SHARE * self.seconds_per_token * tokens)
+
+    def burst_window_s(self, scheduler: Scheduler, max_step_tokens: int) -> float:
+        """The wait before the first step of an engine woken from idle: the window of the
+        prefill that step runs (its waiting prompts, up to a step's budget); 0 while any
+        sequence runs (its next token would wait) or nothing waits."""
+        if scheduler.running or not scheduler.waiting:
+            return 0.0
+        tokens = sum(seq.num_uncomputed_tokens for seq in scheduler.waiting)
+        return self.window_s(min(tokens, max_step_tokens))

@@ -98,9 +98,8 @@ def moe_route(
         return Routing(weights, ids, slots)
     counts = tally.expert_counts if tally is not None else ids
     slot_counts = tally.slot_counts if tally is not None else None
-    count_slots = slot_counts is not None and table is not None
     for name, buf in (("expert", counts), ("slot", slot_counts)):
-        if tally is not None and buf is not None and buf.dtype != torch.int64:
+        if buf is not None and buf.dtype != torch.int64:
             raise ValueError(f"{name} counts must be int64, got {buf.dtype}")
     logits = last_dim_contiguous(router_logits)
     block_e = triton.next_power_of_2(num_experts)
@@ -112,7 +111,7 @@ def moe_route(
         table.log2phy if table is not None else ids,
         table.replicas if table is not None else ids,
         counts,
-        slot_counts if count_slots else ids,
+        slot_counts if slot_counts is not None else ids,
         num_experts,
         logits.stride(0),
         table.log2phy.stride(0) if table is not None else 0,
@@ -123,7 +122,7 @@ def moe_route(
         RENORMALIZE=renormalize,
         HAS_TABLE=table is not None,
         COUNT=tally is not None,
-        COUNT_SLOTS=count_slots,
+        COUNT_SLOTS=slot_counts is not None,
         BLOCK_E=block_e,
         BLOCK_K=triton.next_power_of_2(top_k),
         num_warps=4 if block_e >= 512 else 1,

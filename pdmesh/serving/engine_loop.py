@@ -117,7 +117,11 @@ class EngineLoop:
     def _gather_burst(self) -> None:
         """Woken from idle by new requests: let the rest of their burst arrive before the first
         step (engine/scheduling/burst.py), for at most the engine's window."""
-        deadline = time.monotonic() + self.engine.burst_window_s()
+        engine = self.engine
+        window = engine.prefill_rate.burst_window_s(
+            engine.scheduler, engine.config.max_num_batched_tokens
+        )
+        deadline = time.monotonic() + window
         while not self._stopped.is_set() and (left := deadline - time.monotonic()) > 0:
             self._drain(block=True, timeout=left)
 
@@ -127,8 +131,8 @@ class EngineLoop:
             while not self._stopped.is_set():
                 # A stalled engine waits for a command (a remote prefill landing) rather than
                 # spinning through empty steps; in lockstep, only while its peers idle too.
-                idle_here = not engine.has_unfinished_requests() or engine.stalled
                 was_idle = not engine.has_unfinished_requests()
+                idle_here = was_idle or engine.stalled
                 self._drain(block=idle_here and not (self.lockstep and engine.group_busy))
                 if was_idle and not self.lockstep and engine.has_unfinished_requests():
                     self._gather_burst()

@@ -72,6 +72,21 @@ def test_moe_route_maps_slots_and_counts_like_the_reference(
     assert torch.equal(r.slots[rows, cols], expect)
 
 
+def test_moe_route_counts_slots_as_experts_without_a_table(device: torch.device) -> None:
+    logits = torch.randn(9, 6, generator=torch.Generator().manual_seed(3)).to(device)
+
+    def counted(route) -> tuple[torch.Tensor, torch.Tensor]:
+        counts = torch.zeros(6, dtype=torch.int64, device=device)
+        slot_counts = torch.zeros(6, dtype=torch.int64, device=device)
+        route(logits, 2, True, None, RouteTally(1, 7, counts, slot_counts))
+        return counts, slot_counts
+
+    counts, slot_counts = counted(moe_route)
+    ref_counts, ref_slot_counts = counted(moe_route_ref)
+    assert torch.equal(counts, ref_counts) and torch.equal(slot_counts, ref_slot_counts)
+    assert torch.equal(slot_counts, counts) and int(counts.sum()) == 6 * 2
+
+
 @pytest.mark.parametrize(("first_expert", "block_m"), [(0, 4), (2, 16)])
 def test_moe_align_groups_every_held_pair_by_expert(
     first_expert: int, block_m: int, device: torch.device
