@@ -64,7 +64,7 @@ def stamp_sender() -> None:
     stamped(p2p_sender.P2PSender, "send_blocks", "send_blocks")
     stamped(p2p_sender.P2PSender, "send_layers", "send_layers")
     stamped(p2p_sender.P2PSender, "finish", "finish")
-    stamped(p2p_poster.Pair, "_next_batch", "batch taken", enter=False)
+    stamped(p2p_poster.Pair, "_take", "batch taken", enter=False)
     stamped(p2p_poster.Pair, "_post", "post")
     stamped(p2p_pairs.HeaderOutbox, "push", "headers pushed", enter=False)
     stamp_pairs(p2p_sender)

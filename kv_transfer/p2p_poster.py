@@ -1,6 +1,7 @@
-"""The thread per (sender, receiver) pair that posts KV frames, in queue order and in batches:
-a batch's headers go to the receiver as one message on the pair's header channel, its payloads
-follow as one send over the pair's group (device to device on the GPU). Used by p2p_sender.py."""
+"""Posting KV frames to one receiver, in queue order and in batches: a batch's headers go to the
+receiver as one message on the pair's header channel, its payloads follow as one send over the
+pair's group (device to device on the GPU). The caller posts on its own thread when it can, a
+thread per pair when it cannot. Used by p2p_sender.py."""
 
 from __future__ import annotations
 
@@ -13,7 +14,12 @@ from typing import Any
 import torch
 
 from pdmesh.kv_transfer.base import TransferError
-from pdmesh.kv_transfer.p2p_pairs import BATCH_BYTES, MAX_BATCH_FRAMES
+from pdmesh.kv_transfer.p2p_pairs import (
+    BATCH_BYTES,
+    COALESCE_BYTES,
+    HELD_POLL_S,
+    MAX_BATCH_FRAMES,
+)
 
 
 @dataclass
@@ -23,6 +29,15 @@ class Send:
     work: Any
     lock: threading.Lock = field(default_factory=threading.Lock)
     done: bool = False
+
+    def finished(self) -> bool:
+        """Known complete, without waiting (a work that cannot tell says False)."""
+        if self.done:
+            return True
+        try:
+            return bool(self.work.is_completed())
+        except Exception:  # a work without the query, or one that failed: not known done
+            return False
 
 
 @dataclass
@@ -38,32 +53,52 @@ class Frame:
 
 
 class Pair:
-    """A two-rank group to one receiver and the thread that posts its frames, in queue order.
+    """A two-rank group to one receiver, and who posts its frames, in queue order.
 
-    The thread takes every frame queued so far (up to BATCH_BYTES) as one batch: one header
-    message carries the batch's headers, one send its payloads back to back (straight from their
-    buffer when they already lie so, as layers gathered together do; else joined). The receiver then
-    takes one header message and posts one recv per batch, not per layer, when a whole prompt's KV
-    is ready at once (a prefix-cache hit, a benchmark); during a prefill, layers come one at a time.
+    The caller posts on its own thread when it can: frames queued while nothing else is being
+    posted go out at once (header message, then one send), with no hand-over to another thread
+    (waking one costs up to the GIL's switch interval while the caller runs a forward pass). The
+    pair's thread posts what the caller could not: the very first batch (NCCL makes the pair's
+    communicator in the first send, which blocks until the receiver joins), and small frames
+    held back while `window` sends are in flight.
+
+    Holding small frames back is what keeps the receiver's pace: it spends ~0.1 ms of host per
+    batch (headers, a recv posted, a write), so frames that take less than that on the wire
+    (one layer of a short prompt) would leave it behind if each went alone. Held frames go out
+    together, as one send, once a send in flight completes. Nothing is held once COALESCE_BYTES
+    are queued. Each batch is every frame queued so far, up to BATCH_BYTES: one header message
+    carries their headers, one send their payloads back to back (straight from their buffer
+    when they already lie so, as layers gathered together do; else joined).
     """
 
-    def __init__(self, group: Any, headers: Any, name: str) -> None:
+    def __init__(self, group: Any, headers: Any, name: str, window: int | None = None) -> None:
         self.group = group
-        self.headers = headers  # the pair's HeaderOutbox (push, close), used by its thread only
+        self.headers = headers  # the pair's HeaderOutbox (push, close), used while posting only
         self.broken: str | None = None
         self._queue: deque[Frame] = deque()
+        self._queued = 0  # payload bytes in the queue
         self._wake = threading.Condition()
         self._closed = False
+        self._posting = False  # a thread (the caller's or the pair's) is posting a batch now
+        self._warm = False  # a first batch went out: the caller may post itself
+        self._window = window  # sends in flight before small frames are held; None: never held
+        self._in_flight: deque[Send] = deque()
         self._stream: torch.cuda.Stream | None = None  # made for the first CUDA payload
         threading.Thread(target=self._post_frames, name=name, daemon=True).start()
 
     def put(self, frames: list[Frame]) -> None:
-        """Queue frames together (the thread sees all of them at once)."""
+        """Queue frames together, and post them now on the caller's thread when nothing holds
+        them (see the class)."""
         with self._wake:
             if self.broken is not None or self._closed:
                 raise TransferError(self.broken or "the KV sender is closed")
             self._queue.extend(frames)
-            self._wake.notify()
+            self._queued += sum(f.payload.numel() for f in frames)
+            batch = self._take() if self._warm else None
+            if batch is None:
+                self._wake.notify()
+                return
+        self._post_batch(batch)
 
     def close(self, reason: str) -> None:
         with self._wake:
@@ -71,43 +106,77 @@ class Pair:
             self.broken = self.broken or reason
             self._wake.notify()
 
-    def _next_batch(self) -> list[Frame] | None:
-        with self._wake:
-            while not self._queue and not self._closed:
-                self._wake.wait()
-            if self._closed:
-                gone, self._queue = list(self._queue), deque()
-                _fail(gone, self.broken or "the KV sender is closed")
-                return None
-            batch = [self._queue.popleft()]
-            size = batch[0].payload.numel()
-            joined = False  # the batch so far lies back to back in one buffer: keep it so
-            while (
-                self._queue
-                and len(batch) < MAX_BATCH_FRAMES
-                and size + self._queue[0].payload.numel() <= BATCH_BYTES
-            ):
-                follows = _follows(batch[-1].payload, self._queue[0].payload)
-                if len(batch) == 1:
-                    joined = follows
-                elif joined and not follows:
-                    break
-                size += self._queue[0].payload.numel()
-                batch.append(self._queue.popleft())
-            return batch
+    def _ready(self) -> bool:
+        """Queued frames that may go now (the condition's lock held)."""
+        if not self._queue or self._posting:
+            return False
+        if self._window is None or self._queued >= COALESCE_BYTES:
+            return True
+        while self._in_flight and self._in_flight[0].finished():
+            self._in_flight.popleft()
+        return len(self._in_flight) < self._window
 
-    def _post_frames(self) -> None:
-        while (batch := self._next_batch()) is not None:
+    def _take(self) -> list[Frame] | None:
+        """The next batch, marked as being posted, if one may go now (the lock held)."""
+        if not self._ready():
+            return None
+        self._posting = True
+        batch = [self._queue.popleft()]
+        size = batch[0].payload.numel()
+        joined = False  # the batch so far lies back to back in one buffer: keep it so
+        while (
+            self._queue
+            and len(batch) < MAX_BATCH_FRAMES
+            and size + self._queue[0].payload.numel() <= BATCH_BYTES
+        ):
+            follows = _follows(batch[-1].payload, self._queue[0].payload)
+            if len(batch) == 1:
+                joined = follows
+            elif joined and not follows:
+                break
+            size += self._queue[0].payload.numel()
+            batch.append(self._queue.popleft())
+        self._queued -= size
+        return batch
+
+    def _post_batch(self, batch: list[Frame]) -> None:
+        """Post one batch taken by `_take`, then whatever may follow it at once."""
+        while batch:
             try:
-                self._post(batch)
+                sent = self._post(batch)
             except Exception as e:
                 with self._wake:
                     self.broken = f"{e}"
                     self._closed = True
+                    self._posting = False
+                    self._wake.notify()
                 _fail(batch, self.broken)
+                return
+            with self._wake:
+                self._in_flight.append(sent)
+                self._warm = True
+                self._posting = False
+                batch = self._take()
+                if batch is None:
+                    self._wake.notify()  # held frames: the thread waits for a send to complete
+
+    def _post_frames(self) -> None:
+        while True:
+            with self._wake:
+                while not self._closed and not self._ready():
+                    # Frames held back wait for a send in flight to complete: look again soon.
+                    held = bool(self._queue) and not self._posting
+                    self._wake.wait(HELD_POLL_S if held else None)
+                if self._closed:
+                    gone, self._queue, self._queued = list(self._queue), deque(), 0
+                    _fail(gone, self.broken or "the KV sender is closed")
+                    break
+                batch = self._take()
+            if batch is not None:
+                self._post_batch(batch)
         self.headers.close()
 
-    def _post(self, batch: list[Frame]) -> None:
+    def _post(self, batch: list[Frame]) -> Send:
         first = batch[0].payload
         if first.is_cuda and self._stream is None:
             self._stream = torch.cuda.Stream(first.device)
@@ -131,6 +200,7 @@ class Pair:
             frame.sent = sent
             frame.payload = payload  # alive until the send is done
             frame.posted.set()
+        return sent
 
 
 def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -1,12 +1,13 @@
 """Receiving KV frames over two-rank process groups (transports `nccl` and `gloo`).
 
 One thread accepts pairs (a sender announcing itself in the store) and runs the deadline clock;
-one thread per pair receives frames in order: it waits on the pair's header socket for the next
-batch of headers, then receives the payloads they announce over the group in one recv, straight
-into device memory. It posts the next batch's recv (when its headers are in) before it writes a
-batch into the cache, so the link stays busy while the host checks and writes. On the GPU a pair
-thread posts recvs on a CUDA stream of its own and writes on another, so the model's stream never
-waits on a recv and a write never holds back the next recv.
+one thread per pair receives frames in order (until its sender closes the pair's header
+channel): it waits on the pair's header socket for the next batch of headers, then receives the
+payloads they announce over the group in one recv, straight into device memory. It posts the
+next batch's recv (when its headers are in) before it writes a batch into the cache, so the link
+stays busy while the host checks and writes. On the GPU a pair thread posts recvs on a CUDA
+stream of its own and writes on another, so the model's stream never waits on a recv and a write
+never holds back the next recv.
 Every frame is checked and written by the shared `TransferInbox`. A frame for an unknown
 transfer or with a wrong token is still received (the stream must stay in step) and then
 dropped; a malformed header ends that pair.
@@ -41,6 +42,7 @@ from pdmesh.kv_transfer.p2p_pairs import (
     RECV_DEPTH,
     RENDEZVOUS_TIMEOUT,
     HeaderInbox,
+    HeadersClosed,
     announced_pairs,
     host_port,
     pair_group,
@@ -115,6 +117,8 @@ class P2PReceiver(KVReceiver):
             inbox = HeaderInbox(client, pair_id, host)
             group = pair_group(client, pair_id, rank=1, backend=self.backend)
             self._receive_frames(inbox, group)
+        except HeadersClosed:
+            log.debug("KV pair %s closed by its sender", pair_id)
         except Exception as e:
             if not self._stop.is_set():
                 log.warning("KV pair %s closed: %s", pair_id, e)
@@ -130,7 +134,16 @@ class P2PReceiver(KVReceiver):
         writes = torch.cuda.Stream(device) if cuda else None
         posted: deque[_Posted] = deque()
         while not self._stop.is_set():
-            raw = inbox.next(0 if posted else IDLE_POLL_MS)
+            try:
+                raw = inbox.next(0 if posted else IDLE_POLL_MS)
+            except HeadersClosed:  # the sender is done with this pair: write what it sent
+                with torch.cuda.stream(writes):
+                    while posted:
+                        self._write_batch(posted.popleft())
+                raise
+            except MalformedFrame:
+                self.inbox.deliver(b"", None)  # counted as malformed
+                raise
             if raw is not None:
                 with torch.cuda.stream(recvs):
                     posted.append(self._post_batch(raw, group, device))

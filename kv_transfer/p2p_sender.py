@@ -2,8 +2,9 @@
 
 `send_layer` copies the frame's payload on the tensors' device (the head slice the receiver
 holds, K and V side by side) and queues it; `send_blocks` gathers it straight from the cache.
-Neither waits on the network: a thread per pair (p2p_poster.py) posts queued frames in order, in
-batches, device to device on the GPU (never through host memory). `finish` waits for every send
+Neither waits on the network: each posts its frames (p2p_poster.py) on the caller's thread when
+nothing is in their way, else leaves them to a thread per pair; in order, in batches, device to
+device on the GPU (never through host memory). `finish` waits for every send
 of the transfer (with a timeout): then the receiver has the bytes; it checks and writes them
 itself and resolves its own future.
 """
@@ -22,8 +23,9 @@ from pdmesh.kv_transfer.base import Handles, KVSender, SendHandle, TransferError
 from pdmesh.kv_transfer.frame import payload_nbytes
 from pdmesh.kv_transfer.geometry import PageGeometry
 from pdmesh.kv_transfer.p2p_pairs import (
-    BATCH_BYTES,
+    CHUNK_BYTES,
     GIL_SWITCH_S,
+    WINDOW,
     HeaderOutbox,
     announce_pair,
     host_port,
@@ -72,7 +74,9 @@ class P2PSender(KVSender):
                 pair_id = announce_pair(store)
                 group = pair_group(store, pair_id, rank=0, backend=self.backend)
                 headers = HeaderOutbox(store, pair_id, host_port(endpoint)[0])
-                pair = Pair(group, headers, f"kv-send-{pair_id}")
+                # gloo's sends cannot tell that they are done without being waited for.
+                window = WINDOW if self.backend == "nccl" else None
+                pair = Pair(group, headers, f"kv-send-{pair_id}", window)
                 self._pairs[endpoint] = pair
             return pair
 
@@ -109,9 +113,9 @@ class P2PSender(KVSender):
     def send_layers(
         self, handles: Handles, first_block: int, cache: Tensor, block_ids: Tensor
     ) -> None:
-        """Each handle's heads of as many layers as fit in one batch, gathered into one buffer
-        at a time and queued together as a frame per layer: the pair thread then sends each
-        such run as one message straight from that buffer."""
+        """Each handle's heads of as many layers as fit in CHUNK_BYTES, gathered into one buffer
+        at a time and queued together as a frame per layer: each such run then goes as one
+        message straight from that buffer, while the next chunk is gathered."""
         geo = self.geometry
         geo.check_pages(cache, (geo.num_layers, 2), "cache")
         n = block_ids.numel()
@@ -123,7 +127,7 @@ class P2PSender(KVSender):
             layer_bytes = payload_nbytes(
                 n, geo.block_size, h.num_heads, geo.head_dim, geo.dtype.itemsize
             )
-            step = max(1, BATCH_BYTES // layer_bytes)
+            step = max(1, CHUNK_BYTES // layer_bytes)
             for start in range(layers.start, layers.stop, step):
                 chunk = gather_blocks(heads[start : min(start + step, layers.stop)], 2, block_ids)
                 ready = _recorded(chunk)
@@ -153,12 +157,13 @@ class P2PSender(KVSender):
         self._put(h, [Frame(header, kv.contiguous().view(-1).view(torch.uint8), _recorded(kv))])
 
     def _put(self, h: _Handle, frames: list[Frame]) -> None:
+        nbytes = sum(f.payload.numel() for f in frames)  # before posting joins them
         try:
             h.pair.put(frames)
         except TransferError as e:
             raise TransferError(f"transfer {h.transfer_id} to {h.endpoint}: {e}") from None
         h.frames += frames
-        h.nbytes += sum(f.payload.numel() for f in frames)
+        h.nbytes += nbytes
         if h.first_sent_at is None:
             h.first_sent_at = time.monotonic()
 
