@@ -115,6 +115,24 @@ class FrameHeader:
         return FrameHeader(*fields)
 
 
+_VERSION = struct.Struct("<H")
+_SIZE = struct.Struct("<Q")
+_SIZE_OFFSET = _HEADER.size - _SIZE.size  # payload_nbytes, the last field
+
+
+def peek(data: bytes) -> tuple[int, int]:
+    """(layer, payload_nbytes) of a packed header, with its length, magic and version checked
+    (MalformedFrame otherwise) and nothing else: what a receiver needs to post a batch's recv,
+    before it parses the rest."""
+    if (
+        len(data) != HEADER_NBYTES
+        or data[:4] != MAGIC
+        or _VERSION.unpack_from(data, 4)[0] != VERSION
+    ):
+        FrameHeader.unpack(data)  # raises, saying what is wrong
+    return _LAYER.unpack_from(data, _LAYER_OFFSET)[0], _SIZE.unpack_from(data, _SIZE_OFFSET)[0]
+
+
 def alike_but_layer(a: bytes, b: bytes) -> bool:
     """Two packed headers that differ in nothing but their layer field."""
     end = _LAYER_OFFSET + _LAYER.size

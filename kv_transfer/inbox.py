@@ -16,6 +16,7 @@ import time
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pdmesh.kv_transfer.base import TransferError, TransferSpec
@@ -41,7 +42,9 @@ class _Pending:
     block_index: torch.Tensor  # [num_blocks] int64 receiver block ids, on the cache's device
     index_ready: torch.cuda.Event | None  # block_index's copy to the GPU is done (None: CPU)
     cover_start: int  # global heads expected: spec range ∩ this rank's range
-    coverage: torch.Tensor  # [L, num_blocks, cover_heads] bool, on the CPU
+    # [L, num_blocks, cover_heads] bool: numpy, whose slicing and sums cost a microsecond where
+    # torch's CPU ops cost tens on a busy host (a frame's write makes four of them).
+    coverage: np.ndarray
     covered: int = 0  # True entries of `coverage`
     bytes: int = 0
     frames: int = 0
@@ -107,7 +110,7 @@ class TransferInbox:
             block_index=index,
             index_ready=ready,
             cover_start=lo,
-            coverage=torch.zeros((geo.num_layers, spec.num_blocks, hi - lo), dtype=torch.bool),
+            coverage=np.zeros((geo.num_layers, spec.num_blocks, hi - lo), dtype=bool),
         )
         key = spec.raw_id
         with self._lock:
@@ -138,12 +141,12 @@ class TransferInbox:
             gone = [self._pending.pop(key) for key in expired]
             self._failed += len(gone)
         for pending in gone:
-            missing = pending.coverage.numel() - pending.covered
+            missing = pending.coverage.size - pending.covered
             _fail(
                 pending.future,
                 TransferError(
                     f"transfer {pending.spec.transfer_id} timed out with {missing} of "
-                    f"{pending.coverage.numel()} (layer, block, head) pages missing"
+                    f"{pending.coverage.size} (layer, block, head) pages missing"
                     f"{pending.refused}"
                 ),
             )
@@ -214,7 +217,7 @@ class TransferInbox:
                 log.exception("writing a KV frame of transfer %s failed", header.transfer_id.hex())
                 self._dropped[Verdict.BAD_SIZE] += layers
                 return Verdict.BAD_SIZE, header
-            done = pending.covered == pending.coverage.numel()  # this frame ends the transfer
+            done = pending.covered == pending.coverage.size  # this frame ends the transfer
             if done:
                 del self._pending[header.transfer_id]
                 self._completed += 1
@@ -313,8 +316,8 @@ class TransferInbox:
             h.first_block : h.first_block + h.num_blocks,
             lo - pending.cover_start : hi - pending.cover_start,
         ]
-        pending.covered += cover.numel() - int(cover.sum())  # repeats do not count twice
-        cover.fill_(True)
+        pending.covered += cover.size - int(cover.sum())  # repeats do not count twice
+        cover[...] = True
         pending.bytes += h.payload_nbytes * layers
         pending.frames += layers
         if pending.first_frame_at is None:

@@ -84,15 +84,9 @@ def announced_pairs(store: dist.TCPStore, seen: int) -> list[str]:
 MAX_BATCH_FRAMES = 1024
 BATCH_BYTES = 256 << 20
 RECV_DEPTH = 4
-# `send_layers` gathers and sends a prompt's cached blocks this many bytes at a time: the receiver
-# writes one chunk while the next moves, and only the last chunk's write is left at the end.
-CHUNK_BYTES = 64 << 20
-# Over NCCL, frames queued that add up to less than this wait while WINDOW sends are in flight,
-# and go out with the frames queued behind them (p2p_poster.py: the receiver's host time per
-# batch sets the pace of small ones); the sends are polled every HELD_POLL_S meanwhile.
+# Frames queued that add up to this many bytes go at once on the caller's thread, even while a
+# send is in flight (p2p_poster.py); smaller ones then wait for the pair's thread and go together.
 COALESCE_BYTES = 32 << 20
-WINDOW = 2
-HELD_POLL_S = 0.00005
 HEADERS_PORT_KEY = "headers_port"
 MAX_HEADERS = MAX_BATCH_FRAMES * HEADER_NBYTES  # a header message is at most this long
 # A receiver that has not read a pair's headers for this long (its socket's buffer full, some

@@ -32,6 +32,7 @@ from pdmesh.kv_transfer.frame import (
     FrameHeader,
     MalformedFrame,
     alike_but_layer,
+    peek,
 )
 from pdmesh.kv_transfer.geometry import PageGeometry
 from pdmesh.kv_transfer.inbox import TransferInbox
@@ -60,7 +61,7 @@ class _Posted:
     """One batch whose recv is posted: its headers, raw and parsed, and the buffer."""
 
     headers: list[bytes]
-    parsed: list[FrameHeader]
+    peeked: list[tuple[int, int]]  # each header's (layer, payload bytes)
     payload: torch.Tensor
     work: Any
     posted_at: float  # time.monotonic()
@@ -132,6 +133,8 @@ class P2PReceiver(KVReceiver):
         # None on the CPU: torch.cuda.stream(None) changes nothing.
         recvs = torch.cuda.Stream(device) if cuda else None
         writes = torch.cuda.Stream(device) if cuda else None
+        if recvs is not None:  # this thread's own current stream: its recvs go there
+            torch.cuda.set_stream(recvs)
         posted: deque[_Posted] = deque()
         while not self._stop.is_set():
             try:
@@ -145,8 +148,7 @@ class P2PReceiver(KVReceiver):
                 self.inbox.deliver(b"", None)  # counted as malformed
                 raise
             if raw is not None:
-                with torch.cuda.stream(recvs):
-                    posted.append(self._post_batch(raw, group, device))
+                posted.append(self._post_batch(raw, group, device))
                 if len(posted) < RECV_DEPTH:
                     continue  # the next batch's headers may be in already: post its recv first
             if posted:
@@ -154,27 +156,29 @@ class P2PReceiver(KVReceiver):
                     self._write_batch(posted.popleft())
 
     def _post_batch(self, raw: bytes, group: dist.ProcessGroup, device: torch.device) -> _Posted:
-        """A batch's headers checked and its one recv posted. Headers that do not add up end
-        the pair (its stream would be out of step)."""
+        """A batch's headers checked as far as its one recv needs (length, magic, version,
+        sizes: each ~25 µs of Python counts before the first byte can move), and the recv
+        posted. Headers that do not add up end the pair (its stream would be out of step)."""
         count, rest = divmod(len(raw), HEADER_NBYTES)
         if rest or not 0 < count <= MAX_BATCH_FRAMES:
             self.inbox.deliver(raw, None)  # counted as malformed
             raise MalformedFrame(f"a batch of {len(raw)} header bytes")
         headers = [raw[i * HEADER_NBYTES : (i + 1) * HEADER_NBYTES] for i in range(count)]
-        parsed = []
+        peeked = []
         for header in headers:
             try:
-                parsed.append(FrameHeader.unpack(header))
+                peeked.append(peek(header))
             except MalformedFrame:
                 self.inbox.deliver(header, None)
                 raise
-        sizes = [h.payload_nbytes for h in parsed]
+        sizes = [size for _, size in peeked]
         if max(sizes) > MAX_FRAME_PAYLOAD or sum(sizes) > BATCH_BYTES:
             self.inbox.deliver(headers[0], None)
             raise MalformedFrame(f"a batch announces {sum(sizes)} bytes, over the limit")
         payload = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
         posted_at = time.monotonic()
-        return _Posted(headers, parsed, payload, group.recv([payload], 0, 0), posted_at)
+        work = group.recv([payload], 0, 0)
+        return _Posted(headers, peeked, payload, work, posted_at)
 
     def _write_batch(self, batch: _Posted) -> None:
         """Each run of frames checked and written (on the GPU: queued on the current stream,
@@ -183,21 +187,22 @@ class P2PReceiver(KVReceiver):
         if batch.payload.is_cuda:  # written on this stream, allocated on the recvs' one
             batch.payload.record_stream(torch.cuda.current_stream(batch.payload.device))
         offset = 0
-        for first, layers in _runs(batch.headers, batch.parsed):
-            size = batch.parsed[first].payload_nbytes * layers
+        for first, layers in _runs(batch.headers, batch.peeked):
+            header = FrameHeader.unpack(batch.headers[first])  # peeked: it parses
+            size = header.payload_nbytes * layers
             part = batch.payload[offset : offset + size]
-            self.inbox.deliver(batch.parsed[first], part, layers, since=batch.posted_at)
+            self.inbox.deliver(header, part, layers, since=batch.posted_at)
             offset += size
 
 
-def _runs(raw: list[bytes], headers: list[FrameHeader]) -> list[tuple[int, int]]:
+def _runs(raw: list[bytes], peeked: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """(first index, count) of runs of frames alike but for consecutive layers: a prompt's
     layers pushed together are written into the cache with one copy, not one per layer."""
     runs: list[tuple[int, int]] = []
-    for i, h in enumerate(headers):
+    for i, (layer, _) in enumerate(peeked):
         if runs:
             first, count = runs[-1]
-            if h.layer == headers[first].layer + count and alike_but_layer(raw[first], raw[i]):
+            if layer == peeked[first][0] + count and alike_but_layer(raw[first], raw[i]):
                 runs[-1] = (first, count + 1)
                 continue
         runs.append((i, 1))

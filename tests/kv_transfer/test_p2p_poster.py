@@ -59,20 +59,27 @@ class _Work:
 
 
 class _Sends(_Recorder):
-    """A recorder whose sends complete on demand, noting the thread that posted each."""
+    """A recorder whose sends complete on demand, noting the thread that posted each and the
+    order of pushes and sends."""
 
     def __init__(self) -> None:
         super().__init__()
         self.works: list[_Work] = []
         self.threads: list[str] = []
+        self.events: list[str] = []
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> object:
         import threading
 
         super().send(tensors, dst, tag)
         self.threads.append(threading.current_thread().name)
+        self.events.append("send")
         self.works.append(_Work())
         return self.works[-1]
+
+    def push(self, value: bytes) -> None:
+        super().push(value)
+        self.events.append("push")
 
 
 def _frame(header: bytes, value: int, size: int = 8) -> object:
@@ -81,57 +88,62 @@ def _frame(header: bytes, value: int, size: int = 8) -> object:
     return Frame(header, torch.full((size,), value, dtype=torch.uint8), None)
 
 
-def test_the_caller_posts_once_a_first_batch_went_and_small_frames_wait_for_the_window() -> None:
-    """The first batch goes from the pair's thread (NCCL makes its communicator there); later
-    ones from the caller's own thread, with no hand-over. Small frames queued while `window`
-    sends are in flight are held, then go out together as one send once one completes."""
+def test_the_caller_posts_when_the_link_is_idle_and_the_thread_joins_what_queues_behind() -> None:
+    """The first batch goes from the pair's thread (NCCL makes its communicator there); once
+    the last send has completed, the caller posts on its own thread, with no hand-over. Small
+    frames queued while a send is in flight go to the pair's thread, together as one send."""
     import threading
 
     from pdmesh.kv_transfer.p2p_poster import Pair
 
     rec = _Sends()
-    pair = Pair(rec, rec, "test-window", window=2)
+    pair = Pair(rec, rec, "test-pair-thread")
     me = threading.current_thread().name
     try:
         first = _frame(b"a", 1)
         pair.put([first])
-        assert first.posted.wait(10) and rec.threads == ["test-window"]
+        assert first.posted.wait(10) and rec.threads == ["test-pair-thread"]
+        rec.works[0].completed = True
         second = _frame(b"b", 2)
-        pair.put([second])  # one send in flight: posted at once, by this thread
+        pair.put([second])  # the link is idle: posted at once, by this thread
         assert second.posted.is_set() and rec.threads[1] == me
-        held = [_frame(b"c", 3), _frame(b"d", 4)]
-        pair.put(held[:1])
-        pair.put(held[1:])  # two in flight: both held, queued together
-        assert not any(f.posted.wait(0.05) for f in held) and len(rec.payloads) == 2
-        rec.works[0].completed = True  # one in flight completes: the held frames go as one
-        assert all(f.posted.wait(10) for f in held)
-        assert len(rec.payloads) == 3 and rec.headers[2] == b"cd"
+        behind = [_frame(b"c", 3), _frame(b"d", 4)]
+        pair.put(behind)  # the second send is in flight: left to the pair's thread
+        assert all(f.posted.wait(10) for f in behind)
+        assert rec.threads[2] == "test-pair-thread" and rec.headers[2] == b"cd"
         assert torch.equal(rec.payloads[2], torch.tensor([3] * 8 + [4] * 8, dtype=torch.uint8))
-        assert all(f.error is None for f in [first, second, *held])
+        assert all(f.error is None for f in [first, second, *behind])
     finally:
         pair.close("done")
 
 
-def test_frames_adding_up_to_a_batch_of_their_own_are_never_held(
+def test_many_bytes_go_at_once_with_every_batchs_headers_before_the_first_send(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Whatever the sends in flight, queued frames of COALESCE_BYTES or more go at once (a
-    prompt's cached blocks in chunks)."""
+    """Frames adding up to COALESCE_BYTES go on the caller's thread even while sends are in
+    flight (a prompt's cached blocks); when they make several batches, every batch's headers
+    are pushed before the first send, so the receiver can post its receives sooner."""
+    import threading
+
     from pdmesh.kv_transfer import p2p_poster
     from pdmesh.kv_transfer.p2p_poster import Pair
 
     monkeypatch.setattr(p2p_poster, "COALESCE_BYTES", 16)
+    monkeypatch.setattr(p2p_poster, "BATCH_BYTES", 16)
     rec = _Sends()
-    pair = Pair(rec, rec, "test-big", window=1)
+    pair = Pair(rec, rec, "test-big")
     try:
-        frames = [_frame(bytes([i]), i, 16) for i in range(4)]
-        for frame in frames:  # no send ever completes
-            pair.put([frame])
-            assert frame.posted.wait(10) and frame.error is None
-        assert len(rec.payloads) == 4
+        warm = _frame(b"w", 0)
+        pair.put([warm])
+        assert warm.posted.wait(10)  # no send ever completes from here on
+        rec.events.clear()
+        frames = [_frame(bytes([i]), i, 16) for i in range(1, 4)]
+        pair.put(frames)
+        assert all(f.posted.is_set() and f.error is None for f in frames)
+        assert rec.threads[1:] == [threading.current_thread().name] * 3
+        assert rec.events == ["push"] * 3 + ["send"] * 3
         small = _frame(b"s", 9, 4)
-        pair.put([small])
-        assert not small.posted.wait(0.05)
+        pair.put([small])  # few bytes, a send in flight: the pair's thread posts it
+        assert small.posted.wait(10) and rec.threads[-1] == "test-big"
     finally:
         pair.close("done")
-    assert small.posted.wait(10) and small.error == "done"

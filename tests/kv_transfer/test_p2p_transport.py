@@ -325,13 +325,13 @@ def test_send_layers_pushes_every_layer_of_blocks_to_each_receivers_heads(
     transport: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Blocks complete in a cache (a prefix cached on the prefill worker) go every layer at once;
-    with gloo two layers per gathered run here (chunks made small), with tcp layer by layer
+    with gloo two layers per frame here (batches made small), with tcp layer by layer
     (the default). Each of two receivers of one head gets exactly its head of every layer."""
     from pdmesh.kv_transfer import p2p_sender
 
     geo = PageGeometry(num_kv_heads=2, head_start=0, **GEO)
     layer_bytes = 2 * 3 * 4 * 1 * 8 * 4  # k/v x 3 blocks x block_size x 1 head x dim x fp32
-    monkeypatch.setattr(p2p_sender, "CHUNK_BYTES", 2 * layer_bytes)
+    monkeypatch.setattr(p2p_sender, "BATCH_BYTES", 2 * layer_bytes)
     halves = [PageGeometry(num_kv_heads=1, head_start=h, **GEO) for h in (0, 1)]
     caches = [torch.full(g.cache_shape(8), -1.0) for g in halves]
     receivers = [
