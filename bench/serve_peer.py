@@ -140,7 +140,7 @@ class Comparison:
                 "--num-prompts", str(a.num_requests),
                 "--max-concurrency", str(a.concurrency or 8), "--ignore-eos", "--seed", "0",
                 "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
-                "--save-result", "--result-dir", str(out.parent),
+                "--save-result", "--save-detailed", "--result-dir", str(out.parent),
                 "--result-filename", out.name]  # fmt: skip
 
     def measure(self, engine: str, index: int) -> dict[str, Any]:

@@ -12,6 +12,7 @@ itself and resolves its own future.
 from __future__ import annotations
 
 import datetime
+import functools
 import sys
 import time
 from dataclasses import dataclass, field
@@ -113,7 +114,8 @@ class P2PSender(KVSender):
         """Each handle's heads of every layer, gathered into one buffer (at most two batches'
         worth at a time: one copy, few host calls, which cost ~25 µs each on a busy host) and
         queued as one frame per batch, each carrying its layers' headers. Two batches at least,
-        so the receiver writes the first while the second moves."""
+        so the receiver writes the first while the second moves. The copy is made once the
+        headers are pushed (`Frame.fill`), so the receiver posts its receive meanwhile."""
         geo = self.geometry
         geo.check_pages(cache, (geo.num_layers, 2), "cache")
         n = block_ids.numel()
@@ -128,15 +130,18 @@ class P2PSender(KVSender):
             step = max(1, min(BATCH_BYTES // layer_bytes, -(-len(layers) // 2)))
             for start in range(layers.start, layers.stop, 2 * step):
                 stop = min(start + 2 * step, layers.stop)
-                gathered = gather_blocks(heads[start:stop], 2, block_ids)
-                ready = _recorded(gathered)
+                part = heads[start:stop]
+                shape = (stop - start, 2, n, *part.shape[3:])
+                gathered = torch.empty(shape, dtype=part.dtype, device=part.device)
+                fill = functools.partial(_gather_into, part, block_ids, gathered, _recorded(part))
                 flat = gathered.view(-1).view(torch.uint8)
                 packed = h.header(geo, start, first_block, n).pack_layers(stop - start)
                 frames = [
                     Frame(
                         b"".join(packed[i : i + step]),
                         flat[i * layer_bytes : (i + step) * layer_bytes],
-                        ready,
+                        None,
+                        fill,
                     )
                     for i in range(0, stop - start, step)
                 ]
@@ -268,6 +273,19 @@ class P2PSender(KVSender):
         if not isinstance(handle, _Handle):
             raise ValueError(f"{handle!r} does not belong to this sender")
         return handle
+
+
+def _gather_into(
+    part: Tensor, block_ids: Tensor, out: Tensor, after: torch.cuda.Event | None
+) -> torch.cuda.Event | None:
+    """`part`'s blocks gathered into `out` on the current stream, once `after` (the cache as
+    the caller left it) has passed; an event after the copy (None on the CPU)."""
+    if after is not None:
+        torch.cuda.current_stream(out.device).wait_event(after)
+    # `out` was made in the caller's forward pass (inference mode); the pair's thread may copy.
+    with torch.inference_mode():
+        gather_blocks(part, 2, block_ids, out=out)
+    return _recorded(out)
 
 
 def _recorded(t: torch.Tensor) -> torch.cuda.Event | None:

@@ -23,11 +23,19 @@ def _words(x: torch.Tensor, dim: int) -> torch.Tensor | None:
         return None
 
 
-def gather_blocks(x: torch.Tensor, dim: int, ids: torch.Tensor) -> torch.Tensor:
-    """`x.index_select(dim, ids)` (a new contiguous tensor), moved as words when possible."""
+def gather_blocks(
+    x: torch.Tensor, dim: int, ids: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`x.index_select(dim, ids)` (a new contiguous tensor, or into `out`: contiguous, of that
+    shape), moved as words when possible."""
     words = _words(x, dim)
     if words is None:
-        return x.index_select(dim, ids)
+        return x.index_select(dim, ids) if out is None else torch.index_select(x, dim, ids, out=out)
+    if out is not None:
+        out_words = _words(out, dim)
+        assert out_words is not None, "out must be contiguous"
+        torch.index_select(words, dim, ids, out=out_words)
+        return out
     shape = (*x.shape[:dim], ids.numel(), *x.shape[dim + 1 :])
     return words.index_select(dim, ids).view(x.dtype).view(shape)
 

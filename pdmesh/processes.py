@@ -1,10 +1,11 @@
-"""Small process helpers every layer uses: a free port to bind, dying with one's parent, and a
-service's quick exit."""
+"""Small process helpers every layer uses: a free port to bind, dying with one's parent, a
+service's quick exit, and its start-up heap kept out of the garbage collector's way."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import logging
 import os
 import random
@@ -75,3 +76,14 @@ def exit_service(code: int) -> NoReturn:
         with contextlib.suppress(OSError, ValueError):  # closed or broken: nothing to save
             stream.flush()
     os._exit(code)
+
+
+def freeze_heap() -> None:
+    """Collect once, then move every object alive into the collector's permanent generation
+    (`gc.freeze`), as vLLM does once its engine is up. A serving process's start-up leaves some
+    200,000 long-lived objects (torch, transformers, the model's modules, gRPC), and every full
+    collection would walk them all: on the 2-core CPU a decode worker paused 125-130 ms for
+    each, every few seconds of streaming, and an inter-token gap then spanned two steps. Call
+    once the process is ready to serve; what it creates afterwards is collected as usual."""
+    gc.collect()
+    gc.freeze()

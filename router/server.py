@@ -9,6 +9,7 @@ from pdmesh.checkpoint.config import ModelConfig
 from pdmesh.checkpoint.source import resolve_model_folder
 from pdmesh.logger import get_logger
 from pdmesh.observability import tracing
+from pdmesh.processes import freeze_heap
 from pdmesh.router.config import RouterConfig
 from pdmesh.router.core import Router
 from pdmesh.router.servicer import GenerationServicer, MeshControlServicer
@@ -53,6 +54,7 @@ async def serve(config: RouterConfig, on_ready: Callable[[int], None] | None = N
         from pdmesh.router.http_gateway import start_gateway
 
         gateway = await start_gateway(router)
+    freeze_heap()
     log.info(
         "router on port %d (%s); workers: prefill %s, decode %s",
         port,

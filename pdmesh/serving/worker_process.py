@@ -22,6 +22,7 @@ from pdmesh.logger import get_logger
 from pdmesh.observability import tracing
 from pdmesh.observability.metrics_server import MetricsServer
 from pdmesh.observability.worker_collector import EplbFigures, TransferTotals, WorkerSnapshot
+from pdmesh.processes import freeze_heap
 from pdmesh.serving.engine_loop import EngineLoop
 from pdmesh.serving.grpc_server import Health, ServiceSpec, build_server
 from pdmesh.serving.lockstep import DataParallelRank, PeerWake, rank_engine
@@ -259,6 +260,7 @@ async def serve_worker(
     server, health, port = build_server(config.bind, services(worker), tls=config.tls)
     worker.health = health
     await server.start()
+    freeze_heap()
     log.info("%s worker on port %d%s", role, port, worker.banner())
     if on_ready is not None:
         on_ready(port)

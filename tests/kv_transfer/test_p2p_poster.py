@@ -88,31 +88,24 @@ def _frame(header: bytes, value: int, size: int = 8) -> object:
     return Frame(header, torch.full((size,), value, dtype=torch.uint8), None)
 
 
-def test_the_caller_posts_when_the_link_is_idle_and_the_thread_joins_what_queues_behind() -> None:
-    """The first batch goes from the pair's thread (NCCL makes its communicator there); once
-    the last send has completed, the caller posts on its own thread, with no hand-over. Small
-    frames queued while a send is in flight go to the pair's thread, together as one send."""
-    import threading
-
+def test_small_frames_go_from_the_pairs_thread_joined_when_queued_together() -> None:
+    """A prefill's layers, a few megabytes each, are posted by the pair's thread, never on the
+    caller's (whose forward pass they would hold up); frames queued together go as one send."""
     from pdmesh.kv_transfer.p2p_poster import Pair
 
     rec = _Sends()
     pair = Pair(rec, rec, "test-pair-thread")
-    me = threading.current_thread().name
     try:
         first = _frame(b"a", 1)
         pair.put([first])
-        assert first.posted.wait(10) and rec.threads == ["test-pair-thread"]
+        assert first.posted.wait(10)
         rec.works[0].completed = True
-        second = _frame(b"b", 2)
-        pair.put([second])  # the link is idle: posted at once, by this thread
-        assert second.posted.is_set() and rec.threads[1] == me
         behind = [_frame(b"c", 3), _frame(b"d", 4)]
-        pair.put(behind)  # the second send is in flight: left to the pair's thread
+        pair.put(behind)
         assert all(f.posted.wait(10) for f in behind)
-        assert rec.threads[2] == "test-pair-thread" and rec.headers[2] == b"cd"
-        assert torch.equal(rec.payloads[2], torch.tensor([3] * 8 + [4] * 8, dtype=torch.uint8))
-        assert all(f.error is None for f in [first, second, *behind])
+        assert rec.threads == ["test-pair-thread"] * 2 and rec.headers[1] == b"cd"
+        assert torch.equal(rec.payloads[1], torch.tensor([3] * 8 + [4] * 8, dtype=torch.uint8))
+        assert all(f.error is None for f in [first, *behind])
     finally:
         pair.close("done")
 
@@ -122,7 +115,8 @@ def test_many_bytes_go_at_once_with_every_batchs_headers_before_the_first_send(
 ) -> None:
     """Frames adding up to COALESCE_BYTES go on the caller's thread even while sends are in
     flight (a prompt's cached blocks); when they make several batches, every batch's headers
-    are pushed before the first send, so the receiver can post its receives sooner."""
+    are pushed before their payloads are made and sent, so the receiver can post its receives
+    sooner."""
     import threading
 
     from pdmesh.kv_transfer import p2p_poster
@@ -138,10 +132,19 @@ def test_many_bytes_go_at_once_with_every_batchs_headers_before_the_first_send(
         assert warm.posted.wait(10)  # no send ever completes from here on
         rec.events.clear()
         frames = [_frame(bytes([i]), i, 16) for i in range(1, 4)]
+
+        def fill() -> None:  # the payloads made once every header is out, once for all
+            rec.events.append("fill")
+            for f in frames:
+                f.payload.add_(100)
+
+        for f in frames:
+            f.fill = fill
         pair.put(frames)
         assert all(f.posted.is_set() and f.error is None for f in frames)
         assert rec.threads[1:] == [threading.current_thread().name] * 3
-        assert rec.events == ["push"] * 3 + ["send"] * 3
+        assert rec.events == ["push"] * 3 + ["fill"] + ["send"] * 3
+        assert [int(p[0]) for p in rec.payloads[1:]] == [101, 102, 103]
         small = _frame(b"s", 9, 4)
         pair.put([small])  # few bytes, a send in flight: the pair's thread posts it
         assert small.posted.wait(10) and rec.threads[-1] == "test-big"
