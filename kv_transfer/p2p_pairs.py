@@ -4,9 +4,8 @@ The receiver hosts a TCPStore at its endpoint. A sender announces a pair by appe
 pair id to the store; both sides then build a 2-rank process group under that id's prefix
 (receiver rank 1, sender rank 0): NCCL between GPUs, gloo between CPUs.
 
-Frames travel in batches: the fixed-size headers of a batch go to the receiver as one message on
-a TCP connection of the pair's own (to the socket the receiver listens on for the pair and names
-in the store: `HeaderOutbox`, `HeaderInbox`); the batch's
+Frames travel in batches: the fixed-size headers of a batch go to the receiver as one zmq message
+(PUSH to the PULL socket the receiver binds for the pair and names in the store); the batch's
 payloads follow, back to back, as one send / recv over the group. The receiver posts a recv only
 once headers have told it a payload is on its way: an NCCL recv left pending while idle would hold
 a kernel on the decode GPU, and anything there that waits for the whole device (an allocation that
@@ -19,14 +18,14 @@ from __future__ import annotations
 
 import datetime
 import secrets
-import select
 import socket
-import struct
 
 import torch.distributed as dist
+import zmq
 
 from pdmesh.kv_transfer.base import TransferError
-from pdmesh.kv_transfer.frame import HEADER_NBYTES, MalformedFrame
+from pdmesh.kv_transfer.frame import HEADER_NBYTES
+from pdmesh.kv_transfer.zmq_options import tune
 
 RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=30)
 # A receiver that does not answer within this is gone (the store client retries until then).
@@ -88,15 +87,7 @@ RECV_DEPTH = 4
 # send is in flight (p2p_poster.py); smaller ones then wait for the pair's thread and go together.
 COALESCE_BYTES = 32 << 20
 HEADERS_PORT_KEY = "headers_port"
-MAX_HEADERS = MAX_BATCH_FRAMES * HEADER_NBYTES  # a header message is at most this long
-# A receiver that has not read a pair's headers for this long (its socket's buffer full, some
-# hundreds of kilobytes of them behind) fails the sender's push.
-HEADERS_SEND_TIMEOUT_S = 5.0
-_LENGTH = struct.Struct("<I")
-
-
-class HeadersClosed(Exception):
-    """The sender closed its end of a pair's header channel."""
+HEADERS_HWM = 10_000  # header messages queued per pair (tiny; a sender fails past it)
 
 
 def pair_store(store: dist.Store, pair_id: str) -> dist.PrefixStore:
@@ -104,111 +95,50 @@ def pair_store(store: dist.Store, pair_id: str) -> dist.PrefixStore:
     return dist.PrefixStore(f"pdmesh/kv/{pair_id}/", store)
 
 
-def _bare(host: str) -> str:
-    """A host as sockets take it ("[::1]" -> "::1")."""
-    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
-
-
-def _keepalive(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-
-
 class HeaderOutbox:
-    """The sending end of a pair's header channel: a TCP connection carrying one
-    length-prefixed message per batch. A push does not wait on the receiver: it fails when the
-    socket's buffer is full (the receiver has stopped reading)."""
+    """The sending end of a pair's header channel: one message per batch, never blocking."""
 
     def __init__(self, store: dist.Store, pair_id: str, host: str) -> None:
         port = int(pair_store(store, pair_id).get(HEADERS_PORT_KEY))
-        timeout = CONNECT_TIMEOUT.total_seconds()
-        self._sock = socket.create_connection((_bare(host), port), timeout=timeout)
-        _keepalive(self._sock)
-        self._sock.setblocking(False)
+        endpoint = f"tcp://{host}:{port}"
+        self._sock = zmq.Context.instance().socket(zmq.PUSH)
+        tune(self._sock, endpoint)
+        self._sock.setsockopt(zmq.SNDHWM, HEADERS_HWM)
+        self._sock.connect(endpoint)
 
     def push(self, headers: bytes) -> None:
-        message = _LENGTH.pack(len(headers)) + headers
         try:
-            sent = self._sock.send(message)
-        except BlockingIOError:
+            self._sock.send(headers, zmq.NOBLOCK)
+        except zmq.Again:
             raise TransferError("the KV receiver takes no more headers") from None
-        except OSError as e:
-            raise TransferError(f"the KV receiver's header channel: {e}") from None
-        if sent < len(message):  # the buffer filled up part way: the rest must follow
-            self._sock.settimeout(HEADERS_SEND_TIMEOUT_S)
-            try:
-                self._sock.sendall(message[sent:])
-            except OSError as e:
-                raise TransferError(f"the KV receiver takes no more headers: {e}") from None
-            finally:
-                self._sock.setblocking(False)
 
     def close(self) -> None:
         self._sock.close()
 
 
 class HeaderInbox:
-    """The receiving end: a TCP socket listening for one pair, its port published in the store
-    before the pair's group is made (the sender connects once the group is up). The first
-    connection is the pair's; the listener closes then. A thread waiting here sleeps in the
-    kernel without the GIL and wakes on the bytes themselves (zmq's PULL, used before, went
-    through an I/O thread on each side: about twice the latency on the CPU)."""
+    """The receiving end: a PULL socket bound for one pair, its port published in the store
+    before the pair's group is made (the sender reads it once the group is up)."""
 
     def __init__(self, store: dist.Store, pair_id: str, host: str) -> None:
-        family = socket.AF_INET6 if ":" in _bare(host) else socket.AF_INET
-        self._listener: socket.socket | None = socket.create_server((_bare(host), 0), family=family)
-        self._sock: socket.socket | None = None
-        self._buf = bytearray()
-        port = self._listener.getsockname()[1]
+        self._sock = zmq.Context.instance().socket(zmq.PULL)
+        tune(self._sock, f"tcp://{host}:0")
+        self._sock.setsockopt(zmq.RCVHWM, HEADERS_HWM)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_FRAMES * HEADER_NBYTES)
+        port = self._sock.bind_to_random_port(f"tcp://{host}")
         pair_store(store, pair_id).set(HEADERS_PORT_KEY, str(port))
 
     def next(self, timeout_ms: int) -> bytes | None:
-        """The next batch's headers, or None if none came within `timeout_ms` (0: no wait).
-        MalformedFrame for a message longer than a batch's headers can be; HeadersClosed once
-        the sender has closed its end."""
-        message = self._pop()
-        if message is not None:
-            return message
-        if self._sock is None:
-            if not self._accept(timeout_ms):
-                return None
-            timeout_ms = 0
-        assert self._sock is not None
-        if not select.select([self._sock], [], [], timeout_ms / 1000)[0]:
+        """The next batch's headers, or None if none came within `timeout_ms` (0: no wait)."""
+        if timeout_ms and not self._sock.poll(timeout_ms):
             return None
-        data = self._sock.recv(1 << 20)
-        if not data:
-            raise HeadersClosed()
-        self._buf += data
-        return self._pop()
-
-    def _accept(self, timeout_ms: int) -> bool:
-        assert self._listener is not None
-        if not select.select([self._listener], [], [], timeout_ms / 1000)[0]:
-            return False
-        self._sock, _ = self._listener.accept()
-        _keepalive(self._sock)
-        self._listener.close()
-        self._listener = None
-        return True
-
-    def _pop(self) -> bytes | None:
-        if len(self._buf) < _LENGTH.size:
+        try:
+            return self._sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
             return None
-        (n,) = _LENGTH.unpack_from(self._buf)
-        if not 0 < n <= MAX_HEADERS:
-            raise MalformedFrame(f"a header message of {n} bytes (at most {MAX_HEADERS})")
-        end = _LENGTH.size + n
-        if len(self._buf) < end:
-            return None
-        message = bytes(self._buf[_LENGTH.size : end])
-        del self._buf[:end]
-        return message
 
     def close(self) -> None:
-        for sock in (self._listener, self._sock):
-            if sock is not None:
-                sock.close()
+        self._sock.close()
 
 
 def pair_group(store: dist.Store, pair_id: str, rank: int, backend: str) -> dist.ProcessGroup:

@@ -1,9 +1,9 @@
 """Receiving KV frames over two-rank process groups (transports `nccl` and `gloo`).
 
 One thread accepts pairs (a sender announcing itself in the store) and runs the deadline clock;
-one thread per pair receives frames in order (until its sender closes the pair's header
-channel): it waits on the pair's header socket for the next batch of headers, then receives the
-payloads they announce over the group in one recv, straight into device memory. It posts the
+one thread per pair receives frames in order: it waits on the pair's header socket for the next
+batch of headers, then receives the payloads they announce over the group in one recv, straight
+into device memory. It posts the
 next batch's recv (when its headers are in) before it writes a batch into the cache, so the link
 stays busy while the host checks and writes. On the GPU a pair thread posts recvs on a CUDA
 stream of its own and writes on another, so the model's stream never waits on a recv and a write
@@ -43,7 +43,6 @@ from pdmesh.kv_transfer.p2p_pairs import (
     RECV_DEPTH,
     RENDEZVOUS_TIMEOUT,
     HeaderInbox,
-    HeadersClosed,
     announced_pairs,
     host_port,
     pair_group,
@@ -118,8 +117,6 @@ class P2PReceiver(KVReceiver):
             inbox = HeaderInbox(client, pair_id, host)
             group = pair_group(client, pair_id, rank=1, backend=self.backend)
             self._receive_frames(inbox, group)
-        except HeadersClosed:
-            log.debug("KV pair %s closed by its sender", pair_id)
         except Exception as e:
             if not self._stop.is_set():
                 log.warning("KV pair %s closed: %s", pair_id, e)
@@ -137,16 +134,7 @@ class P2PReceiver(KVReceiver):
             torch.cuda.set_stream(recvs)
         posted: deque[_Posted] = deque()
         while not self._stop.is_set():
-            try:
-                raw = inbox.next(0 if posted else IDLE_POLL_MS)
-            except HeadersClosed:  # the sender is done with this pair: write what it sent
-                with torch.cuda.stream(writes):
-                    while posted:
-                        self._write_batch(posted.popleft())
-                raise
-            except MalformedFrame:
-                self.inbox.deliver(b"", None)  # counted as malformed
-                raise
+            raw = inbox.next(0 if posted else IDLE_POLL_MS)
             if raw is not None:
                 posted.append(self._post_batch(raw, group, device))
                 if len(posted) < RECV_DEPTH:

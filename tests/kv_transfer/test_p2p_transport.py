@@ -166,13 +166,10 @@ def test_frames_queued_together_all_land_and_are_counted() -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("message", ["partial", "oversized"])
-def test_headers_that_do_not_add_up_end_only_that_pair(message: str) -> None:
-    """A peer that sends bytes other than whole headers on its header channel, or a message
-    longer than a batch's headers can be, loses its pair; the receiver counts it and goes on
-    serving other senders."""
+def test_headers_that_do_not_add_up_end_only_that_pair() -> None:
+    """A peer that sends bytes other than whole headers on its header channel loses its pair;
+    the receiver counts it and goes on serving other senders."""
     from pdmesh.kv_transfer.p2p_pairs import (
-        MAX_HEADERS,
         HeaderOutbox,
         announce_pair,
         host_port,
@@ -186,7 +183,7 @@ def test_headers_that_do_not_add_up_end_only_that_pair(message: str) -> None:
     pair_group(store, pair_id, rank=0, backend="gloo")  # the receiver joins as rank 1
     # Kept open until the receiver has read it: a closed socket drops what it has not sent.
     outbox = HeaderOutbox(store, pair_id, host_port(rx.endpoint)[0])
-    outbox.push(b"PDKV" + b"\x00" * 90 if message == "partial" else b"\x00" * (MAX_HEADERS + 1))
+    outbox.push(b"PDKV" + b"\x00" * 90)
     src = torch.randn(geo.cache_shape(8))
     tx = create_sender("gloo", geo)
     try:
@@ -362,31 +359,3 @@ def test_send_layers_pushes_every_layer_of_blocks_to_each_receivers_heads(
         tx.close()
         for rx in receivers:
             rx.close()
-
-
-@pytest.mark.timeout(60)
-def test_a_closed_sender_ends_its_pair_on_the_receiver_and_a_new_one_is_served() -> None:
-    """A sender that closes takes its pair's thread on the receiver with it (nothing left
-    waiting on a dead pair), and the next sender gets a pair of its own."""
-    geo, cache, rx = _pair()
-    src = torch.randn(geo.cache_shape(8))
-
-    def pair_threads() -> set[str]:
-        return {t.name for t in threading.enumerate() if t.name.startswith("kv-p2p-")} - {
-            "kv-p2p-accept"
-        }
-
-    try:
-        tx = create_sender("gloo", geo)
-        _send_one_block(tx, rx, cache, src, 1, 2)
-        first = pair_threads()
-        assert len(first) == 1
-        tx.close()
-        deadline = time.monotonic() + 20
-        while pair_threads() & first and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert not pair_threads() & first
-        with create_sender("gloo", geo) as again:
-            _send_one_block(again, rx, cache, src, 5, 6)
-    finally:
-        rx.close()
