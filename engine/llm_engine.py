@@ -33,7 +33,7 @@ from pdmesh.engine.parallel.pipeline import SINGLE_STAGE, check_world
 from pdmesh.engine.runner.model_runner import ModelRunner
 from pdmesh.engine.sample.sampler import Sampler
 from pdmesh.engine.sample.structured import Grammars
-from pdmesh.engine.scheduling.burst import PrefillRate
+from pdmesh.engine.scheduling.burst import COLLECT_WAITED_S, PrefillRate
 from pdmesh.engine.scheduling.choices import (
     Limits,
     check_choices,
@@ -389,8 +389,15 @@ class LLMEngine:
     def _handle(self, cur: InFlight) -> list[StepDelta]:
         """Read a launched step's tokens and output them; its deltas."""
         with span("engine.collect"):  # waits for the step's tokens
+            asked = time.perf_counter()
             sampled = self.runner.collect(cur.handle)
-        self.prefill_rate.observe(cur.batch, time.perf_counter() - cur.started)
+        done = time.perf_counter()
+        # The step's time is known when its tokens were waited for, or read right after its
+        # launch (no async scheduling). Tokens read only after the loop idled (a prefill
+        # worker holding a finished prefill for its KV push) would count the idle time too:
+        # on two H200s such samples held every idle prefill worker's burst wait at its cap.
+        if not self.async_scheduling or done - asked > COLLECT_WAITED_S:
+            self.prefill_rate.observe(cur.batch, done - cur.started)
         logprobs = self.runner.collect_logprobs(cur.handle, sampled)
         self.record_prompt_logprobs(cur)
         self.scheduler.complete(cur.batch)

@@ -77,3 +77,24 @@ def test_the_burst_window_is_a_share_of_the_coming_prefill_capped() -> None:
     rate.observe(ScheduledBatch([object()], [200], []), 0.4)  # 2 ms a prompt token
     assert rate.window_s(100) == pytest.approx(BURST_SHARE * 0.2)
     assert rate.window_s(100_000) == BURST_MAX_S
+
+
+def test_a_step_read_after_the_loop_idled_does_not_count_as_its_time(tiny_model) -> None:
+    """With async scheduling a step's tokens may be read long after they were ready (a prefill
+    worker idles holding a prefill for its KV push): that wait is not the step's time, and must
+    not swell the burst window (on two H200s it held every idle prefill worker at its 50 ms
+    cap). Without async scheduling the step's launch-to-read time is its own."""
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    prompt = random_prompts([64], seed=3)[0]
+    for async_scheduling in (True, False):
+        folder = str(tiny_model("llama"))
+        with LLM(folder, kv_cache_tokens=1024, async_scheduling=async_scheduling) as llm:
+            engine = llm.engine
+            engine.add_request("r", prompt, params)
+            while engine.has_unfinished_requests():
+                engine.step()
+                time.sleep(0.05)  # the loop idles between steps: the tokens wait for it
+            if async_scheduling:  # read long after the CPU's forward made them
+                assert engine.prefill_rate.seconds_per_token is None
+            else:
+                assert engine.prefill_rate.seconds_per_token is not None
