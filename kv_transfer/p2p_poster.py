@@ -77,7 +77,7 @@ class Pair:
         self._wake = threading.Condition()
         self._closed = False
         self._posting = False  # a thread (the caller's or the pair's) is posting now
-        self._last: Send | None = None  # the last send posted; None before the first
+        self._warm = False  # a first batch went out (its send made NCCL's communicator)
         self._stream: torch.cuda.Stream | None = None  # made for the first CUDA payload
         threading.Thread(target=self._post_frames, name=name, daemon=True).start()
 
@@ -89,7 +89,7 @@ class Pair:
                 raise TransferError(self.broken or "the KV sender is closed")
             self._queue.extend(frames)
             self._queued += sum(f.payload.numel() for f in frames)
-            inline = not self._posting and self._last is not None and self._queued >= COALESCE_BYTES
+            inline = not self._posting and self._warm and self._queued >= COALESCE_BYTES
             if not inline:
                 self._wake.notify()
                 return
@@ -133,7 +133,7 @@ class Pair:
     def _post_batches(self, batches: list[list[Frame]]) -> None:
         """Post batches taken by `_take`; frames of a failed post fail, and the pair breaks."""
         try:
-            sent = self._post(batches)
+            self._post(batches)
         except Exception as e:
             with self._wake:
                 self.broken = f"{e}"
@@ -144,7 +144,7 @@ class Pair:
                 _fail(batch, self.broken)
             return
         with self._wake:
-            self._last = sent
+            self._warm = True
             self._posting = False
             if self._queue:
                 self._wake.notify()  # queued meanwhile: the thread takes them
@@ -162,8 +162,8 @@ class Pair:
             self._post_batches(batches)
         self.headers.close()
 
-    def _post(self, batches: list[list[Frame]]) -> Send:
-        """Every batch's headers pushed, then its payload sent; the last send."""
+    def _post(self, batches: list[list[Frame]]) -> None:
+        """Every batch's headers pushed, then its payload made (`Frame.fill`) and sent."""
         first = batches[0][0].payload
         if first.is_cuda and self._stream is None:
             self._stream = torch.cuda.Stream(first.device)
@@ -177,7 +177,6 @@ class Pair:
                     if id(frame.fill) not in made:
                         made[id(frame.fill)] = frame.fill()
                     frame.ready = made[id(frame.fill)]
-        sent = None
         with torch.cuda.stream(stream):  # None on the CPU: a no-op
             for batch in batches:
                 waited = None
@@ -196,8 +195,6 @@ class Pair:
                     frame.sent = sent
                     frame.payload = payload  # alive until the send is done
                     frame.posted.set()
-        assert sent is not None
-        return sent
 
 
 def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
