@@ -98,3 +98,23 @@ def test_a_step_read_after_the_loop_idled_does_not_count_as_its_time(tiny_model)
                 assert engine.prefill_rate.seconds_per_token is None
             else:
                 assert engine.prefill_rate.seconds_per_token is not None
+
+
+def test_no_wait_when_the_waiting_prompts_fill_the_step_already() -> None:
+    """A burst waits only for what could join the coming step: a prompt that fills the step's
+    token budget on its own (or running sequences, or nothing waiting) means no wait."""
+    from types import SimpleNamespace
+
+    rate = PrefillRate()
+    rate.observe(ScheduledBatch([object()], [200], []), 0.4)  # 2 ms a prompt token
+
+    def scheduler(waiting: list[int], running: int = 0) -> SimpleNamespace:
+        seqs = [SimpleNamespace(num_uncomputed_tokens=n) for n in waiting]
+        return SimpleNamespace(waiting=seqs, running=[object()] * running)
+
+    assert rate.burst_window_s(scheduler([256]), 2048) == rate.window_s(256) > 0
+    assert rate.burst_window_s(scheduler([1024, 512]), 2048) == rate.window_s(1536)
+    assert rate.burst_window_s(scheduler([2048]), 2048) == 0.0  # fills the step
+    assert rate.burst_window_s(scheduler([4096]), 2048) == 0.0  # a chunk of it fills the step
+    assert rate.burst_window_s(scheduler([256], running=1), 2048) == 0.0
+    assert rate.burst_window_s(scheduler([]), 2048) == 0.0

@@ -48,9 +48,10 @@ class PrefillRate:
 
     def burst_window_s(self, scheduler: Scheduler, max_step_tokens: int) -> float:
         """The wait before the first step of an engine woken from idle: the window of the
-        prefill that step runs (its waiting prompts, up to a step's budget); 0 while any
-        sequence runs (its next token would wait) or nothing waits."""
+        prefill that step runs (its waiting prompts); 0 while any sequence runs (its next token
+        would wait), when nothing waits, and when the waiting prompts fill the step's budget
+        already (nothing that arrives could join that step)."""
         if scheduler.running or not scheduler.waiting:
             return 0.0
         tokens = sum(seq.num_uncomputed_tokens for seq in scheduler.waiting)
-        return self.window_s(min(tokens, max_step_tokens))
+        return 0.0 if tokens >= max_step_tokens else self.window_s(tokens)
