@@ -83,8 +83,8 @@ def announced_pairs(store: dist.TCPStore, seen: int) -> list[str]:
 MAX_BATCH_FRAMES = 1024
 BATCH_BYTES = 256 << 20
 RECV_DEPTH = 4
-# Frames queued that add up to this many bytes go at once on the caller's thread, even while a
-# send is in flight (p2p_poster.py); smaller ones then wait for the pair's thread and go together.
+# Frames queued that add up to this many bytes are posted at once on the caller's thread
+# (p2p_poster.py); fewer wait for the pair's thread, which posts everything queued together.
 COALESCE_BYTES = 32 << 20
 HEADERS_PORT_KEY = "headers_port"
 HEADERS_HWM = 10_000  # header messages queued per pair (tiny; a sender fails past it)

@@ -3,11 +3,10 @@
 One thread accepts pairs (a sender announcing itself in the store) and runs the deadline clock;
 one thread per pair receives frames in order: it waits on the pair's header socket for the next
 batch of headers, then receives the payloads they announce over the group in one recv, straight
-into device memory. It posts the
-next batch's recv (when its headers are in) before it writes a batch into the cache, so the link
-stays busy while the host checks and writes. On the GPU a pair thread posts recvs on a CUDA
-stream of its own and writes on another, so the model's stream never waits on a recv and a write
-never holds back the next recv.
+into device memory. It posts the next batch's recv (when its headers are in) before it writes a
+batch into the cache, so the link stays busy while the host checks and writes. On the GPU a pair
+thread posts recvs on a CUDA stream of its own and writes on another, so the model's stream never
+waits on a recv and a write never holds back the next recv.
 Every frame is checked and written by the shared `TransferInbox`. A frame for an unknown
 transfer or with a wrong token is still received (the stream must stay in step) and then
 dropped; a malformed header ends that pair.
@@ -57,7 +56,7 @@ IDLE_POLL_MS = 50  # an idle pair thread looks at the stop flag this often
 
 @dataclass
 class _Posted:
-    """One batch whose recv is posted: its headers, raw and parsed, and the buffer."""
+    """One batch whose recv is posted: its raw headers, what was peeked of each, the buffer."""
 
     headers: list[bytes]
     peeked: list[tuple[int, int]]  # each header's (layer, payload bytes)

@@ -2,11 +2,11 @@
 
 `send_layer` copies the frame's payload on the tensors' device (the head slice the receiver
 holds, K and V side by side) and queues it; `send_blocks` gathers it straight from the cache.
-Neither waits on the network: each posts its frames (p2p_poster.py) on the caller's thread when
-nothing is in their way, else leaves them to a thread per pair; in order, in batches, device to
-device on the GPU (never through host memory). `finish` waits for every send
-of the transfer (with a timeout): then the receiver has the bytes; it checks and writes them
-itself and resolves its own future.
+Neither waits on the network: a thread per pair (p2p_poster.py) posts their frames in order, in
+batches, device to device on the GPU (never through host memory); `send_layers`' large runs are
+posted on the caller's thread instead. `finish` waits for every send of the transfer (with a
+timeout): then the receiver has the bytes; it checks and writes them itself and resolves its own
+future.
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ def freeze_heap() -> None:
     """Collect once, then move every object alive into the collector's permanent generation
     (`gc.freeze`), as vLLM does once its engine is up. A serving process's start-up leaves some
     200,000 long-lived objects (torch, transformers, the model's modules, gRPC), and every full
-    collection would walk them all: on the 2-core CPU a decode worker paused 125-130 ms for
+    collection would walk them all: on the 2-core CPU a decode worker paused 124-164 ms for
     each, every few seconds of streaming, and an inter-token gap then spanned two steps. Call
     once the process is ready to serve; what it creates afterwards is collected as usual."""
     gc.collect()

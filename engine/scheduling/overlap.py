@@ -38,7 +38,7 @@ class InFlight:
 
     batch: ScheduledBatch
     handle: StepHandle
-    started: float = 0.0  # time.perf_counter() when the engine began launching it
+    started: float  # time.perf_counter() when the engine began launching it
     _ids: frozenset[int] = field(init=False)
 
     def __post_init__(self) -> None:
