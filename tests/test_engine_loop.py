@@ -118,3 +118,55 @@ def test_no_wait_when_the_waiting_prompts_fill_the_step_already() -> None:
     assert rate.burst_window_s(scheduler([4096]), 2048) == 0.0  # a chunk of it fills the step
     assert rate.burst_window_s(scheduler([256], running=1), 2048) == 0.0
     assert rate.burst_window_s(scheduler([]), 2048) == 0.0
+
+
+def test_a_loop_that_does_not_gather_bursts_steps_at_once(default_llm: LLM) -> None:
+    """A worker that only prefills runs no decode that a split burst would land in, so its loop
+    starts a woken step at once (an isolated prompt on a GPU paid ~5 ms for nothing); a loop
+    that gathers waits its window. The window is made 30 s here, so either shows."""
+    engine = default_llm.engine
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    prompt = random_prompts([64], seed=4)[0]
+    rate = engine.prefill_rate
+    original = rate.burst_window_s
+    rate.burst_window_s = lambda scheduler, budget: 30.0  # type: ignore[method-assign]
+    try:
+        for gathers in (False, True):
+            done = threading.Event()
+            loop = EngineLoop(
+                engine,
+                on_deltas=lambda ds: done.set() if any(d.finish_reason for d in ds) else None,
+                gathers_bursts=lambda g=gathers: g,
+            )
+            loop.start()
+            try:
+                loop.call(lambda e: e.add_request(f"r{gathers}", prompt, params))
+                assert done.wait(3.0) is not gathers  # finished: it did not wait 30 s
+                loop.call(lambda e: e.abort_request(f"r{gathers}")).result(timeout=60)
+                loop.call(lambda e: e.release(f"r{gathers}")).result(timeout=60)
+            finally:
+                loop.stop(timeout=5)
+    finally:
+        rate.burst_window_s = original  # type: ignore[method-assign]
+
+
+def test_workers_gather_bursts_where_they_decode() -> None:
+    """Decode and colocated workers keep a burst together; a prefill worker, or a role-switching
+    worker while it serves prefill, does not (engine_loop.gathers_bursts reads the role)."""
+    from types import SimpleNamespace
+
+    from pdmesh.serving.worker_process import WorkerProcess
+
+    class Worker(WorkerProcess):
+        role = "decode"
+
+        def _on_engine_deltas(self, deltas: list) -> None:
+            pass
+
+    engine = SimpleNamespace(runner=SimpleNamespace(dp=None), tp_driver=None)
+    worker = Worker(engine, SimpleNamespace(geometry=None))  # type: ignore[arg-type]
+    assert worker.loop.gathers_bursts()
+    worker.role = "prefill"
+    assert not worker.loop.gathers_bursts()
+    worker.role = "decode"
+    assert worker.loop.gathers_bursts()

@@ -10,6 +10,12 @@ the rest is worth it when the step about to run is long: the wait is a share (BU
 the prefill's own estimated time, at most BURST_MAX_S. The estimate is the time a token has
 cost in earlier prefill-heavy steps (launch to tokens read), so on a GPU, whose prefills take
 milliseconds, the wait is a fraction of one.
+
+Only where decode runs: a worker that only prefills (or a role-switching one while it serves
+prefill) starts at once (EngineLoop's `gathers_bursts`). No decode runs there for a split burst
+to land in, and a prompt that came alone does not pay the window: 5 ms of a 4,096-token prompt's
+TTFT on an H200. The rest of a burst runs in the next step, where a compute-bound prefill costs
+about what it would have cost joined.
 """
 
 from __future__ import annotations

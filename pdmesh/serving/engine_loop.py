@@ -39,11 +39,16 @@ class EngineLoop:
         on_fatal: Callable[[BaseException], None] | None = None,
         name: str = "engine",
         lockstep: bool = False,
+        gathers_bursts: Callable[[], bool] = lambda: True,
     ) -> None:
         """lockstep: the engine is a data-parallel rank under data-parallel attention; set
-        `wake_peers` to what tells its peers that it has work (lockstep.PeerWake.notify)."""
+        `wake_peers` to what tells its peers that it has work (lockstep.PeerWake.notify).
+        gathers_bursts: asked each time the loop wakes from idle with new requests, whether
+        to wait for the rest of their burst (False on a worker that only prefills: no decode
+        runs there that a split burst would interleave with, see engine/scheduling/burst.py)."""
         self.engine = engine
         self.lockstep = lockstep
+        self.gathers_bursts = gathers_bursts
         self.wake_peers: Callable[[], None] | None = None
         self._on_deltas = on_deltas
         self._on_tick = on_tick
@@ -135,7 +140,8 @@ class EngineLoop:
                 idle_here = was_idle or engine.stalled
                 self._drain(block=idle_here and not (self.lockstep and engine.group_busy))
                 if was_idle and not self.lockstep and engine.has_unfinished_requests():
-                    self._gather_burst()
+                    if self.gathers_bursts():
+                        self._gather_burst()
                 if self._stopped.is_set():
                     break
                 if self._on_tick is not None:

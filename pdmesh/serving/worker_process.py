@@ -61,8 +61,15 @@ class WorkerProcess(ABC):
         self.geometry = connector.geometry  # bound when the engine was built
         # A data-parallel rank under data-parallel attention steps with its peers (lockstep.py).
         lockstep = engine.runner.dp is not None
+        # A burst is kept together where decode runs (burst.py); `role` is read at each wake,
+        # as a worker that switches roles changes it.
         self.loop = EngineLoop(
-            engine, self._on_engine_deltas, on_tick, self._on_fatal, lockstep=lockstep
+            engine,
+            self._on_engine_deltas,
+            on_tick,
+            self._on_fatal,
+            lockstep=lockstep,
+            gathers_bursts=lambda: self.role != "prefill",
         )
         self.peers: PeerWake | None = None
         if engine.runner.dp is not None:  # waits for every peer to publish its address
