@@ -132,18 +132,20 @@ def test_a_loop_that_does_not_gather_bursts_steps_at_once(default_llm: LLM) -> N
     rate.burst_window_s = lambda scheduler, budget: 30.0  # type: ignore[method-assign]
     try:
         for gathers in (False, True):
+            rid = f"r{gathers}"
             done = threading.Event()
-            loop = EngineLoop(
-                engine,
-                on_deltas=lambda ds: done.set() if any(d.finish_reason for d in ds) else None,
-                gathers_bursts=lambda g=gathers: g,
-            )
+
+            def on_deltas(ds: list, done: threading.Event = done) -> None:
+                if any(d.finish_reason for d in ds):
+                    done.set()
+
+            loop = EngineLoop(engine, on_deltas, gathers_bursts=lambda g=gathers: g)
             loop.start()
             try:
-                loop.call(lambda e: e.add_request(f"r{gathers}", prompt, params))
+                loop.call(lambda e, r=rid: e.add_request(r, prompt, params))
                 assert done.wait(3.0) is not gathers  # finished: it did not wait 30 s
-                loop.call(lambda e: e.abort_request(f"r{gathers}")).result(timeout=60)
-                loop.call(lambda e: e.release(f"r{gathers}")).result(timeout=60)
+                loop.call(lambda e, r=rid: e.abort_request(r)).result(timeout=60)
+                loop.call(lambda e, r=rid: e.release(r)).result(timeout=60)
             finally:
                 loop.stop(timeout=5)
     finally:

@@ -139,9 +139,9 @@ class EngineLoop:
                 was_idle = not engine.has_unfinished_requests()
                 idle_here = was_idle or engine.stalled
                 self._drain(block=idle_here and not (self.lockstep and engine.group_busy))
-                if was_idle and not self.lockstep and engine.has_unfinished_requests():
-                    if self.gathers_bursts():
-                        self._gather_burst()
+                woken = was_idle and not self.lockstep and engine.has_unfinished_requests()
+                if woken and self.gathers_bursts():
+                    self._gather_burst()
                 if self._stopped.is_set():
                     break
                 if self._on_tick is not None:
