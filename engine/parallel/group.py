@@ -76,8 +76,7 @@ class ParallelGroup:
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         if self.size == 1:
             return x
-        # Into one buffer, rank by rank along dim 0: one collective, no list of parts (a CUDA
-        # graph captures it: the LM head's vocabulary gather in the decode graphs).
+        # Into one buffer, rank by rank along dim 0: one collective, no list of parts.
         out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
         dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
         if dim == 0:

@@ -10,9 +10,8 @@ to max_model_len) serves any length.
 A pipeline stage captures its own layers: a stage after the first reads the hidden states and
 residual ([2, bs, H]) from a static buffer the runner receives them into, a stage before the
 last ends at its [2, bs, H] output, which the runner sends on. The sends and receives stay out
-of the graphs (a stage's TP all-reduces and the LM head's vocabulary all-gather are in them);
-both sides of a stage boundary pick the same bucket, so a whole bucket crosses (padding rows
-included) straight into the receiver's buffer, without a copy.
+of the graphs; both sides of a stage boundary pick the same bucket, so a whole bucket crosses
+(padding rows included) straight into the receiver's buffer, without a copy.
 """
 
 from __future__ import annotations
@@ -38,16 +37,20 @@ class DecodeGraphs:
         block_size: int,
         max_batch: int,
         max_model_len: int,
+        logits: bool = True,
         stage: PipelineStage = SINGLE_STAGE,
         hidden_size: int = 0,
         dtype: torch.dtype = torch.float32,
         before_forward: Callable[[AttentionMetadata], None] | None = None,
     ) -> None:
-        """stage: the pipeline stage whose layers are captured; hidden_size and dtype size the
+        """logits=False: the graphs end at the final hidden states and `run` applies the LM head
+        eagerly (tensor parallelism: its all-gather goes through NCCL, kept out of graphs).
+        stage: the pipeline stage whose layers are captured; hidden_size and dtype size the
         buffer a stage after the first receives into. before_forward: called with each
         bucket's metadata (its static buffers) before the model runs in its capture."""
         self.model = model
         self.stage = stage
+        self.with_logits = logits
         self.buckets = [b for b in BUCKETS if b <= max_batch] or [1]
         size = self.buckets[-1]
         max_blocks = -(-max_model_len // block_size)
@@ -64,7 +67,7 @@ class DecodeGraphs:
         self.context_lens = torch.ones(size, **i32)
         empty = torch.zeros(0, **i32)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}  # each bucket's logits (or [2, bs, H])
+        self.outputs: dict[int, torch.Tensor] = {}  # each bucket's logits (or hidden states)
         pool = None
         with torch.inference_mode():
             for bs in reversed(self.buckets):  # largest first: the others reuse its memory
@@ -88,7 +91,7 @@ class DecodeGraphs:
                     hidden = model(self.input_ids[:bs], self.positions[:bs], meta, carry)
                     if not stage.is_last:
                         return hidden  # [2, bs, H] for the next stage
-                    return model.compute_logits(hidden)
+                    return model.compute_logits(hidden) if logits else hidden
 
                 forward()  # compile kernels, create library handles: outside the capture
                 torch.cuda.synchronize(device)
@@ -118,10 +121,10 @@ class DecodeGraphs:
         meta: AttentionMetadata,
         bucket: int | None = None,
     ) -> torch.Tensor:
-        """The first rows' logits ([n, V], the vocabulary gathered under tensor parallelism), or
-        on a stage before the last the whole bucket's [2, bs, H] output (a static buffer the
-        next replay overwrites). bucket: a larger one than n's own (data-parallel ranks replay
-        the same)."""
+        """The first rows' logits ([n, V]; hidden states [n, H] with logits=False, the LM head
+        then applied here), or on a stage before the last the whole bucket's [2, bs, H] output
+        (a static buffer the next replay overwrites). bucket: a larger one than n's own (data-
+        parallel ranks replay the same)."""
         n = input_ids.numel()
         bs = bucket if bucket is not None else self.bucket(n)
         self.input_ids[:n].copy_(input_ids)
@@ -135,7 +138,8 @@ class DecodeGraphs:
         self.graphs[bs].replay()
         if not self.stage.is_last:
             return self.outputs[bs]
-        return self.outputs[bs][:n]
+        out = self.outputs[bs][:n]
+        return out if self.with_logits else self.model.compute_logits(out)
 
     def run_padding(self, bs: int) -> None:
         """Replay bucket `bs` with padding rows only (a data-parallel rank with nothing to run

@@ -139,9 +139,8 @@ class ModelRunner:
         self.step_sampler = StepSampler(config.seed, info.eos_token_ids, device)
         self.steps_sampled_last = 0  # pipeline steps sampled on the last stage (step_sampling.py)
         # Decode steps replay CUDA graphs. With tensor parallelism every rank captures the same
-        # graphs, their all-reduces over symmetric memory and the LM head's vocabulary gather
-        # (one NCCL all-gather, captured too: launched eagerly it cost every rank ~0.3 ms of
-        # host a step, on the critical path at batch 1).
+        # graphs, their all-reduces over symmetric memory (NCCL stays out of the graphs: its
+        # vocab all-gather for the logits runs after the replay).
         self.graphs: DecodeGraphs | None = None
         # The torch reference kernels sync with the host: only the Triton ones are captured.
         capturable = envs.kernel_backend() != "torch"
@@ -167,6 +166,7 @@ class ModelRunner:
                     block_size,
                     max_batch,
                     max_model_len,
+                    logits=tp.size == 1,
                     stage=stage,
                     hidden_size=info.hf_config.hidden_size,
                     dtype=dtype,
