@@ -108,6 +108,17 @@ def add_bench(sub: Any) -> None:
     e = b.add_argument_group("against vllm serve (--serve; --num-requests, --input-len, ...)")
     e.add_argument("--rounds", type=int, default=1, help="vllm, then pdmesh, this many times")
     e.add_argument(
+        "--client",
+        choices=("vllm", "aiperf"),
+        default="vllm",
+        help="the client driving both servers: vllm bench serve, or NVIDIA's AIPerf",
+    )
+    e.add_argument(
+        "--aiperf-venv",
+        default="~/.cache/pdmesh/aiperf-venv",
+        help="--client aiperf: the venv holding AIPerf (made when missing)",
+    )
+    e.add_argument(
         "--disagg", action="store_true", help="pdmesh up --prefill 1 --decode 1, not --colocated"
     )
     f = b.add_argument_group("fuzz (--fuzz)")

@@ -1,5 +1,6 @@
 """`pdmesh bench --serve --peer vllm`: the serving path against `vllm serve`, both driven by
-vLLM's own serving benchmark client (`vllm bench serve`) with the same requests and load.
+vLLM's own serving benchmark client (`vllm bench serve`) with the same requests and load, or by
+NVIDIA's AIPerf (`--client aiperf`, bench/aiperf_client.py).
 
 On this machine, one after the other (never together: they would share the cores): `vllm serve`
 (vLLM's CPU build, from the venv `--peer-venv`, made when missing) and `pdmesh up --colocated`
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdmesh.bench.aiperf_client import aiperf_argv, aiperf_cli, aiperf_figures, read_export
 from pdmesh.bench.offline import VLLM_MEMORY_FRACTION, peer_script, vllm_python
 from pdmesh.checkpoint.source import model_display_name, resolve_model_folder
 from pdmesh.processes import free_port
@@ -108,9 +110,12 @@ class Server:
 @dataclass(frozen=True)
 class Comparison:
     """What both servers and every run share: vLLM's command line (`cli`, the peer venv's python
-    running bench/vllm_cli.py), the model's folder and served name, the length, the flags."""
+    running bench/vllm_cli.py; empty when neither vLLM's server nor its client runs), AIPerf's
+    (`aiperf`, with `--client aiperf`), the model's folder and served name, the length, the
+    flags."""
 
     cli: list[str]
+    aiperf: Path | None
     folder: Path
     name: str
     max_len: int
@@ -151,11 +156,20 @@ class Comparison:
         try:
             ready_s = server.wait_ready(self.name)
             result = self.work / f"{engine}-{index}.json"
+            if self.aiperf is not None:  # its artifacts in a folder of their own
+                result = self.work / f"{engine}-{index}-aiperf"
+                argv = aiperf_argv(self.aiperf, server.url, self.name, self.folder, self.args,
+                                   result)  # fmt: skip
+            else:
+                argv = self.client_argv(server.url, result)
             with log.open("ab") as out:
-                subprocess.run(self.client_argv(server.url, result), stdout=out,
-                               stderr=subprocess.STDOUT, cwd=self.work, check=True,
-                               timeout=RUN_TIMEOUT_S)  # fmt: skip
-            data = json.loads(result.read_text())
+                subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, cwd=self.work,
+                               check=True, timeout=RUN_TIMEOUT_S)  # fmt: skip
+            data = (
+                aiperf_figures(read_export(result))
+                if self.aiperf is not None
+                else json.loads(result.read_text())
+            )
         finally:
             server.stop()
         wanted = self.args.num_requests
@@ -168,11 +182,15 @@ class Comparison:
 
 
 def run_serve_peer_bench(args: argparse.Namespace) -> int:
-    venv = Path(args.peer_venv).expanduser()
-    python = vllm_python(venv)  # made once when missing
     work = Path(tempfile.mkdtemp(prefix="pdmesh-serve-peer-"))
+    aiperf = aiperf_cli(Path(args.aiperf_venv).expanduser()) if args.client == "aiperf" else None
+    cli: list[str] = []
+    if aiperf is None or not args.skip_peer:  # vLLM's client, or its server, runs
+        python = vllm_python(Path(args.peer_venv).expanduser())  # made once when missing
+        cli = [str(python), str(peer_script("vllm_cli.py", work))]
     comparison = Comparison(
-        cli=[str(python), str(peer_script("vllm_cli.py", work))],
+        cli=cli,
+        aiperf=aiperf,
         folder=resolve_model_folder(args.model),
         name=model_display_name(args.model),
         max_len=args.max_model_len or 1024,
@@ -195,8 +213,11 @@ def run_serve_peer_bench(args: argparse.Namespace) -> int:
 
 
 def workload(args: argparse.Namespace) -> dict[str, Any]:
+    client = "vllm bench serve (random dataset, /v1/completions, ignore_eos)"
+    if args.client == "aiperf":
+        client = "aiperf profile (synthetic prompts, completions, streaming, ignore_eos)"
     return {
-        "client": "vllm bench serve (random dataset, /v1/completions, ignore_eos)",
+        "client": client,
         "num_prompts": args.num_requests,
         "input_len": args.input_len,
         "output_len": args.output_len or 64,
