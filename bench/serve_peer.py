@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from pdmesh.bench.aiperf_client import aiperf_argv, aiperf_cli, aiperf_figures, read_export
-from pdmesh.bench.offline import VLLM_MEMORY_FRACTION, peer_script, vllm_python
+from pdmesh.bench.offline import VLLM_MEMORY_FRACTION, peer_script, vllm_env, vllm_python
 from pdmesh.checkpoint.source import model_display_name, resolve_model_folder
 from pdmesh.processes import free_port
 
@@ -57,12 +57,19 @@ METRICS = (
 class Server:
     """A server process group on `port`, its output in `log`; stopped with the whole group."""
 
-    def __init__(self, argv: list[str], port: int, log: Path, cwd: Path) -> None:
+    def __init__(
+        self, argv: list[str], port: int, log: Path, cwd: Path, env: dict[str, str] | None = None
+    ) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         with log.open("ab") as out:
             self.proc = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=cwd,
+                env=env,
+                start_new_session=True,
             )
 
     def wait_ready(self, model: str) -> float:
@@ -152,7 +159,8 @@ class Comparison:
         """Start one server, run the client against it, stop it: the client's figures."""
         port, log = free_port(), self.work / f"{engine}-{index}.log"
         load_before = os.getloadavg()[0]  # the machine's 1-minute load as the server starts
-        server = Server(self.server_argv(engine, port), port, log, cwd=self.work)
+        env = vllm_env(self.args.peer_cores) if engine == "vllm" else None
+        server = Server(self.server_argv(engine, port), port, log, cwd=self.work, env=env)
         try:
             ready_s = server.wait_ready(self.name)
             result = self.work / f"{engine}-{index}.json"
@@ -223,6 +231,7 @@ def workload(args: argparse.Namespace) -> dict[str, Any]:
         "output_len": args.output_len or 64,
         "max_concurrency": args.concurrency or 8,
         "pdmesh_layout": "pdmesh up --prefill 1 --decode 1" if args.disagg else "--colocated",
+        "vllm_cores": args.peer_cores,
         "cores": os.cpu_count(),
     }
 

@@ -192,10 +192,10 @@ def steady_sweep(sizes: list[int], tokens: int = 64) -> list[dict[str, Any]]:
 
 
 def vllm_rows(
-    venv: str, max_tokens: int, off: dict[str, Any], on: dict[str, Any]
+    venv: str, max_tokens: int, off: dict[str, Any], on: dict[str, Any], cores: str = "all"
 ) -> list[dict[str, Any]]:
     """Each case on vLLM's CPU build without and with NGRAM (its names are vLLM's), against
-    pdmesh's figures for the same case (`off`, `on`: `_measure`'s)."""
+    pdmesh's figures for the same case (`off`, `on`: `_measure`'s); cores: offline.vllm_env."""
     from pathlib import Path
 
     from pdmesh.bench.offline import Workload, run_vllm, vllm_python
@@ -209,7 +209,13 @@ def vllm_rows(
         work = Workload(prompts, [max_tokens] * len(prompts))
         runs = {
             mode: run_vllm(
-                python, folder, work, ignore_eos=False, batch=ours["batch"], speculative_config=spec
+                python,
+                folder,
+                work,
+                cores,
+                ignore_eos=False,
+                batch=ours["batch"],
+                speculative_config=spec,
             )
             for mode, spec in (("off", None), ("ngram", NGRAM))
         }
@@ -233,11 +239,16 @@ def vllm_rows(
 
 
 def run(
-    max_tokens: int, sweep: list[int], draft: str | None = None, peer_venv: str | None = None
+    max_tokens: int,
+    sweep: list[int],
+    draft: str | None = None,
+    peer_venv: str | None = None,
+    peer_cores: str = "all",
 ) -> dict[str, Any]:
     """draft: also batch 1 with this draft model ("default": the default model itself, an
     exactness check that cannot be faster: it costs the target's forward again per draft).
-    peer_venv: also the cases on vLLM's CPU build from this venv (`vllm_rows`)."""
+    peer_venv: also the cases on vLLM's CPU build from this venv (`vllm_rows`), with
+    `peer_cores` (offline.vllm_env)."""
     cases = [("batch1", 1, 8), ("batch32", 32, 32)]
     off = _measure(None, cases, max_tokens)
     on = _measure(NGRAM, cases, max_tokens)
@@ -274,7 +285,7 @@ def run(
         "speculative_config": NGRAM,
         "rows": rows,
         "steady_sweep": steady_sweep(sweep) if sweep else [],
-        "vllm": vllm_rows(peer_venv, max_tokens, off, on) if peer_venv else [],
+        "vllm": vllm_rows(peer_venv, max_tokens, off, on, peer_cores) if peer_venv else [],
     }
 
 
@@ -298,7 +309,9 @@ def print_table(result: dict[str, Any]) -> None:
 def run_speculative_bench(args: argparse.Namespace) -> int:
     """`pdmesh bench --speculative`."""
     venv = args.peer_venv if args.peer == "vllm" and not args.skip_peer else None
-    result = run(args.max_tokens or 160, list(args.sweep or ()), args.draft_model, venv)
+    result = run(
+        args.max_tokens or 160, list(args.sweep or ()), args.draft_model, venv, args.peer_cores
+    )
     print_table(result)
     if args.json_out:
         with open(args.json_out, "w") as f:
