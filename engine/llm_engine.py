@@ -7,8 +7,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection
 
-import torch
-
 from pdmesh import envs
 from pdmesh.checkpoint.source import resolve_model_folder
 from pdmesh.engine.config import EngineConfig
@@ -47,6 +45,7 @@ from pdmesh.engine.sequence import Sequence
 from pdmesh.engine.spec_decode.speculator import make_speculator
 from pdmesh.engine.spec_decode.step import verified_step
 from pdmesh.errors import InvalidRequest
+from pdmesh.kernels.cpu.threads import set_cpu_threads
 from pdmesh.kv_transfer.connector import ExternalBlocks, KVConnector
 from pdmesh.logger import get_logger
 from pdmesh.sampling_params import SamplingParams
@@ -79,7 +78,7 @@ class LLMEngine:
         rank, which this engine's MoE layers split their experts over."""
         self.config = config = config.with_batch_defaults(offline=False)
         if (threads := envs.num_threads()) is not None:
-            torch.set_num_threads(threads)
+            set_cpu_threads(threads)
         self.info = ModelInfo.load(resolve_model_folder(config.model))
         self.info.check_parallel(
             config.tensor_parallel_size,

@@ -37,6 +37,7 @@ from pdmesh.engine.models.info import ModelInfo
 from pdmesh.engine.outputs import EngineStats, RequestOutput, StepDelta
 from pdmesh.engine.parallel.comm import destroy, serve_store
 from pdmesh.errors import InvalidRequest
+from pdmesh.kernels.cpu.threads import set_cpu_threads
 from pdmesh.kv_transfer.connector import decode
 from pdmesh.logger import get_logger
 from pdmesh.processes import die_with_parent
@@ -130,7 +131,7 @@ class DataParallelEngine:
                 f"{need} GPUs; this machine has {have}."
             )
         if device.type == "cpu" and envs.num_threads() is None:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // (size * config.world_size)))
+            set_cpu_threads((os.cpu_count() or 1) // (size * config.world_size))
         store, init_method = None, None
         if self.moe_data_parallel:
             if torch.distributed.is_initialized():

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from pdmesh import envs
 from pdmesh.engine.parallel.group import ParallelGroup
+from pdmesh.kernels.cpu.threads import set_cpu_threads
 
 # Followers wait idle in a broadcast for as long as rank 0 has nothing to do; a dead peer is
 # noticed by process monitoring, not by collective timeouts.
@@ -47,7 +48,7 @@ def init_group(
         torch.cuda.set_device(device)
     elif envs.num_threads() is None:
         # Ranks on one CPU share its cores: more threads than cores only adds contention.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        set_cpu_threads((os.cpu_count() or 1) // size)
     if store is None:
         address = urllib.parse.urlsplit(init_method)
         store = dist.TCPStore(
