@@ -30,6 +30,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,6 +156,16 @@ class Comparison:
                 "--save-result", "--save-detailed", "--result-dir", str(out.parent),
                 "--result-filename", out.name]  # fmt: skip
 
+    def client(self, url: str, stem: str) -> tuple[list[str], Callable[[], dict[str, Any]]]:
+        """The client's command line against `url`, and what reads its figures once it ran
+        (its results under this run's `stem` in the work folder)."""
+        if self.aiperf is None:
+            result = self.work / f"{stem}.json"
+            return self.client_argv(url, result), lambda: json.loads(result.read_text())
+        artifacts = self.work / f"{stem}-aiperf"  # AIPerf writes a folder of files
+        argv = aiperf_argv(self.aiperf, url, self.name, self.folder, self.args, artifacts)
+        return argv, lambda: aiperf_figures(read_export(artifacts))
+
     def measure(self, engine: str, index: int) -> dict[str, Any]:
         """Start one server, run the client against it, stop it: the client's figures."""
         port, log = free_port(), self.work / f"{engine}-{index}.log"
@@ -163,21 +174,11 @@ class Comparison:
         server = Server(self.server_argv(engine, port), port, log, cwd=self.work, env=env)
         try:
             ready_s = server.wait_ready(self.name)
-            result = self.work / f"{engine}-{index}.json"
-            if self.aiperf is not None:  # its artifacts in a folder of their own
-                result = self.work / f"{engine}-{index}-aiperf"
-                argv = aiperf_argv(self.aiperf, server.url, self.name, self.folder, self.args,
-                                   result)  # fmt: skip
-            else:
-                argv = self.client_argv(server.url, result)
+            argv, figures_of_run = self.client(server.url, f"{engine}-{index}")
             with log.open("ab") as out:
                 subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, cwd=self.work,
                                check=True, timeout=RUN_TIMEOUT_S)  # fmt: skip
-            data = (
-                aiperf_figures(read_export(result))
-                if self.aiperf is not None
-                else json.loads(result.read_text())
-            )
+            data = figures_of_run()
         finally:
             server.stop()
         wanted = self.args.num_requests

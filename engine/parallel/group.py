@@ -76,13 +76,13 @@ class ParallelGroup:
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         if self.size == 1:
             return x
-        # Into one buffer, rank by rank along dim 0: one collective, no list of parts.
-        out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
-        if dim == 0:
+        if dim == 0:  # straight into one buffer: no list of parts, no concatenation
+            out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
+            dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
             return out
-        parts = out.view(self.size, *x.shape)  # [N, *x.shape]: rank r's part at r
-        return torch.cat(parts.unbind(0), dim=dim)
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         """[N * n, ...] summed over the ranks, this rank's n rows (rank order)."""
