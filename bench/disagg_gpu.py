@@ -2,16 +2,26 @@
 decode) serving on the same two GPUs, the same engine, the Llama-3.1-8B shape (random weights).
 
     python -m pdmesh.bench.disagg_gpu --out DIR [--stages ttft,load,tp] [--requests 32] [--trace]
+    python -m pdmesh.bench.disagg_gpu --out DIR --stages load --layouts 4gpu   # four GPUs
+    python -m pdmesh.bench.disagg_gpu --out DIR --stages load --layouts 4gpu --tiny   # CPU dry run
 
-Each layout is a real `pdmesh up` (workers on cuda:0 and cuda:1) driven by the serving
+Layouts on four GPUs (`4gpu` names them all): colocated_4, every static split 1p3d / 2p2d /
+3p1d, and planner_4 / planner_4_itl (starting 2p2d, the planner set to the first / second SLO).
+On two (`2gpu_planner`): disagg_1p1d, colocated_2 and planner_2 / planner_2_itl (1p1d, whose
+planner cannot switch a role's last worker, with load-aware conditional disaggregation).
+
+Each layout is a real `pdmesh up` (a worker a GPU) driven by the serving
 benchmark's gRPC client. Stages, each writing DIR/disagg.json as it ends:
 - ttft: one 4,096-token prompt at a time; disaggregated TTFT includes the prefill on the other
   GPU and the layer-by-layer KV transfer over `nccl`.
-- load: Poisson arrivals at several rates, prefill-heavy (4,096 in / 256 out) and chat-like (512
-  in / 256 out): TTFT, TPOT, ITL, throughput, SLO attainment (TTFT <= 1.5 s, TPOT <= 40 ms);
-  goodput is the highest rate with attainment >= 90%. Per-request samples go to
-  DIR/disagg_samples.json (CDF plots). --trace exports spans (DIR/spans-LAYOUT.txt) and records
-  each span's median [start, end] in ms from the router's root span over the TTFT requests.
+- load: Poisson arrivals at several rates, prefill-heavy (4,096 in / 256 out), chat-like (512
+  in / 256 out) and a mix of the two (half each, shuffled): TTFT, TPOT, ITL, throughput, and the
+  attainment of two SLOs (TTFT <= 1.5 s with TPOT <= 40 ms; TTFT <= 1 s with each request's p99
+  inter-token latency <= 25 ms); goodput is the highest rate with attainment >= 90%. The rates
+  run in turn on one mesh, so a planner's switches at one rate hold into the next; each run
+  records the workers' roles at its end. Per-request samples go to DIR/disagg_samples.json.
+  --trace exports spans (DIR/spans-LAYOUT.txt) and records each span's median [start, end] in
+  ms from the router's root span over the TTFT requests.
 - tp: decode time per token at batch 1, TP=1 and TP=2 over NCCL (CUDA graphs on both).
 """
 
@@ -24,6 +34,7 @@ import gc
 import json
 import math
 import os
+import random
 import statistics
 import subprocess
 import tempfile
@@ -34,23 +45,63 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdmesh.bench.gpu_models import dummy_llm, write_llama_8b
+from pdmesh.bench.gpu_models import (
+    TINY,
+    dummy_llm,
+    llama_8b_config,
+    save_word_tokenizer,
+    write_config,
+    write_llama_8b,
+)
 from pdmesh.bench.latency_stats import RequestRecord, Slo, summarize
 from pdmesh.bench.report import Report, out_parser
-from pdmesh.bench.serving import LoadConfig, exact_request, make_workload, run_load
+from pdmesh.bench.serving import LoadConfig, Workload, exact_request, make_workload, run_load
 from pdmesh.mesh import quiet_up, read_services
 from pdmesh.processes import free_port
 from pdmesh.supervisor import stop
 
-SLO = Slo(ttft_ms=1500, tpot_ms=40)
+SLOS = {
+    "ttft1.5s_tpot40ms": Slo(ttft_ms=1500, tpot_ms=40),
+    "ttft1s_itl99_25ms": Slo(ttft_ms=1000, itl_p99_ms=25),
+}
 ATTAINMENT = 0.9
-WORKLOADS = {"prefill_heavy": (4096, 256), "chat": (512, 256)}
-RATES = {"prefill_heavy": (1.0, 2.0, 3.0, 4.0), "chat": (2.0, 4.0, 8.0)}
+# Each workload: its request shapes (input, output), drawn in equal shares.
+WORKLOADS = {
+    "prefill_heavy": [(4096, 256)],
+    "chat": [(512, 256)],
+    "mix": [(4096, 256), (512, 256)],
+}
+RATES = {"prefill_heavy": (1.0, 2.0, 3.0, 4.0), "chat": (2.0, 4.0, 8.0), "mix": (2.0, 4.0, 6.0)}
+_SPLIT = ["--disagg-min-tokens", "0"]
+_PLANNER = [*_SPLIT, "--planner", "--planner-interval-s", "1", "--planner-sustain", "2"]
 LAYOUTS = {
-    "disagg_1p1d": ["--prefill", "1", "--decode", "1", "--disagg-min-tokens", "0"],
+    "disagg_1p1d": ["--prefill", "1", "--decode", "1", *_SPLIT],
     "colocated_2": ["--colocated", "--decode", "2"],
+    "colocated_4": ["--colocated", "--decode", "4"],
+    **{f"{p}p{4 - p}d": ["--prefill", str(p), "--decode", str(4 - p), *_SPLIT] for p in (1, 2, 3)},
+    # The planner starts from the even split; the runs are seconds long, so it may switch
+    # every few seconds (its defaults wait 30 s between switches).
+    "planner_4": ["--prefill", "2", "--decode", "2", *_PLANNER, "--planner-dwell-s", "5"],
+    "planner_4_itl": [
+        *["--prefill", "2", "--decode", "2", *_PLANNER, "--planner-dwell-s", "5"],
+        *["--slo-ttft-ms", "1000", "--slo-itl-ms", "25"],
+    ],
+    # On two GPUs no switch can keep a worker of each role: what the planner's mesh adds to
+    # 1p1d is load-aware conditional disaggregation (a decode worker prefills a prompt itself
+    # when the prefill queue would cost the request more).
+    "planner_2": ["--prefill", "1", "--decode", "1", *_PLANNER, "--load-aware-disagg"],
+    "planner_2_itl": [
+        *["--prefill", "1", "--decode", "1", *_PLANNER, "--load-aware-disagg"],
+        *["--slo-ttft-ms", "1000", "--slo-itl-ms", "25"],
+    ],
+}
+LAYOUT_SETS = {
+    "2gpu": ["disagg_1p1d", "colocated_2"],
+    "2gpu_planner": ["disagg_1p1d", "colocated_2", "planner_2", "planner_2_itl"],
+    "4gpu": ["colocated_4", "1p3d", "2p2d", "3p1d", "planner_4", "planner_4_itl"],
 }
 ENGINE = ["--load-format", "dummy", "--max-model-len", "8192", "--kv-transport", "nccl"]
+TINY_ENGINE: list[str] = []  # --tiny: the dry run's flags, after (overriding) ENGINE's
 VOCAB = 128256
 
 
@@ -58,6 +109,19 @@ VOCAB = 128256
 class Mesh:
     target: str  # the router's gRPC address
     metrics: dict[str, str]  # worker name -> its /metrics URL
+
+    def roles(self) -> dict[str, int]:
+        """How many workers serve each role now (their pdmesh_worker_role gauges)."""
+        count: dict[str, int] = {}
+        for worker, url in self.metrics.items():
+            if not worker.startswith(("prefill", "decode")):
+                continue
+            text = urllib.request.urlopen(url, timeout=10).read().decode()
+            for line in text.splitlines():
+                if line.startswith("pdmesh_worker_role{") and line.endswith(" 1.0"):
+                    role = line.split('role="', 1)[1].split('"', 1)[0]
+                    count[role] = count.get(role, 0) + 1
+        return count
 
     def scrape(self, worker: str, name: str) -> tuple[float, float]:
         """(sum, count) of one histogram of a worker, summed over its label sets."""
@@ -76,7 +140,7 @@ def mesh(folder: Path, layout: str, log: Path, spans: Path | None = None) -> Ite
     """`pdmesh up` with this layout; yields the router's address once it is up. With `spans`,
     every process prints its spans, and they are written there."""
     port = free_port()
-    cmd = quiet_up(port, "--model", str(folder), *ENGINE, *LAYOUTS[layout])
+    cmd = quiet_up(port, "--model", str(folder), *ENGINE, *LAYOUTS[layout], *TINY_ENGINE)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PDMESH_LOG_LEVEL": "WARNING"}
     if spans is not None:
         env |= {"OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY_MILLIS": "200"}
@@ -103,6 +167,21 @@ def load(
     return asyncio.run(run_load(target, make_workload(cfg, VOCAB), cfg, progress=False))
 
 
+def mixed_load(
+    target: str, n: int, shapes: list[tuple[int, int]], rate: float, seed: int
+) -> tuple[list[RequestRecord], float]:
+    """`n` requests of the `shapes` in equal shares, shuffled, on one Poisson schedule."""
+    parts = [
+        make_workload(LoadConfig(n // len(shapes), i, o, rate, seed=seed + k), VOCAB)
+        for k, (i, o) in enumerate(shapes)
+    ]
+    pairs = [x for w in parts for x in zip(w.prompts, w.output_lens, strict=True)]
+    random.Random(seed).shuffle(pairs)
+    work = Workload([p for p, _ in pairs], [o for _, o in pairs], parts[0].warmup_prompt)
+    cfg = LoadConfig(len(pairs), shapes[0][0], shapes[0][1], rate, seed=seed)
+    return asyncio.run(run_load(target, work, cfg, progress=False))
+
+
 def warm(target: str, in_len: int, seed: int) -> None:
     """Full-size requests first: a fresh process compiles kernels for shapes it has not seen."""
     load(target, 4, in_len, 8, math.inf, seed)
@@ -110,8 +189,6 @@ def warm(target: str, in_len: int, seed: int) -> None:
 
 async def _server_timings(target: str, n: int, seed: int) -> list[dict[str, float]]:
     """The mesh's own timings (last response of each stream) of `n` 4,096-token prompts in turn."""
-    import random
-
     import grpc
 
     from pdmesh.v1 import generation_pb2_grpc
@@ -212,15 +289,19 @@ def ttft_stage(mesh: Mesh, layout: str, res: Report, spans: Path | None = None) 
         res.record(f"ttft_spans_{layout}", span_timeline(read_spans(spans), since_ms))
 
 
-def load_stage(target: str, layout: str, n: int, res: Report, samples: Report) -> None:
-    for wi, (work, (in_len, out_len)) in enumerate(WORKLOADS.items()):
-        warm(target, in_len, 100 + wi)
+def load_stage(up: Mesh, layout: str, n: int, res: Report, samples: Report) -> None:
+    for wi, (work, shapes) in enumerate(WORKLOADS.items()):
+        warm(up.target, max(i for i, _ in shapes), 100 + wi)
         runs = []
         for ri, rate in enumerate(RATES[work]):
-            records, duration = load(target, n, in_len, out_len, rate, 1000 + 97 * wi + ri)
-            s = summarize(records, duration, SLO)
+            records, duration = mixed_load(up.target, n, shapes, rate, 1000 + 97 * wi + ri)
+            s = summarize(records, duration, Slo())
             s["request_rate"] = rate
-            s["attainment"] = round(s["good_requests"] / n, 3)
+            s["attainment"] = {
+                name: round(sum(slo.met(r) for r in records) / len(records), 3)
+                for name, slo in SLOS.items()
+            }
+            s["roles_after"] = up.roles()
             runs.append(s)
             samples.data[f"{layout}/{work}/{rate:g}"] = {
                 "ttft_ms": [round(r.ttft_s * 1e3, 3) for r in records if r.ok],
@@ -230,14 +311,15 @@ def load_stage(target: str, layout: str, n: int, res: Report, samples: Report) -
             print(
                 f"  {layout} {work} rate {rate:g}: ttft p50 {s['ttft_ms']['p50']:.0f} ms, "
                 f"tpot p50 {s['tpot_ms']['p50']:.1f} ms, itl p99 {s['itl_ms']['p99']:.1f} ms, "
-                f"attainment {s['attainment']:.2f}",
+                f"attainment {' / '.join(f'{a:.2f}' for a in s['attainment'].values())}, "
+                f"roles {s['roles_after']}",
                 flush=True,
             )
-        ok = [r["request_rate"] for r in runs if r["attainment"] >= ATTAINMENT]
-        res.record(
-            f"load_{work}_{layout}",
-            {"runs": runs, "goodput_rate_at_90pct": max(ok) if ok else 0.0},
-        )
+        goodput = {}
+        for name in SLOS:
+            ok = [r["request_rate"] for r in runs if r["attainment"][name] >= ATTAINMENT]
+            goodput[name] = max(ok) if ok else 0.0
+        res.record(f"load_{work}_{layout}", {"runs": runs, "goodput_rate_at_90pct": goodput})
 
 
 def tp_stage(
@@ -271,14 +353,29 @@ def tp_stage(
     res.record("tp2_vs_tp1_decode_b1", out)
 
 
+def _tiny_dry_run(folder: Path) -> Path:
+    """A tiny model on the CPU (KV over tcp), workloads a 32nd as long: the script's dry run."""
+    config = llama_8b_config()
+    config.update(TINY)
+    write_config(folder, config)
+    save_word_tokenizer(folder, config.vocab_size)
+    TINY_ENGINE[:] = ["--device", "cpu", "--kv-transport", "tcp", "--max-model-len", "1024"]
+    for work, shapes in WORKLOADS.items():
+        WORKLOADS[work] = [(i // 32, o // 32) for i, o in shapes]
+    global VOCAB
+    VOCAB = config.vocab_size
+    return folder
+
+
 def main() -> None:
     parser = out_parser(__doc__)
     parser.add_argument("--stages", default="ttft,load,tp")
-    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--layouts", default="2gpu", help="names, or a set: 2gpu | 4gpu")
     parser.add_argument("--requests", type=int, default=32, help="requests per load run")
     parser.add_argument("--profile", action="store_true", help="tp: profile decode (OUT/tp*.txt)")
     parser.add_argument("--all-reduce", default="auto", help="tp: PDMESH_ALL_REDUCE ways to time")
     parser.add_argument("--trace", action="store_true", help="ttft: a span timeline of a request")
+    parser.add_argument("--tiny", action="store_true", help="a dry run on the CPU, tiny shapes")
     parser.add_argument("--rates", help='req/s per workload, e.g. "prefill_heavy=6,8;chat=16"')
     args = parser.parse_args()
     if args.rates:
@@ -289,10 +386,14 @@ def main() -> None:
             else:
                 del WORKLOADS[work]
     stages = set(args.stages.split(","))
-    folder = write_llama_8b(Path(tempfile.mkdtemp()) / "llama-8b-shape")
+    if args.tiny:
+        folder = _tiny_dry_run(Path(tempfile.mkdtemp()) / "tiny")
+    else:
+        folder = write_llama_8b(Path(tempfile.mkdtemp()) / "llama-8b-shape")
     res = Report(args.out / "disagg.json", date=time.strftime("%Y-%m-%d %H:%M"))
     samples = Report(args.out / "disagg_samples.json", indent=None)
-    for layout in args.layouts.split(","):
+    layouts = [x for name in args.layouts.split(",") for x in LAYOUT_SETS.get(name, [name])]
+    for layout in layouts:
         if not stages & {"ttft", "load"}:
             break
         spans = args.out / f"spans-{layout}.txt" if args.trace else None
@@ -300,7 +401,7 @@ def main() -> None:
             if "ttft" in stages:
                 ttft_stage(up, layout, res, spans)
             if "load" in stages:
-                load_stage(up.target, layout, args.requests, res, samples)
+                load_stage(up, layout, args.requests, res, samples)
     if "tp" in stages:
         tp_stage(folder, res, args.profile, tuple(args.all_reduce.split(",")))
 

@@ -63,20 +63,22 @@ def distribution_ms(values_s: list[float]) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class Slo:
-    """Goodput targets; None: that bound is not checked."""
+    """Goodput targets; None: that bound is not checked. `itl_p99_ms` bounds each request's own
+    99th-percentile inter-token latency (its stalls, which a mean per token hides)."""
 
     ttft_ms: float | None = None
     tpot_ms: float | None = None
+    itl_p99_ms: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("ttft_ms", "tpot_ms"):
+        for name in ("ttft_ms", "tpot_ms", "itl_p99_ms"):
             v = getattr(self, name)
             if v is not None and v <= 0:
                 raise ValueError(f"slo {name} must be > 0, got {v!r}.")
 
     @property
     def set(self) -> bool:
-        return self.ttft_ms is not None or self.tpot_ms is not None
+        return any(v is not None for v in (self.ttft_ms, self.tpot_ms, self.itl_p99_ms))
 
     def met(self, r: RequestRecord) -> bool:
         if not r.ok:
@@ -84,7 +86,11 @@ class Slo:
         if self.ttft_ms is not None and r.ttft_s * 1000 > self.ttft_ms:
             return False
         tpot = r.tpot_s
-        return self.tpot_ms is None or tpot is None or tpot * 1000 <= self.tpot_ms
+        if self.tpot_ms is not None and tpot is not None and tpot * 1000 > self.tpot_ms:
+            return False
+        if self.itl_p99_ms is not None and r.itls_s:
+            return float(np.percentile(r.itls_s, 99)) * 1000 <= self.itl_p99_ms
+        return True
 
 
 def summarize(records: list[RequestRecord], duration_s: float, slo: Slo) -> dict[str, object]:
@@ -108,7 +114,7 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: Slo) -> dict
     }
     if slo.set:
         good = sum(1 for r in records if slo.met(r))
-        summary["slo"] = {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms}
+        summary["slo"] = {k: v for k, v in vars(slo).items() if v is not None}
         summary["goodput"] = round(good / duration_s, 3)
         summary["good_requests"] = good
     errors = [r.error for r in records if r.error]

@@ -195,7 +195,14 @@ def test_roles_switch_back_and_forth_mid_stream(mesh: Mesh, folder: str) -> None
                     streams[i].append(r)
 
             tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
+            deadline = time.monotonic() + 120
             while min(tokens(i) for i in range(len(prompts))) < 5:
+                failed = [t.exception() for t in tasks if t.done() and t.exception()]
+                assert not failed, f"a stream failed before the switches: {failed[0]!r}"
+                assert time.monotonic() < deadline, (
+                    "streams stalled before any switch: tokens of the greedy, seeded, shaped and "
+                    f"grammar streams, twice: {[tokens(i) for i in range(len(prompts))]}"
+                )
                 await asyncio.sleep(0.002)
             # a: decode -> prefill (its streams move to b); p: prefill -> decode; b: decode ->
             # prefill (every stream moves to p); a: back to decode.

@@ -85,3 +85,26 @@ def test_serving_bench_cli_writes_its_figures(
     assert result["request_throughput"] > 0 and result["output_throughput"] > 0
     assert result["goodput"] == pytest.approx(result["request_throughput"], rel=0.01)
     assert result["good_requests"] == 12
+
+
+def test_an_inter_token_slo_counts_each_requests_own_stalls() -> None:
+    """A stream whose mean pace meets a TPOT bound but that stalls twice in 100 tokens fails a
+    p99 ITL bound; an even stream at the same mean pace meets both."""
+    from pdmesh.bench.latency_stats import RequestRecord, Slo, summarize
+
+    def stream(gaps_ms: list[float]) -> RequestRecord:
+        r, t = RequestRecord(prompt_len=8, expected_output_len=len(gaps_ms) + 1), 0.1
+        r.on_message(t, 1, None)
+        for gap in gaps_ms:
+            r.on_message(t + gap / 1e3, 1, t)
+            t += gap / 1e3
+        r.latency_s = t
+        return r
+
+    even, stalled = stream([20.0] * 100), stream([10.0] * 98 + [510.0] * 2)
+    slo = Slo(ttft_ms=1000, tpot_ms=40, itl_p99_ms=25)
+    assert Slo(ttft_ms=1000, tpot_ms=40).met(stalled)  # its mean: 20 ms a token
+    assert slo.met(even) and not slo.met(stalled)
+    assert summarize([even, stalled], 1.0, slo)["good_requests"] == 1
+    with pytest.raises(ValueError, match="itl_p99_ms"):
+        Slo(itl_p99_ms=0)

@@ -2,7 +2,9 @@
 different GPUs): prefill worker on cuda:0, decode worker on cuda:1, the KV pages going GPU to
 GPU. Outputs equal the single-GPU engine's; every byte is counted on both ends; a decode worker
 killed mid-stream leaves the prefill worker serving, and once `pdmesh up` has restarted it, the
-pair to the new decode worker carries KV again."""
+pair to the new decode worker carries KV again. On three and four GPUs, prefill and decode workers
+of different layouts (PP=2 into TP=1 and the reverse, TP=2 into TP=1, TP=2 into PP=2): each rank
+sends its own heads of its own layers GPU to GPU, and the output still equals one GPU's."""
 
 from __future__ import annotations
 
@@ -105,5 +107,44 @@ def test_nccl_mesh_equals_one_gpu_and_survives_a_dead_decode_worker(tiny_model) 
         assert asyncio.run(greedy_tokens(mesh.target, prompts, 24)) == expected(prompts)
         d = mesh.stats(victim)
         assert d.remote_prefills == len(prompts) and d.prefill_fallbacks == 0
+    finally:
+        mesh.stop()
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode"),
+    [((1, 2), (1, 1)), ((1, 1), (1, 2)), ((2, 1), (1, 1)), ((2, 1), (1, 2))],
+    ids=["pp2-tp1", "tp1-pp2", "tp2-tp1", "tp2-pp2"],
+)
+def test_nccl_mesh_of_mixed_layouts_equals_one_gpu(
+    tiny_model, prefill: tuple[int, int], decode: tuple[int, int]
+) -> None:
+    gpus = prefill[0] * prefill[1] + decode[0] * decode[1]
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs")
+    folder = str(tiny_model("llama"))  # 2 KV heads, 2 layers: a head and a layer a rank
+    prompts = _prompts(4)
+    outs = LLM(folder, dtype="float32", kv_cache_tokens=8192).generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(**PARAMS)
+    )
+    layouts = []
+    for role, (tp, pp) in (("prefill", prefill), ("decode", decode)):
+        layouts += [f"--{role}-tp", str(tp), f"--{role}-pp", str(pp)]
+    mesh = start_mesh(
+        *["--model", folder, "--dtype", "float32", "--kv-cache-tokens", "8192", *layouts],
+        *["--disagg-min-tokens", "16"],
+    )
+    try:
+        got = asyncio.run(greedy_tokens(mesh.target, prompts, PARAMS["max_tokens"]))
+        assert got == [o.outputs[0].token_ids for o in outs]
+        d, p = mesh.stats(mesh.decode[0]), mesh.stats(mesh.prefill[0])
+        assert d.remote_prefills == len(prompts) and d.prefill_fallbacks == 0
+        assert (p.tensor_parallel_size, p.pipeline_parallel_size) == prefill
+        assert (d.tensor_parallel_size, d.pipeline_parallel_size) == decode
+        block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # layers x (K+V) x tokens x KV heads x dims x fp32
+        blocks = sum(-(-len(x) // 16) for x in prompts)
+        assert d.kv_bytes_received == p.kv_bytes_sent == blocks * block_bytes
+        assert d.kv_blocks_used == 0
+        assert set(_kv_bytes_by_transport(mesh, "decode-0")) == {"nccl"}
     finally:
         mesh.stop()
