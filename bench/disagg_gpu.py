@@ -17,9 +17,9 @@ benchmark's gRPC client. Stages, each writing DIR/disagg.json as it ends:
 - load: Poisson arrivals at several rates, prefill-heavy (4,096 in / 256 out), chat-like (512
   in / 256 out) and a mix of the two (half each, shuffled): TTFT, TPOT, ITL, throughput, and the
   attainment of two SLOs (TTFT <= 1.5 s with TPOT <= 40 ms; TTFT <= 1 s with each request's p99
-  inter-token latency <= 25 ms); goodput is the highest rate with attainment >= 90%. The rates
-  run in turn on one mesh, so a planner's switches at one rate hold into the next; each run
-  records the workers' roles at its end. Per-request samples go to DIR/disagg_samples.json.
+  inter-token latency <= 25 ms); goodput is the highest rate before the first attaining < 90%.
+  The rates run in turn on one mesh, so a planner's switches at one rate hold into the next;
+  each run records the workers' roles at its end. Per-request samples go to DIR/disagg_samples.json.
   --trace exports spans (DIR/spans-LAYOUT.txt) and records each span's median [start, end] in
   ms from the router's root span over the TTFT requests.
 - tp: decode time per token at batch 1, TP=1 and TP=2 over NCCL (CUDA graphs on both).
@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import datetime
 import gc
+import itertools
 import json
 import math
 import os
@@ -289,6 +290,13 @@ def ttft_stage(mesh: Mesh, layout: str, res: Report, spans: Path | None = None) 
         res.record(f"ttft_spans_{layout}", span_timeline(read_spans(spans), since_ms))
 
 
+def goodput_rate(runs: list[dict[str, Any]], slo: str) -> float:
+    """The highest rate of `runs` (in rising order) before the first whose attainment of `slo`
+    is below ATTAINMENT (0: the first)."""
+    held = itertools.takewhile(lambda r: r["attainment"][slo] >= ATTAINMENT, runs)
+    return max((r["request_rate"] for r in held), default=0.0)
+
+
 def load_stage(up: Mesh, layout: str, n: int, res: Report, samples: Report) -> None:
     for wi, (work, shapes) in enumerate(WORKLOADS.items()):
         warm(up.target, max(i for i, _ in shapes), 100 + wi)
@@ -315,10 +323,7 @@ def load_stage(up: Mesh, layout: str, n: int, res: Report, samples: Report) -> N
                 f"roles {s['roles_after']}",
                 flush=True,
             )
-        goodput = {}
-        for name in SLOS:
-            ok = [r["request_rate"] for r in runs if r["attainment"][name] >= ATTAINMENT]
-            goodput[name] = max(ok) if ok else 0.0
+        goodput = {name: goodput_rate(runs, name) for name in SLOS}
         res.record(f"load_{work}_{layout}", {"runs": runs, "goodput_rate_at_90pct": goodput})
 
 

@@ -345,6 +345,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         tls=tls_config(args),
         api_keys=ApiKeys.from_flags(args.api_keys, args.api_keys_file),
         planner=planner_config(args),
+        slo_ttft_s=args.slo_ttft_ms / 1000,
     )
     asyncio.run(serve(config))
     exit_service(0)

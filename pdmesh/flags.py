@@ -123,7 +123,11 @@ def tls_argv(args: argparse.Namespace) -> list[str]:
 # The planner's knobs: PlannerConfig field -> (flag, flag units per field unit, help).
 PLANNER_FLAGS: dict[str, tuple[str, int, str]] = {
     "interval_s": ("--planner-interval-s", 1, "seconds between the planner's looks"),
-    "slo_ttft_s": ("--slo-ttft-ms", 1000, "target time to first token (ms)"),
+    "slo_ttft_s": (
+        "--slo-ttft-ms",
+        1000,
+        "target time to first token (ms), --load-aware-disagg's too",
+    ),
     "slo_itl_s": ("--slo-itl-ms", 1000, "target time between tokens (ms)"),
     "attainment": ("--slo-attainment", 1, "share within target below which a side is starved"),
     "kv_low": ("--planner-kv-low", 1, "decode KV use that may give up a worker"),
@@ -179,6 +183,8 @@ def planner_argv(args: argparse.Namespace) -> list[str]:
         argv.append("--planner")
         for flag, _, _ in PLANNER_FLAGS.values():
             argv += [flag, str(getattr(args, _flag_dest(flag)))]
+    elif args.load_aware_disagg:  # the TTFT target it keeps
+        argv += ["--slo-ttft-ms", str(args.slo_ttft_ms)]
     return argv
 
 

@@ -24,8 +24,9 @@ class RouterConfig:
     prefixes the 'kv' policy counts as cheaper than a miss (None: none). load_aware_disagg: a
     prompt long enough for a prefill worker is prefilled on its decode worker when the prefill
     worker's queue would cost it more than its prefill costs the decode worker's batch
-    (router/prefill_rate.py). planner: switch workers of either role between prefill and decode
-    with the load (router/planner/; None: roles change only by hand)."""
+    (router/prefill_rate.py) and would make it miss slo_ttft_s (--slo-ttft-ms; None: no target).
+    planner: switch workers of either role between prefill and decode with the load
+    (router/planner/; None: roles change only by hand)."""
 
     model: str | None = None
     prefill: tuple[str, ...] = ()
@@ -46,6 +47,7 @@ class RouterConfig:
     tool_call_parser: str | None = None
     kvstore: str | None = None
     load_aware_disagg: bool = False
+    slo_ttft_s: float | None = None
     planner: PlannerConfig | None = None
 
     def __post_init__(self) -> None:
@@ -63,6 +65,8 @@ class RouterConfig:
             raise ValueError("public_client_auth needs TLS with a CA (--tls-ca).")
         if self.tool_call_parser is not None:
             get_parser(self.tool_call_parser)  # ValueError naming the flag and the choices
+        if self.slo_ttft_s is not None and self.slo_ttft_s <= 0:
+            raise ValueError(f"slo_ttft_s (--slo-ttft-ms) must be > 0, got {self.slo_ttft_s!r}.")
         for name in ("health_interval_s", "stats_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}.")

@@ -208,6 +208,7 @@ class Dispatcher:
             config.overlap_weight,
             config.disagg_min_tokens,
             self.prefill_rate if config.load_aware_disagg else None,
+            config.slo_ttft_s,
         )
         self.store = StoreHits(config.kvstore, config.tls) if config.kvstore else None
         self._router_id = f"router-{uuid.uuid4().hex[:8]}"

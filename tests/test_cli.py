@@ -240,5 +240,9 @@ def test_up_with_the_planner_starts_workers_of_either_role_and_a_planning_router
     assert (config.sustain, config.dwell_s) == (2, 5.0)
     plain = parser.parse_args(plan_mesh(parser.parse_args(["up"]))[-1].command[3:])
     assert planner_config(plain) is None and not plain.load_aware_disagg
+    # Without the planner, load-aware disaggregation still gets its TTFT target.
+    aware = parser.parse_args(["up", "--load-aware-disagg", "--slo-ttft-ms", "700"])
+    router = parser.parse_args(plan_mesh(aware)[-1].command[3:])
+    assert router.load_aware_disagg and router.slo_ttft_ms == 700
     with pytest.raises(ValueError, match="run one rank"):
         plan_mesh(parser.parse_args(["up", "--planner", "--decode-tp", "2"]))

@@ -71,3 +71,26 @@ def test_load_aware_disaggregation_prefills_locally_behind_a_long_prefill_queue(
     rate.observe(remote=False, seconds=10.0, tokens=320)  # prefill is slow on decode workers
     prefill.inflight_blocks = 40
     assert policy.choose(prompt, [decode], [prefill]).prefill is prefill
+
+
+@pytest.mark.parametrize("name", ["kv", "round_robin"])
+def test_load_aware_disaggregation_keeps_the_prompt_remote_while_the_queue_meets_the_ttft_target(
+    name: str,
+) -> None:
+    """A queue longer than the local prefill, but short enough that the prompt's first token
+    through the prefill worker still meets the TTFT target, costs the prompt nothing it was
+    promised: the prompt is sent, and the decode worker's streams are not stalled. Past the
+    target it is prefilled locally."""
+    rate = PrefillRate()
+    policy = create_policy(
+        name, overlap_weight=1.0, disagg_min_tokens=64, rate=rate, ttft_target_s=1.0
+    )
+    decode, prefill = Worker("d:1", "decode"), Worker("p:1", "prefill")
+    prompt = _prompt(320)
+    rate.observe(remote=True, seconds=0.64, tokens=640)  # 1 ms a token
+    rate.observe(remote=False, seconds=0.32, tokens=320)
+    prefill.inflight_blocks = 40  # 640 queued + 320 own: ~0.96 s to the first token
+    assert policy.choose(prompt, [decode], [prefill]).prefill is prefill
+    prefill.inflight_blocks = 50  # 800 + 320: ~1.12 s, past the target
+    local = policy.choose(prompt, [decode], [prefill])
+    assert local.prefill is None and "prefill queue" in local.reason

@@ -48,14 +48,20 @@ class DispatchPolicy(ABC):
     prefill worker from `prefill` or None; it does not mutate worker state.
 
     `rate`: the prefill rate the router measures, given when conditional disaggregation takes
-    load into account (router --load-aware-disagg): see `local_under_load`."""
+    load into account (router --load-aware-disagg); `ttft_target_s`: the time to first token that
+    it keeps (--slo-ttft-ms; None: none): see `local_under_load`."""
 
     def __init__(
-        self, overlap_weight: float, disagg_min_tokens: int, rate: PrefillRate | None = None
+        self,
+        overlap_weight: float,
+        disagg_min_tokens: int,
+        rate: PrefillRate | None = None,
+        ttft_target_s: float | None = None,
     ) -> None:
         self.overlap_weight = overlap_weight
         self.disagg_min_tokens = disagg_min_tokens
         self.rate = rate
+        self.ttft_target_s = ttft_target_s
 
     @abstractmethod
     def choose(
@@ -73,14 +79,24 @@ class DispatchPolicy(ABC):
         """Why the decode worker should prefill the prompt itself although it is long enough to
         send ("": it should not): the prefill worker's queue would make the prompt wait longer
         than prefilling its uncached part here holds up the decode worker's running batch (both
-        from the measured prefill rate; nothing before it is measured)."""
+        from the measured prefill rate; nothing before it is measured), and, with a TTFT target,
+        the prompt would miss it through the prefill worker. A queue the target absorbs costs
+        the prompt nothing it was promised, while a local prefill stalls every stream the decode
+        worker runs: on two H200s, an 8B model's 4,096-token prompts at 4 a second had a p50
+        TTFT of 859 ms and a p99 inter-token latency of 231 ms when they went local on the queue
+        alone, against 129 and 9 ms sent (BENCHMARKS.md, 2026-11-28)."""
         if self.rate is None:
             return ""
         held = max(decode.index.match(prompt.block_hashes), prompt.store_blocks)
-        wait = self.rate.queue_wait_s(prefill.inflight_blocks * prompt.block_size)
+        queued = prefill.inflight_blocks * prompt.block_size
+        wait = self.rate.queue_wait_s(queued)
         stall = self.rate.local_s(prompt.num_tokens - held * prompt.block_size)
         if wait is None or stall is None or wait <= stall:
             return ""
+        if self.ttft_target_s is not None:
+            remote = self.rate.queue_wait_s(queued + prompt.num_tokens)
+            if remote is not None and remote <= self.ttft_target_s:
+                return ""
         return f"prefill queue on {prefill.address} ~{wait:.2f}s > local prefill ~{stall:.2f}s"
 
     def may_need_prefill(self, prompt: PromptInfo) -> bool:

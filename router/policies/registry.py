@@ -19,7 +19,11 @@ def register_policy(name: str) -> Callable[[type[DispatchPolicy]], type[Dispatch
 
 
 def create_policy(
-    name: str, overlap_weight: float, disagg_min_tokens: int, rate: PrefillRate | None = None
+    name: str,
+    overlap_weight: float,
+    disagg_min_tokens: int,
+    rate: PrefillRate | None = None,
+    ttft_target_s: float | None = None,
 ) -> DispatchPolicy:
     from pdmesh.router.policies import kv_cost, round_robin  # noqa: F401 (registers them)
 
@@ -27,4 +31,4 @@ def create_policy(
         raise ValueError(
             f"unknown dispatch policy {name!r}; available: {', '.join(sorted(_POLICIES))}"
         )
-    return _POLICIES[name](overlap_weight, disagg_min_tokens, rate)
+    return _POLICIES[name](overlap_weight, disagg_min_tokens, rate, ttft_target_s)

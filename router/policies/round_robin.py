@@ -13,9 +13,13 @@ from pdmesh.router.registry import Worker
 @register_policy("round_robin")
 class RoundRobinPolicy(DispatchPolicy):
     def __init__(
-        self, overlap_weight: float, disagg_min_tokens: int, rate: PrefillRate | None = None
+        self,
+        overlap_weight: float,
+        disagg_min_tokens: int,
+        rate: PrefillRate | None = None,
+        ttft_target_s: float | None = None,
     ) -> None:
-        super().__init__(overlap_weight, disagg_min_tokens, rate)
+        super().__init__(overlap_weight, disagg_min_tokens, rate, ttft_target_s)
         self._next = itertools.count()
 
     def choose(self, prompt: PromptInfo, decode: list[Worker], prefill: list[Worker]) -> Decision:
