@@ -82,9 +82,9 @@ class DispatchPolicy(ABC):
         from the measured prefill rate; nothing before it is measured), and, with a TTFT target,
         the prompt would miss it through the prefill worker. A queue the target absorbs costs
         the prompt nothing it was promised, while a local prefill stalls every stream the decode
-        worker runs: on two H200s, an 8B model's 4,096-token prompts at 4 a second had a p50
-        TTFT of 859 ms and a p99 inter-token latency of 231 ms when they went local on the queue
-        alone, against 129 and 9 ms sent (BENCHMARKS.md, 2026-11-28)."""
+        worker runs: on two H200s, 8B chat load (512-token prompts) at 16-48 a second had a p99
+        inter-token latency of 58-68 ms when prompts went local on the queue alone, 8-10 ms
+        with the target kept (BENCHMARKS.md, 2026-11-28, evening)."""
         if self.rate is None:
             return ""
         held = max(decode.index.match(prompt.block_hashes), prompt.store_blocks)
