@@ -51,7 +51,7 @@ system-deps:
 	fi
 
 test: $(STAMP) system-deps lint
-	$(PY) -m pytest -q --durations=30 -n 2 --dist loadfile tests
+	$(PY) -m pytest -q --durations=30 -n 2 --dist loadfile --no-loadscope-reorder tests
 
 bench: $(STAMP)
 	$(VENV)/bin/pdmesh bench --offline

@@ -59,18 +59,26 @@ def small_llm(small_model_folder: Path):  # -> pdmesh.LLM
     return LLM(str(small_model_folder), kv_cache_tokens=16384)
 
 
-# Files whose tests take a minute or more on two cores, longest first. They run first: under
-# `--dist loadfile` a long file handed out last keeps one worker busy while the other idles (the
-# Triton engine test, collected last, ran alone at the end of the suite).
+# Files whose tests take a minute or more on two cores, longest first (per-file totals of
+# `--durations`, 2026-11-28). They run first: under `--dist loadfile` a long file handed out last
+# keeps one worker busy while the other idles (the Triton engine test, collected last, ran alone
+# at the end of the suite). The Makefile passes --no-loadscope-reorder: by default xdist hands
+# out files by their number of tests, most first, which put these (few, long tests) last.
 LONG_FILES = (
-    "triton_kernels/test_triton_engine.py",
-    "test_faults_decode.py",
     "test_http_gateway.py",
+    "test_mesh_tp.py",
     "test_fuzz_hostile.py",
+    "triton_kernels/test_triton_engine.py",
+    "test_roles.py",
     "test_fuzz.py",
+    "test_faults_decode.py",
+    "test_eplb.py",
     "test_speculative_mesh.py",
     "test_default_model.py",
     "test_migration.py",
+    "test_tensor_parallel.py",
+    "test_data_parallel.py",
+    "test_kvstore_workers.py",
 )
 
 
