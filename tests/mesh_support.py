@@ -95,3 +95,19 @@ async def greedy_tokens(
             return [t async for r in stub.Generate(req, timeout=timeout_s) for t in r.token_ids]
 
         return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def assert_layouts_crossed(
+    mesh: Mesh, prompts: list[list[int]], prefill: tuple[int, int], decode: tuple[int, int]
+) -> None:
+    """Every prompt went through the prefill worker, whose (TP, PP) layout is `prefill` and the
+    decode worker's `decode`, and each head of each block crossed once (the tiny Llama: 2 layers,
+    2 KV heads of 16 dims, fp32, blocks of 16 tokens)."""
+    d, p = mesh.stats(mesh.decode[0]), mesh.stats(mesh.prefill[0])
+    assert d.remote_prefills == len(prompts) and d.prefill_fallbacks == 0
+    assert (p.tensor_parallel_size, p.pipeline_parallel_size) == prefill
+    assert (d.tensor_parallel_size, d.pipeline_parallel_size) == decode
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # layers x (K+V) x tokens x KV heads x dims x fp32
+    blocks = sum(-(-len(x) // 16) for x in prompts)
+    assert d.kv_bytes_received == p.kv_bytes_sent == blocks * block_bytes
+    assert d.kv_blocks_used == 0

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from mesh_support import greedy_tokens, start_mesh
+from mesh_support import assert_layouts_crossed, greedy_tokens, start_mesh
 
 from pdmesh import LLM, SamplingParams
 
@@ -66,14 +66,7 @@ def test_kv_crosses_layouts(
         assert asyncio.run(greedy_tokens(mesh.target, prompts, PARAMS["max_tokens"])) == [
             o.outputs[0].token_ids for o in offline
         ]
-        d, p = mesh.stats(mesh.decode[0]), mesh.stats(mesh.prefill[0])
-        # Every prompt went through the prefill worker; each head of each block crossed once.
-        assert d.remote_prefills == len(prompts) and d.prefill_fallbacks == 0
-        assert (p.tensor_parallel_size, p.pipeline_parallel_size) == prefill
-        assert (d.tensor_parallel_size, d.pipeline_parallel_size) == decode
-        block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # layers x (K+V) x tokens x KV heads x dims x fp32
-        blocks = sum(-(-len(x) // 16) for x in prompts)
-        assert d.kv_bytes_received == p.kv_bytes_sent == blocks * block_bytes
+        assert_layouts_crossed(mesh, prompts, prefill, decode)
     finally:
         mesh.stop()
 

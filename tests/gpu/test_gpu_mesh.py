@@ -19,7 +19,7 @@ import urllib.request
 import grpc
 import pytest
 import torch
-from mesh_support import Mesh, greedy_tokens, start_mesh
+from mesh_support import Mesh, assert_layouts_crossed, greedy_tokens, start_mesh
 from service_support import wait_workers
 
 from pdmesh import LLM, SamplingParams
@@ -137,14 +137,7 @@ def test_nccl_mesh_of_mixed_layouts_equals_one_gpu(
     try:
         got = asyncio.run(greedy_tokens(mesh.target, prompts, PARAMS["max_tokens"]))
         assert got == [o.outputs[0].token_ids for o in outs]
-        d, p = mesh.stats(mesh.decode[0]), mesh.stats(mesh.prefill[0])
-        assert d.remote_prefills == len(prompts) and d.prefill_fallbacks == 0
-        assert (p.tensor_parallel_size, p.pipeline_parallel_size) == prefill
-        assert (d.tensor_parallel_size, d.pipeline_parallel_size) == decode
-        block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # layers x (K+V) x tokens x KV heads x dims x fp32
-        blocks = sum(-(-len(x) // 16) for x in prompts)
-        assert d.kv_bytes_received == p.kv_bytes_sent == blocks * block_bytes
-        assert d.kv_blocks_used == 0
+        assert_layouts_crossed(mesh, prompts, prefill, decode)
         assert set(_kv_bytes_by_transport(mesh, "decode-0")) == {"nccl"}
     finally:
         mesh.stop()
