@@ -115,7 +115,7 @@ class Mesh:
         """How many workers serve each role now (their pdmesh_worker_role gauges)."""
         count: dict[str, int] = {}
         for worker, url in self.metrics.items():
-            if not worker.startswith(("prefill", "decode")):
+            if not worker.startswith(("prefill", "decode")):  # not the router, the KV store
                 continue
             text = urllib.request.urlopen(url, timeout=10).read().decode()
             for line in text.splitlines():
@@ -123,6 +123,22 @@ class Mesh:
                     role = line.split('role="', 1)[1].split('"', 1)[0]
                     count[role] = count.get(role, 0) + 1
         return count
+
+    def switches(self) -> dict[str, float]:
+        """The planner's role switches so far, `to_role/reason` (failed ones `failed/to_role`),
+        from the router's /metrics."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = urllib.request.urlopen(self.metrics["router"], timeout=10).read().decode()
+        found = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = sample.labels
+                if sample.name == "pdmesh_router_planner_switches_total":
+                    found[f"{labels['to_role']}/{labels['reason']}"] = sample.value
+                elif sample.name == "pdmesh_router_planner_switches_failed_total":
+                    found[f"failed/{labels['to_role']}"] = sample.value
+        return found
 
     def scrape(self, worker: str, name: str) -> tuple[float, float]:
         """(sum, count) of one histogram of a worker, summed over its label sets."""
@@ -140,8 +156,10 @@ class Mesh:
 def mesh(folder: Path, layout: str, log: Path, spans: Path | None = None) -> Iterator[Mesh]:
     """`pdmesh up` with this layout; yields the router's address once it is up. With `spans`,
     every process prints its spans, and they are written there."""
-    port = free_port()
-    cmd = quiet_up(port, "--model", str(folder), *ENGINE, *LAYOUTS[layout], *TINY_ENGINE)
+    port, http_port = free_port(), free_port()
+    cmd = quiet_up(
+        port, "--model", str(folder), *ENGINE, *LAYOUTS[layout], *TINY_ENGINE, http_port=http_port
+    )
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PDMESH_LOG_LEVEL": "WARNING"}
     if spans is not None:
         env |= {"OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY_MILLIS": "200"}
@@ -156,6 +174,7 @@ def mesh(folder: Path, layout: str, log: Path, spans: Path | None = None) -> Ite
                 raise RuntimeError(f"{layout}: the mesh did not come up; see {log}") from None
             print(f"{layout}: up in {time.monotonic() - start:.0f} s", flush=True)
             metrics = {s.name: s.metrics for s in services if s.metrics}
+            metrics["router"] = f"http://127.0.0.1:{http_port}/metrics"
             yield Mesh(f"127.0.0.1:{port}", metrics)
         finally:
             stop(proc, 60)
@@ -310,6 +329,7 @@ def load_stage(up: Mesh, layout: str, n: int, res: Report, samples: Report) -> N
                 for name, slo in SLOS.items()
             }
             s["roles_after"] = up.roles()
+            s["planner_switches_so_far"] = up.switches()
             runs.append(s)
             samples.data[f"{layout}/{work}/{rate:g}"] = {
                 "ttft_ms": [round(r.ttft_s * 1e3, 3) for r in records if r.ok],
@@ -320,7 +340,7 @@ def load_stage(up: Mesh, layout: str, n: int, res: Report, samples: Report) -> N
                 f"  {layout} {work} rate {rate:g}: ttft p50 {s['ttft_ms']['p50']:.0f} ms, "
                 f"tpot p50 {s['tpot_ms']['p50']:.1f} ms, itl p99 {s['itl_ms']['p99']:.1f} ms, "
                 f"attainment {' / '.join(f'{a:.2f}' for a in s['attainment'].values())}, "
-                f"roles {s['roles_after']}",
+                f"roles {s['roles_after']}, switches {s['planner_switches_so_far']}",
                 flush=True,
             )
         goodput = {name: goodput_rate(runs, name) for name in SLOS}
