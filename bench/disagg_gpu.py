@@ -10,8 +10,8 @@ Layouts on four GPUs (`4gpu` names them all): colocated_4, every static split 1p
 On two (`2gpu_planner`): disagg_1p1d, colocated_2 and planner_2 / planner_2_itl (1p1d, whose
 planner cannot switch a role's last worker, with load-aware conditional disaggregation).
 
-Each layout is a real `pdmesh up` (a worker a GPU) driven by the serving
-benchmark's gRPC client. Stages, each writing DIR/disagg.json as it ends:
+Each layout is a real `pdmesh up` (a worker a GPU) driven by the serving benchmark's gRPC
+client. Stages, each writing DIR/disagg.json as it ends:
 - ttft: one 4,096-token prompt at a time; disaggregated TTFT includes the prefill on the other
   GPU and the layer-by-layer KV transfer over `nccl`.
 - load: Poisson arrivals at several rates, prefill-heavy (4,096 in / 256 out), chat-like (512
@@ -19,7 +19,8 @@ benchmark's gRPC client. Stages, each writing DIR/disagg.json as it ends:
   attainment of two SLOs (TTFT <= 1.5 s with TPOT <= 40 ms; TTFT <= 1 s with each request's p99
   inter-token latency <= 25 ms); goodput is the highest rate before the first attaining < 90%.
   The rates run in turn on one mesh, so a planner's switches at one rate hold into the next;
-  each run records the workers' roles at its end. Per-request samples go to DIR/disagg_samples.json.
+  each run records the workers' roles at its end and the planner's switches so far.
+  Per-request samples go to DIR/disagg_samples.json.
   --trace exports spans (DIR/spans-LAYOUT.txt) and records each span's median [start, end] in
   ms from the router's root span over the TTFT requests.
 - tp: decode time per token at batch 1, TP=1 and TP=2 over NCCL (CUDA graphs on both).
