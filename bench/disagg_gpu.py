@@ -29,15 +29,13 @@ client. Stages, each writing DIR/disagg.json as it ends:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
-import datetime
 import gc
 import itertools
-import json
 import math
 import os
 import random
-import statistics
 import subprocess
 import tempfile
 import time
@@ -46,6 +44,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from pdmesh.bench.gpu_models import (
     TINY,
@@ -58,6 +59,7 @@ from pdmesh.bench.gpu_models import (
 from pdmesh.bench.latency_stats import RequestRecord, Slo, summarize
 from pdmesh.bench.report import Report, out_parser
 from pdmesh.bench.serving import LoadConfig, Workload, exact_request, make_workload, run_load
+from pdmesh.bench.span_timeline import read_spans, span_timeline
 from pdmesh.mesh import quiet_up, read_services
 from pdmesh.processes import free_port
 from pdmesh.supervisor import stop
@@ -112,44 +114,42 @@ class Mesh:
     target: str  # the router's gRPC address
     metrics: dict[str, str]  # worker name -> its /metrics URL
 
+    def samples(self, service: str) -> Iterator[Sample]:
+        """Every sample on a service's /metrics."""
+        text = urllib.request.urlopen(self.metrics[service], timeout=10).read().decode()
+        for family in text_string_to_metric_families(text):
+            yield from family.samples
+
     def roles(self) -> dict[str, int]:
         """How many workers serve each role now (their pdmesh_worker_role gauges)."""
-        count: dict[str, int] = {}
-        for worker, url in self.metrics.items():
-            if not worker.startswith(("prefill", "decode")):  # not the router, the KV store
-                continue
-            text = urllib.request.urlopen(url, timeout=10).read().decode()
-            for line in text.splitlines():
-                if line.startswith("pdmesh_worker_role{") and line.endswith(" 1.0"):
-                    role = line.split('role="', 1)[1].split('"', 1)[0]
-                    count[role] = count.get(role, 0) + 1
-        return count
+        workers = [w for w in self.metrics if w.startswith(("prefill", "decode"))]
+        roles = [
+            s.labels["role"]
+            for w in workers
+            for s in self.samples(w)
+            if s.name == "pdmesh_worker_role" and s.value == 1
+        ]
+        return dict(collections.Counter(roles))
 
     def switches(self) -> dict[str, float]:
         """The planner's role switches so far, `to_role/reason` (failed ones `failed/to_role`),
         from the router's /metrics."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        text = urllib.request.urlopen(self.metrics["router"], timeout=10).read().decode()
         found = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                labels = sample.labels
-                if sample.name == "pdmesh_router_planner_switches_total":
-                    found[f"{labels['to_role']}/{labels['reason']}"] = sample.value
-                elif sample.name == "pdmesh_router_planner_switches_failed_total":
-                    found[f"failed/{labels['to_role']}"] = sample.value
+        for s in self.samples("router"):
+            if s.name == "pdmesh_router_planner_switches_total":
+                found[f"{s.labels['to_role']}/{s.labels['reason']}"] = s.value
+            elif s.name == "pdmesh_router_planner_switches_failed_total":
+                found[f"failed/{s.labels['to_role']}"] = s.value
         return found
 
     def scrape(self, worker: str, name: str) -> tuple[float, float]:
         """(sum, count) of one histogram of a worker, summed over its label sets."""
-        text = urllib.request.urlopen(self.metrics[worker], timeout=10).read().decode()
         total = count = 0.0
-        for line in text.splitlines():
-            if line.startswith(f"{name}_sum"):
-                total += float(line.rsplit(" ", 1)[1])
-            elif line.startswith(f"{name}_count"):
-                count += float(line.rsplit(" ", 1)[1])
+        for s in self.samples(worker):
+            if s.name == f"{name}_sum":
+                total += s.value
+            elif s.name == f"{name}_count":
+                count += s.value
         return total, count
 
 
@@ -236,50 +236,6 @@ BREAKDOWN = {
     "kv_send_ms": ("prefill-0", "pdmesh_kv_transfer_duration_seconds"),  # first frame -> last
     "kv_receive_ms": ("decode-0", "pdmesh_kv_transfer_duration_seconds"),
 }
-
-
-def read_spans(path: Path) -> list[dict[str, Any]]:
-    """The spans in a file of console-exported ones (JSON objects among other lines)."""
-    text, decoder, i, found = path.read_text(), json.JSONDecoder(), 0, []
-    while (i := text.find("{\n", i)) != -1:
-        try:
-            obj, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
-            i += 1
-            continue
-        if isinstance(obj, dict) and "context" in obj and "start_time" in obj:
-            found.append(obj)
-    return found
-
-
-def _unix_ms(stamp: str) -> float:
-    return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp() * 1e3
-
-
-def span_timeline(spans: list[dict[str, Any]], since_ms: float) -> dict[str, list[float]]:
-    """Over the traces whose root started after `since_ms` (unix ms): each span's median [start,
-    end] in ms from its trace's root, keyed `service/name`, in order of start."""
-    traces: dict[str, list[dict[str, Any]]] = {}
-    for span in spans:
-        traces.setdefault(span["context"]["trace_id"], []).append(span)
-    roots = [
-        (t0, tid)
-        for tid, t in traces.items()
-        for s in t
-        if not s["parent_id"] and (t0 := _unix_ms(s["start_time"])) >= since_ms
-    ]
-    offsets: dict[str, list[tuple[float, float]]] = {}
-    for t0, tid in roots:
-        for s in traces[tid]:
-            key = f"{s['resource']['attributes'].get('service.name', '?')}/{s['name']}"
-            offsets.setdefault(key, []).append(
-                (_unix_ms(s["start_time"]) - t0, _unix_ms(s["end_time"]) - t0)
-            )
-    table = {
-        key: [round(statistics.median(x[i] for x in v), 2) for i in (0, 1)]
-        for key, v in offsets.items()
-    }
-    return dict(sorted(table.items(), key=lambda kv: kv[1]))
 
 
 def ttft_stage(mesh: Mesh, layout: str, res: Report, spans: Path | None = None) -> None:
