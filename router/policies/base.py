@@ -93,8 +93,9 @@ class DispatchPolicy(ABC):
         stall = self.rate.local_s(prompt.num_tokens - held * prompt.block_size)
         if wait is None or stall is None or wait <= stall:
             return ""
-        if self.ttft_target_s is not None:
-            remote = self.rate.queue_wait_s(queued + prompt.num_tokens)
+        if self.ttft_target_s is not None:  # the queue, then what the prefill worker misses
+            miss = prompt.num_tokens - prefill.index.match(prompt.block_hashes) * prompt.block_size
+            remote = self.rate.queue_wait_s(queued + miss)
             if remote is not None and remote <= self.ttft_target_s:
                 return ""
         return f"prefill queue on {prefill.address} ~{wait:.2f}s > local prefill ~{stall:.2f}s"
