@@ -180,7 +180,9 @@ def test_headers_that_do_not_add_up_end_only_that_pair() -> None:
     geo, cache, rx = _pair()
     store = join_store(rx.endpoint)
     pair_id = announce_pair(store)
-    pair_group(store, pair_id, rank=0, backend="gloo")  # the receiver joins as rank 1
+    # The receiver joins as rank 1. Held to the end: a collected group closes its sockets, and a
+    # receiver still connecting then loses the pair before it reads the header.
+    group = pair_group(store, pair_id, rank=0, backend="gloo")
     # Kept open until the receiver has read it: a closed socket drops what it has not sent.
     outbox = HeaderOutbox(store, pair_id, host_port(rx.endpoint)[0])
     outbox.push(b"PDKV" + b"\x00" * 90)
@@ -196,6 +198,7 @@ def test_headers_that_do_not_add_up_end_only_that_pair() -> None:
         outbox.close()
         tx.close()
         rx.close()
+        del group
 
 
 _RECEIVER_PROCESS = """
