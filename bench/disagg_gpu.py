@@ -88,7 +88,7 @@ LAYOUTS = {
     "planner_4": ["--prefill", "2", "--decode", "2", *_PLANNER, "--planner-dwell-s", "5"],
     "planner_4_itl": [
         *["--prefill", "2", "--decode", "2", *_PLANNER, "--planner-dwell-s", "5"],
-        *["--slo-ttft-ms", "1000", "--slo-itl-ms", "25"],
+        *["--slo-ttft-ms", "1000", "--slo-itl-ms", "25", "--slo-itl-p99-ms", "25"],
     ],
     # On two GPUs no switch can keep a worker of each role: what the planner's mesh adds to
     # 1p1d is load-aware conditional disaggregation (a decode worker prefills a prompt itself
@@ -96,7 +96,7 @@ LAYOUTS = {
     "planner_2": ["--prefill", "1", "--decode", "1", *_PLANNER, "--load-aware-disagg"],
     "planner_2_itl": [
         *["--prefill", "1", "--decode", "1", *_PLANNER, "--load-aware-disagg"],
-        *["--slo-ttft-ms", "1000", "--slo-itl-ms", "25"],
+        *["--slo-ttft-ms", "1000", "--slo-itl-ms", "25", "--slo-itl-p99-ms", "25"],
     ],
 }
 LAYOUT_SETS = {

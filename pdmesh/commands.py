@@ -346,6 +346,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         api_keys=ApiKeys.from_flags(args.api_keys, args.api_keys_file),
         planner=planner_config(args),
         slo_ttft_s=args.slo_ttft_ms / 1000,
+        slo_itl_p99_s=None if args.slo_itl_p99_ms is None else args.slo_itl_p99_ms / 1000,
     )
     asyncio.run(serve(config))
     exit_service(0)

@@ -161,6 +161,14 @@ def planner_args(p: argparse.ArgumentParser) -> None:
         help="prefill a prompt on its decode worker when the prefill queue would cost it more "
         "than its prefill costs the decode worker's batch",
     )
+    g.add_argument(
+        "--slo-itl-p99-ms",
+        type=float,
+        default=None,
+        help="target for the p99 of each stream's gaps between tokens (ms): with "
+        "--load-aware-disagg, a decode worker running streams prefills nothing that would "
+        "stall them longer",
+    )
 
 
 def planner_config(args: argparse.Namespace) -> PlannerConfig | None:
@@ -185,6 +193,8 @@ def planner_argv(args: argparse.Namespace) -> list[str]:
             argv += [flag, str(getattr(args, _flag_dest(flag)))]
     elif args.load_aware_disagg:  # the TTFT target it keeps
         argv += ["--slo-ttft-ms", str(args.slo_ttft_ms)]
+    if args.slo_itl_p99_ms is not None:
+        argv += ["--slo-itl-p99-ms", str(args.slo_itl_p99_ms)]
     return argv
 
 

@@ -24,7 +24,9 @@ class RouterConfig:
     prefixes the 'kv' policy counts as cheaper than a miss (None: none). load_aware_disagg: a
     prompt long enough for a prefill worker is prefilled on its decode worker when the prefill
     worker's queue would cost it more than its prefill costs the decode worker's batch
-    (router/prefill_rate.py) and would make it miss slo_ttft_s (--slo-ttft-ms; None: no target).
+    (router/prefill_rate.py) and would make it miss slo_ttft_s (--slo-ttft-ms; None: no target),
+    unless the prefill would stall the decode worker's streams past slo_itl_p99_s
+    (--slo-itl-p99-ms, a target for the p99 of each stream's inter-token gaps; None: none).
     planner: switch workers of either role between prefill and decode with the load
     (router/planner/; None: roles change only by hand)."""
 
@@ -48,6 +50,7 @@ class RouterConfig:
     kvstore: str | None = None
     load_aware_disagg: bool = False
     slo_ttft_s: float | None = None
+    slo_itl_p99_s: float | None = None
     planner: PlannerConfig | None = None
 
     def __post_init__(self) -> None:
@@ -65,8 +68,10 @@ class RouterConfig:
             raise ValueError("public_client_auth needs TLS with a CA (--tls-ca).")
         if self.tool_call_parser is not None:
             get_parser(self.tool_call_parser)  # ValueError naming the flag and the choices
-        if self.slo_ttft_s is not None and self.slo_ttft_s <= 0:
-            raise ValueError(f"slo_ttft_s (--slo-ttft-ms) must be > 0, got {self.slo_ttft_s!r}.")
+        for name, flag in (("slo_ttft_s", "--slo-ttft-ms"), ("slo_itl_p99_s", "--slo-itl-p99-ms")):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} ({flag}) must be > 0, got {value!r}.")
         for name in ("health_interval_s", "stats_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}.")

@@ -32,7 +32,7 @@ from pdmesh.logger import get_logger
 from pdmesh.prefix_hash import hash_prefix_blocks
 from pdmesh.router.config import RouterConfig
 from pdmesh.router.decode_link import DecodeLink, DeltaQueue, LinkLost
-from pdmesh.router.policies import Decision, PromptInfo, create_policy
+from pdmesh.router.policies import Decision, LocalTargets, PromptInfo, create_policy
 from pdmesh.router.prefill_rate import PrefillRate
 from pdmesh.router.registry import Worker, WorkerRegistry
 from pdmesh.router.request_telemetry import RequestTelemetry
@@ -208,7 +208,7 @@ class Dispatcher:
             config.overlap_weight,
             config.disagg_min_tokens,
             self.prefill_rate if config.load_aware_disagg else None,
-            config.slo_ttft_s,
+            LocalTargets(config.slo_ttft_s, config.slo_itl_p99_s),
         )
         self.store = StoreHits(config.kvstore, config.tls) if config.kvstore else None
         self._router_id = f"router-{uuid.uuid4().hex[:8]}"

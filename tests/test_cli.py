@@ -244,5 +244,10 @@ def test_up_with_the_planner_starts_workers_of_either_role_and_a_planning_router
     aware = parser.parse_args(["up", "--load-aware-disagg", "--slo-ttft-ms", "700"])
     router = parser.parse_args(plan_mesh(aware)[-1].command[3:])
     assert router.load_aware_disagg and router.slo_ttft_ms == 700
+    assert router.slo_itl_p99_ms is None
+    # ... and its inter-token target, where one is set, with or without the planner.
+    for planner in ([], ["--planner"]):
+        itl = parser.parse_args(["up", *planner, "--load-aware-disagg", "--slo-itl-p99-ms", "25"])
+        assert parser.parse_args(plan_mesh(itl)[-1].command[3:]).slo_itl_p99_ms == 25
     with pytest.raises(ValueError, match="run one rank"):
         plan_mesh(parser.parse_args(["up", "--planner", "--decode-tp", "2"]))

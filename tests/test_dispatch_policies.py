@@ -10,7 +10,7 @@ import random
 import pytest
 
 from pdmesh.prefix_hash import hash_prefix_blocks
-from pdmesh.router.policies import PromptInfo, create_policy
+from pdmesh.router.policies import LocalTargets, PromptInfo, create_policy
 from pdmesh.router.prefill_rate import PrefillRate
 from pdmesh.router.registry import Worker
 
@@ -82,8 +82,9 @@ def test_load_aware_disaggregation_keeps_the_prompt_remote_while_the_queue_meets
     promised: the prompt is sent, and the decode worker's streams are not stalled. Past the
     target it is prefilled locally."""
     rate = PrefillRate()
+    targets = LocalTargets(ttft_s=1.0)
     policy = create_policy(
-        name, overlap_weight=1.0, disagg_min_tokens=64, rate=rate, ttft_target_s=1.0
+        name, overlap_weight=1.0, disagg_min_tokens=64, rate=rate, targets=targets
     )
     decode, prefill = Worker("d:1", "decode"), Worker("p:1", "prefill")
     prompt = _prompt(320)
@@ -94,3 +95,31 @@ def test_load_aware_disaggregation_keeps_the_prompt_remote_while_the_queue_meets
     prefill.inflight_blocks = 50  # 800 + 320: ~1.12 s, past the target
     local = policy.choose(prompt, [decode], [prefill])
     assert local.prefill is None and "prefill queue" in local.reason
+
+
+@pytest.mark.parametrize("name", ["kv", "round_robin"])
+def test_load_aware_disaggregation_stalls_no_stream_past_the_inter_token_target(name: str) -> None:
+    """With a p99 inter-token target, a decode worker that runs streams prefills locally only
+    what stalls them less than the target, however long the prefill queue; an idle one still
+    takes the prompt (no stream to stall), and so does one whose stall fits the target."""
+    rate = PrefillRate()
+    targets = LocalTargets(ttft_s=1.0, itl_p99_s=0.025)
+    policy = create_policy(
+        name, overlap_weight=1.0, disagg_min_tokens=64, rate=rate, targets=targets
+    )
+    decode, prefill = Worker("d:1", "decode"), Worker("p:1", "prefill")
+    prompt = _prompt(320)
+    rate.observe(remote=True, seconds=0.64, tokens=640)  # 1 ms a token through the queue
+    rate.observe(remote=False, seconds=0.32, tokens=320)  # 1 ms a token here: a 0.32 s stall
+    prefill.inflight_blocks = 100  # 1,600 queued: the prompt would miss its TTFT target there
+    assert policy.choose(prompt, [decode], [prefill]).prefill is None  # no streams running
+    decode.load.num_running = 8
+    sent = policy.choose(prompt, [decode], [prefill])
+    assert sent.prefill is prefill  # 0.32 s would stall 8 streams past 25 ms
+    fast = PrefillRate()  # decode workers that prefill the prompt in ~6 ms
+    fast.observe(remote=True, seconds=0.64, tokens=640)
+    fast.observe(remote=False, seconds=0.0064, tokens=320)
+    quick = create_policy(
+        name, overlap_weight=1.0, disagg_min_tokens=64, rate=fast, targets=targets
+    )
+    assert quick.choose(prompt, [decode], [prefill]).prefill is None

@@ -32,6 +32,20 @@ class PromptInfo:
 
 
 @dataclass(frozen=True)
+class LocalTargets:
+    """The latency targets load-aware conditional disaggregation keeps (None: none).
+    ttft_s: a request's time to first token (--slo-ttft-ms). itl_p99_s: the p99 of each
+    stream's gaps between tokens (--slo-itl-p99-ms); a local prefill of s seconds puts a gap of
+    about s into every stream its decode worker runs."""
+
+    ttft_s: float | None = None
+    itl_p99_s: float | None = None
+
+
+NO_TARGETS = LocalTargets()
+
+
+@dataclass(frozen=True)
 class Decision:
     decode: Worker
     prefill: Worker | None  # None: the decode worker prefills the prompt itself
@@ -48,20 +62,20 @@ class DispatchPolicy(ABC):
     prefill worker from `prefill` or None; it does not mutate worker state.
 
     `rate`: the prefill rate the router measures, given when conditional disaggregation takes
-    load into account (router --load-aware-disagg); `ttft_target_s`: the time to first token that
-    it keeps (--slo-ttft-ms; None: none): see `local_under_load`."""
+    load into account (router --load-aware-disagg); `targets`: the latencies it keeps: see
+    `local_under_load`."""
 
     def __init__(
         self,
         overlap_weight: float,
         disagg_min_tokens: int,
         rate: PrefillRate | None = None,
-        ttft_target_s: float | None = None,
+        targets: LocalTargets = NO_TARGETS,
     ) -> None:
         self.overlap_weight = overlap_weight
         self.disagg_min_tokens = disagg_min_tokens
         self.rate = rate
-        self.ttft_target_s = ttft_target_s
+        self.targets = targets
 
     @abstractmethod
     def choose(
@@ -79,12 +93,16 @@ class DispatchPolicy(ABC):
         """Why the decode worker should prefill the prompt itself although it is long enough to
         send ("": it should not): the prefill worker's queue would make the prompt wait longer
         than prefilling its uncached part here holds up the decode worker's running batch (both
-        from the measured prefill rate; nothing before it is measured), and, with a TTFT target,
-        the prompt would miss it through the prefill worker. A queue the target absorbs costs
-        the prompt nothing it was promised, while a local prefill stalls every stream the decode
-        worker runs: on two H200s, 8B chat load (512-token prompts) at 16-48 a second had a p99
-        inter-token latency of 58-68 ms when prompts went local on the queue alone, 8-10 ms
-        with the target kept (BENCHMARKS.md, 2026-11-28, evening)."""
+        from the measured prefill rate; nothing before it is measured); with a TTFT target, the
+        prompt would miss it through the prefill worker; and with a p99 inter-token target, the
+        local prefill would not stall the decode worker's running streams past it.
+
+        A queue the TTFT target absorbs costs the prompt nothing it was promised, while a local
+        prefill stalls every stream the decode worker runs: on two H200s, 8B chat load
+        (512-token prompts) at 16-48 a second had a p99 inter-token latency of 58-68 ms when
+        prompts went local on the queue alone, 8-10 ms with the target kept; and under a p99
+        inter-token target of 25 ms, local 4,096-token prefills (stalls of 100-250 ms) halved the
+        goodput of prefill-heavy load against sending every prompt (BENCHMARKS.md, 2026-11-28)."""
         if self.rate is None:
             return ""
         held = max(decode.index.match(prompt.block_hashes), prompt.store_blocks)
@@ -93,10 +111,13 @@ class DispatchPolicy(ABC):
         stall = self.rate.local_s(prompt.num_tokens - held * prompt.block_size)
         if wait is None or stall is None or wait <= stall:
             return ""
-        if self.ttft_target_s is not None:  # the queue, then what the prefill worker misses
+        itl = self.targets.itl_p99_s
+        if itl is not None and stall > itl and decode.load.num_running > 0:
+            return ""
+        if self.targets.ttft_s is not None:  # the queue, then what the prefill worker misses
             miss = prompt.num_tokens - prefill.index.match(prompt.block_hashes) * prompt.block_size
             remote = self.rate.queue_wait_s(queued + miss)
-            if remote is not None and remote <= self.ttft_target_s:
+            if remote is not None and remote <= self.targets.ttft_s:
                 return ""
         return f"prefill queue on {prefill.address} ~{wait:.2f}s > local prefill ~{stall:.2f}s"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pdmesh.router.policies.base import DispatchPolicy
+from pdmesh.router.policies.base import NO_TARGETS, DispatchPolicy, LocalTargets
 from pdmesh.router.prefill_rate import PrefillRate
 
 _POLICIES: dict[str, type[DispatchPolicy]] = {}
@@ -23,7 +23,7 @@ def create_policy(
     overlap_weight: float,
     disagg_min_tokens: int,
     rate: PrefillRate | None = None,
-    ttft_target_s: float | None = None,
+    targets: LocalTargets = NO_TARGETS,
 ) -> DispatchPolicy:
     from pdmesh.router.policies import kv_cost, round_robin  # noqa: F401 (registers them)
 
@@ -31,4 +31,4 @@ def create_policy(
         raise ValueError(
             f"unknown dispatch policy {name!r}; available: {', '.join(sorted(_POLICIES))}"
         )
-    return _POLICIES[name](overlap_weight, disagg_min_tokens, rate, ttft_target_s)
+    return _POLICIES[name](overlap_weight, disagg_min_tokens, rate, targets)

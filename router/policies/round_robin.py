@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import itertools
 
-from pdmesh.router.policies.base import Decision, DispatchPolicy, PromptInfo
+from pdmesh.router.policies.base import (
+    NO_TARGETS,
+    Decision,
+    DispatchPolicy,
+    LocalTargets,
+    PromptInfo,
+)
 from pdmesh.router.policies.registry import register_policy
 from pdmesh.router.prefill_rate import PrefillRate
 from pdmesh.router.registry import Worker
@@ -17,9 +23,9 @@ class RoundRobinPolicy(DispatchPolicy):
         overlap_weight: float,
         disagg_min_tokens: int,
         rate: PrefillRate | None = None,
-        ttft_target_s: float | None = None,
+        targets: LocalTargets = NO_TARGETS,
     ) -> None:
-        super().__init__(overlap_weight, disagg_min_tokens, rate, ttft_target_s)
+        super().__init__(overlap_weight, disagg_min_tokens, rate, targets)
         self._next = itertools.count()
 
     def choose(self, prompt: PromptInfo, decode: list[Worker], prefill: list[Worker]) -> Decision:
