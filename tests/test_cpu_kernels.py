@@ -21,9 +21,15 @@ from pdmesh.kernels.linear import linear_ref
 from pdmesh.kernels.rotary import apply_rotary_ref
 
 
+@pytest.mark.parametrize("mkl_rows", [0, 2])
 @pytest.mark.parametrize("rows", [1, 3, 16, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_onednn_linear_matches_float64(rows: int, bias: bool) -> None:
+def test_onednn_linear_matches_float64(
+    rows: int, bias: bool, mkl_rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both of the paths it takes (oneDNN; MKL for a few rows on Intel CPUs) and their packed
+    weights' bookkeeping."""
+    monkeypatch.setattr(onednn_linear, "MKL_MAX_ROWS", mkl_rows)
     x, w = torch.randn(rows, 576), torch.randn(960, 576) * 0.05
     b = torch.randn(960) if bias else None
     want = F.linear(x.double(), w.double(), b.double() if bias else None)
@@ -32,6 +38,7 @@ def test_onednn_linear_matches_float64(rows: int, bias: bool) -> None:
     want = F.linear(silu_and_mul_ref(gated.double()), w.double())
     got = onednn_linear.silu_and_mul_linear(gated, w)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    assert (id(w) in onednn_linear._packed) == (rows > mkl_rows)  # packed for oneDNN only
 
 
 def test_onednn_linear_leaves_other_dtypes_and_shapes_to_the_reference() -> None:
@@ -43,7 +50,9 @@ def test_onednn_linear_leaves_other_dtypes_and_shapes_to_the_reference() -> None
 
 
 @pytest.mark.parametrize("path", ["numba", "sdpa"])
-@pytest.mark.parametrize("contexts", [[1, 15, 16, 17, 100], MIXED], ids=["batch5", "batch19"])
+@pytest.mark.parametrize(
+    "contexts", [[70], [1, 15, 16, 17, 100], MIXED], ids=["batch1", "batch5", "batch19"]
+)
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (9, 3), (8, 2), (8, 1)])
 def test_cpu_paged_decode_matches_dense(
     heads: int, kv_heads: int, contexts: list[int], path: str

@@ -5,6 +5,7 @@ leave much of the memory bandwidth unused on some x86 CPUs: on this project's 2-
 build machine, 30 layers of the default model's projections ran 1.15-1.7x faster through oneDNN
 at 1-24 rows and no slower at 64-256, and its 49,152-row LM head 1.5-2.3x faster at 2-64 rows
 (BENCHMARKS.md, the CPU section). vLLM's CPU build takes the same library for the same reason.
+On Intel CPUs MKL keeps inputs of one or two rows (`MKL_MAX_ROWS`, below).
 fp32 only: oneDNN's bf16 without AVX512-BF16 is emulated. The sums are ordered differently from
 MKL's, so results differ in the last bits.
 
@@ -28,6 +29,21 @@ from pdmesh.kernels.linear import linear_ref
 AVAILABLE = torch.backends.mkldnn.is_available() and "AVX" in (
     torch.backends.cpu.get_cpu_capability() or ""
 )
+
+
+def _intel() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("vendor_id") and "GenuineIntel" in line for line in f)
+    except OSError:
+        return False
+
+
+# Inputs of at most this many rows go to MKL (`F.linear`) instead: on Intel CPUs its
+# matrix-vector kernels beat oneDNN's at one or two rows (the 2-core Xeon build machine: the
+# default model's 30 layers' projections in 28 ms against 36 ms at 1-2 rows, 52 against 41 at 4),
+# where on AMD's they do not (the EPYC build machine: oneDNN 1.15-1.7x faster from 1 row).
+MKL_MAX_ROWS = 2 if _intel() else 0
 
 
 def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -55,7 +71,7 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
 @register_cpu("linear")
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     # x: [T, K], weight: [N, K], bias: [N] -> [T, N]
-    if not _fits(x, weight) or x.dim() != 2:
+    if not _fits(x, weight) or x.dim() != 2 or x.shape[0] <= MKL_MAX_ROWS:
         return linear_ref(x, weight, bias)
     w = packed_weight(weight)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, bias, "none", [], "")

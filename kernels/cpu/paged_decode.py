@@ -25,47 +25,61 @@ from numba import prange
 from pdmesh.kernels.cpu.jit import njit_cached
 
 
-@njit_cached(parallel=True, fastmath=True, boundscheck=False)
-def _attend(q, k_cache, v_cache, tables, rows, seqs, visible, scale, out):  # pragma: no cover
-    # One job per query token: row `rows[j]` of q / out ([T, H, D]) attends the first
-    # `visible[j]` keys of sequence `seqs[j]` (its pages: tables[seqs[j]]; caches [NB, BS, Hkv, D]).
+@njit_cached(fastmath=True, boundscheck=False)
+def _attend_one(q, k_cache, v_cache, tables, r, b, length, scale, out):  # pragma: no cover
+    # Row `r` of q / out ([T, H, D]) attends the first `length` keys of sequence `b` (its pages:
+    # tables[b]; caches [NB, BS, Hkv, D]).
     heads, dim = q.shape[1], q.shape[2]
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
-    for j in prange(rows.shape[0]):
-        r, b, length = rows[j], seqs[j], visible[j]
-        scores = np.empty((heads, length), np.float32)
-        for t in range(length):
-            page, row = tables[b, t // block_size], t % block_size
-            for h in range(heads):
-                kv = h // group
-                acc = np.float32(0.0)
-                for d in range(dim):
-                    acc += q[r, h, d] * k_cache[page, row, kv, d]
-                scores[h, t] = acc * scale
+    scores = np.empty((heads, length), np.float32)
+    for t in range(length):
+        page, row = tables[b, t // block_size], t % block_size
         for h in range(heads):
-            top = scores[h, 0]
-            for t in range(1, length):
-                top = max(top, scores[h, t])
-            total = np.float32(0.0)
-            for t in range(length):
-                e = np.exp(scores[h, t] - top)
-                scores[h, t] = e
-                total += e
-            inv = np.float32(1.0) / total
-            for t in range(length):
-                scores[h, t] *= inv
-        acc = np.zeros((heads, dim), np.float32)
-        for t in range(length):
-            page, row = tables[b, t // block_size], t % block_size
-            for h in range(heads):
-                kv = h // group
-                p = scores[h, t]
-                for d in range(dim):
-                    acc[h, d] += p * v_cache[page, row, kv, d]
-        for h in range(heads):
+            kv = h // group
+            acc = np.float32(0.0)
             for d in range(dim):
-                out[r, h, d] = acc[h, d]
+                acc += q[r, h, d] * k_cache[page, row, kv, d]
+            scores[h, t] = acc * scale
+    for h in range(heads):
+        top = scores[h, 0]
+        for t in range(1, length):
+            top = max(top, scores[h, t])
+        total = np.float32(0.0)
+        for t in range(length):
+            e = np.exp(scores[h, t] - top)
+            scores[h, t] = e
+            total += e
+        inv = np.float32(1.0) / total
+        for t in range(length):
+            scores[h, t] *= inv
+    acc = np.zeros((heads, dim), np.float32)
+    for t in range(length):
+        page, row = tables[b, t // block_size], t % block_size
+        for h in range(heads):
+            kv = h // group
+            p = scores[h, t]
+            for d in range(dim):
+                acc[h, d] += p * v_cache[page, row, kv, d]
+    for h in range(heads):
+        for d in range(dim):
+            out[r, h, d] = acc[h, d]
+
+
+@njit_cached(parallel=True, fastmath=True, boundscheck=False)
+def _decode_parallel(q, k_cache, v_cache, tables, lens, scale, out):  # pragma: no cover
+    # Row b attends the first lens[b] keys of sequence b.
+    for b in prange(lens.shape[0]):
+        _attend_one(q, k_cache, v_cache, tables, b, b, lens[b], scale, out)
+
+
+@njit_cached(parallel=True, fastmath=True, boundscheck=False)
+def _attend_parallel(
+    q, k_cache, v_cache, tables, rows, seqs, visible, scale, out
+):  # pragma: no cover
+    # One job per query token j: row rows[j] attends the first visible[j] keys of seqs[j].
+    for j in prange(rows.shape[0]):
+        _attend_one(q, k_cache, v_cache, tables, rows[j], seqs[j], visible[j], scale, out)
 
 
 def fits(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -76,6 +90,10 @@ def fits(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
     )
+
+
+def _int32(x: torch.Tensor) -> np.ndarray:
+    return x.to(torch.int32).contiguous().numpy()
 
 
 def attend(
@@ -89,17 +107,13 @@ def attend(
     scale: float,
     out: torch.Tensor,  # [T, H, D]: rows `rows` are written
 ) -> None:
-    _attend(
-        query.contiguous().numpy(),
-        k_cache.numpy(),
-        v_cache.numpy(),
-        block_tables.to(torch.int32).contiguous().numpy(),
-        rows.to(torch.int32).numpy(),
-        seqs.to(torch.int32).numpy(),
-        visible.to(torch.int32).contiguous().numpy(),
-        np.float32(scale),
-        out.numpy(),
-    )
+    caches = (query.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(), _int32(block_tables))
+    jobs = (_int32(rows), _int32(seqs), _int32(visible))
+    if rows.shape[0] == 1:  # one job: no pool to start
+        (r,), (b,), (length,) = jobs
+        _attend_one(*caches, r, b, length, np.float32(scale), out.numpy())
+    else:
+        _attend_parallel(*caches, *jobs, np.float32(scale), out.numpy())
 
 
 def paged_decode_attention(
@@ -110,7 +124,13 @@ def paged_decode_attention(
     context_lens: torch.Tensor,  # [B], each at least 1
     scale: float,
 ) -> torch.Tensor:  # [B, H, D]
+    """Row b attends the first context_lens[b] keys of sequence b. Called by every layer of a
+    decode step: the inputs are used as they come (int32 tables and lengths from the runner)."""
     out = torch.empty(query.shape, dtype=query.dtype)
-    every = torch.arange(query.shape[0], dtype=torch.int32)
-    attend(query, k_cache, v_cache, block_tables, every, every, context_lens, scale, out)
+    caches = (query.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(), _int32(block_tables))
+    lens, o = _int32(context_lens), out.numpy()
+    if query.shape[0] == 1:  # batch 1: no pool to start, in each of the step's layers
+        _attend_one(*caches, 0, 0, lens[0], np.float32(scale), o)
+    else:
+        _decode_parallel(*caches, lens, np.float32(scale), o)
     return out
