@@ -16,19 +16,8 @@ import argparse
 import json
 import random
 import time
-from collections.abc import Callable
-from typing import Any
 
-
-def _timed(totals: dict[str, float], key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            totals[key] += time.perf_counter() - start
-
-    return wrapper
+from pdmesh.bench.report import timed_into
 
 
 def measure(batch: int, prompt_len: int, steps: int) -> dict[str, float]:
@@ -45,9 +34,9 @@ def measure(batch: int, prompt_len: int, steps: int) -> dict[str, float]:
     for _ in range(20):
         engine.step()
     totals = {"projections": 0.0, "attention": 0.0}
-    backend._CPU["linear"] = _timed(totals, "projections", backend._CPU["linear"])
+    backend._CPU["linear"] = timed_into(totals, "projections", backend._CPU["linear"])
     attend = paged_decode.paged_decode_attention
-    paged_decode.paged_decode_attention = _timed(totals, "attention", attend)
+    paged_decode.paged_decode_attention = timed_into(totals, "attention", attend)
     try:
         start = time.perf_counter()
         for _ in range(steps):

@@ -19,9 +19,9 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from pdmesh.bench.gpu_models import TINY, llama_8b_config, save_word_tokenizer, write_config
+from pdmesh.bench.report import timed_into
 
 PARTS = {
     "lookahead": ("scheduler", "schedule_lookahead"),
@@ -52,18 +52,8 @@ def one_run(folder: Path, seqs: int, steps: int) -> dict[str, float]:
     }
     spent = dict.fromkeys(PARTS, 0.0)
 
-    def timed(part: str, fn: Any) -> Any:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent[part] += time.perf_counter() - start
-
-        return wrapper
-
     for part, (owner, name) in PARTS.items():
-        setattr(owners[owner], name, timed(part, getattr(owners[owner], name)))
+        setattr(owners[owner], name, timed_into(spent, part, getattr(owners[owner], name)))
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()

@@ -20,6 +20,20 @@ from typing import Any
 Timer = Callable[[Callable[[], object]], float]  # seconds per call of a function
 
 
+def timed_into(totals: dict[str, float], key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn`, adding the wall-clock seconds of each call to totals[key] (a bench's way of timing a
+    part of a step without touching the code it times)."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[key] += time.perf_counter() - start
+
+    return wrapper
+
+
 class Report:
     """Figures by key, rewritten to `path` as JSON whenever one is added (a run that dies keeps
     what it measured) and printed as they come; `head` is what the file starts with."""
