@@ -209,3 +209,16 @@ def test_a_kernel_without_a_writable_cache_is_compiled_in_the_process() -> None:
     with pytest.raises(RuntimeError, match="cannot cache"):
         njit(cache=True)(scope["plus_one"])
     assert jit.njit_cached()(scope["plus_one"])(41) == 42
+
+
+def test_cpu_prefill_of_one_token_over_a_cached_prefix_runs_on_the_calling_thread() -> None:
+    """One query row (a one-token continuation of a cached prompt): the kernel's single-job path
+    (no thread pool) equals dense float64 attention; and a batch of one decode row likewise."""
+    k_cache, v_cache, tables, kv = _paged([45], 3, 32, num_blocks=16)
+    q = torch.randn(1, 9, 32)
+    cu, lens = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([45], dtype=torch.int32)
+    out = cpu_attention.paged_prefill_attention(q, k_cache, v_cache, cu, lens, tables, 32**-0.5)
+    want = _dense_attention(q.double(), *kv[0], torch.tensor([44]), 32**-0.5)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    decode = paged_decode.paged_decode_attention(q, k_cache, v_cache, tables, lens, 32**-0.5)
+    torch.testing.assert_close(decode.double(), want, rtol=1e-5, atol=1e-5)
