@@ -222,3 +222,27 @@ def test_cpu_prefill_of_one_token_over_a_cached_prefix_runs_on_the_calling_threa
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
     decode = paged_decode.paged_decode_attention(q, k_cache, v_cache, tables, lens, 32**-0.5)
     torch.testing.assert_close(decode.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_non_finite_values_of_one_sequence_stay_in_its_rows(value: float, batch: int) -> None:
+    """A sequence whose query or keys are not finite (a poisoned request) gets non-finite rows;
+    the kernel raises nothing, whether it runs one job or a pool's, and the other sequences'
+    rows are what they would be without it."""
+    k_cache, v_cache, tables, _ = _paged([20, 33], 3, 32, num_blocks=16)
+    q = torch.randn(2, 9, 32)
+    lens = torch.tensor([20, 33], dtype=torch.int32)
+    clean = paged_decode.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.2)
+    for poison in ("query", "keys"):
+        qp, kp = q.clone(), k_cache.clone()
+        if poison == "query":
+            qp[0] = value
+        else:
+            kp[tables[0, 0]] = value
+        got = paged_decode.paged_decode_attention(
+            qp[:batch], kp, v_cache, tables[:batch], lens[:batch], 0.2
+        )
+        assert not torch.isfinite(got[0]).all()
+        if batch == 2:
+            torch.testing.assert_close(got[1], clean[1], rtol=0, atol=0)

@@ -15,6 +15,14 @@ from numba import njit
 
 
 def njit_cached(**options: Any) -> Callable[[Callable[..., Any]], Any]:
+    """`numba.njit` with the disk cache, and NumPy's error model: a float divided by zero is an
+    inf or a NaN, as in torch, never a ZeroDivisionError. A kernel must not raise on the values
+    it is given: one request's non-finite activations (a hostile or broken input) would
+    otherwise fail the whole step, every request in it, where they should end only their own
+    (tests/test_hostile_requests.py). Python's model, Numba's default, raised in the softmax of
+    a sequence whose scores were all non-finite."""
+    options = {"error_model": "numpy", **options}
+
     def decorate(fn: Callable[..., Any]) -> Any:
         try:
             return njit(cache=True, **options)(fn)

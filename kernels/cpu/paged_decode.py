@@ -50,7 +50,7 @@ def _attend_one(q, k_cache, v_cache, tables, r, b, length, scale, out):  # pragm
             e = np.exp(scores[h, t] - top)
             scores[h, t] = e
             total += e
-        inv = np.float32(1.0) / total
+        inv = np.float32(1.0) / total  # 0 for non-finite scores: inf, not an error (jit.py)
         for t in range(length):
             scores[h, t] *= inv
     acc = np.zeros((heads, dim), np.float32)
