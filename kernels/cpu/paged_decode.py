@@ -50,7 +50,7 @@ def _attend_one(q, k_cache, v_cache, tables, r, b, length, scale, out):  # pragm
             e = np.exp(scores[h, t] - top)
             scores[h, t] = e
             total += e
-        inv = np.float32(1.0) / total  # 0 for non-finite scores: inf, not an error (jit.py)
+        inv = np.float32(1.0) / total  # total 0 (non-finite scores): inf, no error (jit.py)
         for t in range(length):
             scores[h, t] *= inv
     acc = np.zeros((heads, dim), np.float32)
@@ -96,6 +96,14 @@ def _int32(x: torch.Tensor) -> np.ndarray:
     return x.to(torch.int32).contiguous().numpy()
 
 
+def _arrays(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor
+) -> tuple[np.ndarray, ...]:
+    """The kernels' views of a call's query, caches and page tables (copies only of a
+    non-contiguous query or tables of another dtype)."""
+    return query.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(), _int32(block_tables)
+
+
 def attend(
     query: torch.Tensor,  # [T, H, D]
     k_cache: torch.Tensor,  # [NB, BS, Hkv, D] (`fits`)
@@ -107,7 +115,7 @@ def attend(
     scale: float,
     out: torch.Tensor,  # [T, H, D]: rows `rows` are written
 ) -> None:
-    caches = (query.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(), _int32(block_tables))
+    caches = _arrays(query, k_cache, v_cache, block_tables)
     jobs = (_int32(rows), _int32(seqs), _int32(visible))
     if rows.shape[0] == 1:  # one job: no pool to start
         (r,), (b,), (length,) = jobs
@@ -127,7 +135,7 @@ def paged_decode_attention(
     """Row b attends the first context_lens[b] keys of sequence b. Called by every layer of a
     decode step: the inputs are used as they come (int32 tables and lengths from the runner)."""
     out = torch.empty(query.shape, dtype=query.dtype)
-    caches = (query.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(), _int32(block_tables))
+    caches = _arrays(query, k_cache, v_cache, block_tables)
     lens, o = _int32(context_lens), out.numpy()
     if query.shape[0] == 1:  # batch 1: no pool to start, in each of the step's layers
         _attend_one(*caches, 0, 0, lens[0], np.float32(scale), o)
