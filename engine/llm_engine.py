@@ -44,6 +44,7 @@ from pdmesh.engine.scheduling.scheduler import Scheduler
 from pdmesh.engine.sequence import Sequence
 from pdmesh.engine.spec_decode.speculator import make_speculator
 from pdmesh.engine.spec_decode.step import verified_step
+from pdmesh.engine.warm_up import warm_up
 from pdmesh.errors import InvalidRequest
 from pdmesh.kernels.cpu.threads import set_cpu_threads
 from pdmesh.kv_transfer.connector import ExternalBlocks, KVConnector
@@ -185,6 +186,10 @@ class LLMEngine:
             log.info(
                 "host KV tier: %d blocks (%.2f GiB a rank)", pool.num_slots, pool.nbytes / 2**30
             )
+        # Kernels compile now, not in a user's step (engine/warm_up.py). Data-parallel
+        # attention's replicas step in lockstep: one warming alone would wait for the others.
+        if rank0.type == "cuda" and self.runner.dp is None:
+            warm_up(self)
 
     # -- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
