@@ -142,6 +142,14 @@ class Mesh:
                 found[f"failed/{s.labels['to_role']}"] = s.value
         return found
 
+    def dispatches(self) -> dict[str, float]:
+        """The router's dispatch decisions so far, by outcome (remote_prefill, local_prefill)."""
+        return {
+            s.labels["outcome"]: s.value
+            for s in self.samples("router")
+            if s.name == "pdmesh_router_dispatch_decisions_total"
+        }
+
     def scrape(self, worker: str, name: str) -> tuple[float, float]:
         """(sum, count) of one histogram of a worker, summed over its label sets."""
         total = count = 0.0
@@ -173,7 +181,8 @@ def mesh(folder: Path, layout: str, log: Path, spans: Path | None = None) -> Ite
                 services = read_services(proc.stdout, span_sink.write)
             except RuntimeError:
                 raise RuntimeError(f"{layout}: the mesh did not come up; see {log}") from None
-            print(f"{layout}: up in {time.monotonic() - start:.0f} s", flush=True)
+            took = time.monotonic() - start
+            print(f"{layout}: up in {took:.0f} s ({time.strftime('%T')})", flush=True)
             metrics = {s.name: s.metrics for s in services if s.metrics}
             metrics["router"] = f"http://127.0.0.1:{http_port}/metrics"
             yield Mesh(f"127.0.0.1:{port}", metrics)
@@ -278,6 +287,7 @@ def load_stage(up: Mesh, layout: str, n: int, res: Report, samples: Report) -> N
         warm(up.target, max(i for i, _ in shapes), 100 + wi)
         runs = []
         for ri, rate in enumerate(RATES[work]):
+            before = up.dispatches()
             records, duration = mixed_load(up.target, n, shapes, rate, 1000 + 97 * wi + ri)
             s = summarize(records, duration, Slo())
             s["request_rate"] = rate
@@ -287,6 +297,8 @@ def load_stage(up: Mesh, layout: str, n: int, res: Report, samples: Report) -> N
             }
             s["roles_after"] = up.roles()
             s["planner_switches_so_far"] = up.switches()
+            # Prompts the decode workers prefilled themselves (load-aware disaggregation).
+            s["dispatched"] = {k: v - before.get(k, 0) for k, v in up.dispatches().items()}
             runs.append(s)
             samples.data[f"{layout}/{work}/{rate:g}"] = {
                 "ttft_ms": [round(r.ttft_s * 1e3, 3) for r in records if r.ok],
@@ -297,7 +309,9 @@ def load_stage(up: Mesh, layout: str, n: int, res: Report, samples: Report) -> N
                 f"  {layout} {work} rate {rate:g}: ttft p50 {s['ttft_ms']['p50']:.0f} ms, "
                 f"tpot p50 {s['tpot_ms']['p50']:.1f} ms, itl p99 {s['itl_ms']['p99']:.1f} ms, "
                 f"attainment {' / '.join(f'{a:.2f}' for a in s['attainment'].values())}, "
-                f"roles {s['roles_after']}, switches {s['planner_switches_so_far']}",
+                f"local prefills {s['dispatched'].get('local_prefill', 0):.0f}, "
+                f"roles {s['roles_after']}, switches {s['planner_switches_so_far']} "
+                f"({time.strftime('%T')})",
                 flush=True,
             )
         goodput = {name: goodput_rate(runs, name) for name in SLOS}

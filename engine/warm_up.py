@@ -8,10 +8,12 @@ TTFT grew 0.5-0.9 s (BENCHMARKS.md, issue 33). vLLM runs a profile forward of th
 budget at start for the same reason.
 
 What runs, through the engine's own public path (scheduler, runner, sampler, every rank): a
-prompt of the step's whole token budget (the largest prefill step, its GEMMs and attention
-tiles), its decode steps (graph replays), and a short sampled prompt beside them (a step mixing
-decode and prefill rows, temperature / top-k / top-p sampling). Afterwards the engine is as
-new: no request, no cached prefix, its counters and measured prefill rate back at zero.
+prompt of the step's whole token budget alone (the largest prefill step, its GEMMs and attention
+tiles); then two prompts in one step, their decode steps (graph replays), and two more prompts
+joining them (steps mixing several decode rows with prefill rows), one of them sampled with
+temperature, top-k and top-p. Triton compiles a kernel anew for an integer argument equal to 1,
+divisible by 16, or neither: the token and row counts here take each class. Afterwards the
+engine is as new: no request, no cached prefix, its counters and measured prefill rate at zero.
 """
 
 from __future__ import annotations
@@ -28,33 +30,42 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-_LONG, _SHORT = "warm-up-long", "warm-up-short"
-_SHORT_PROMPT = 37  # not a multiple of a block or of 16: the general kernel specializations
+
+def _prompt(length: int, seed: int, vocab: int) -> list[int]:
+    return [(seed + 7 * i) % vocab for i in range(length)]
 
 
 def warm_up(engine: LLMEngine) -> float:
     """Run the warm-up requests to their end; the seconds it took."""
     started = time.perf_counter()
-    budget = engine.scheduler.max_num_batched_tokens
     capacity = engine.runner.num_blocks * engine.config.block_size
-    # The long prompt fills one step's budget; it and the short one fit the context and cache.
-    long_len = max(1, min(budget, engine.max_model_len, capacity) - _SHORT_PROMPT - 8)
+    room = min(engine.scheduler.max_num_batched_tokens, engine.max_model_len, capacity) - 8
     vocab = engine.info.vocab_size
-    prompt = [(7 * i + 11) % vocab for i in range(long_len)]
-    engine.add_request(_LONG, prompt, SamplingParams(max_tokens=4, ignore_eos=True))
-    engine.step()
-    short = [(5 * i + 3) % vocab for i in range(min(_SHORT_PROMPT, engine.max_model_len - 2))]
+    greedy = SamplingParams(max_tokens=3, ignore_eos=True)
     sampled = SamplingParams(
-        max_tokens=2, ignore_eos=True, temperature=1.0, top_k=20, top_p=0.9, seed=0
+        max_tokens=3, ignore_eos=True, temperature=1.0, top_k=20, top_p=0.9, seed=0
     )
-    engine.add_request(_SHORT, short, sampled)
+    # The whole budget in one prompt, a multiple of 16 tokens.
+    waves = [[(max(16, room // 16 * 16), greedy)]]
+    # Two prompts in a step (an odd total); two more join their decodes a step later.
+    waves += [[(max(1, room // 4), greedy), (37, greedy)], [(64, sampled), (45, greedy)]]
+    ids = []
+    for w, wave in enumerate(waves):
+        for i, (length, params) in enumerate(wave):
+            ids.append(f"warm-up-{w}-{i}")
+            prompt = _prompt(min(length, engine.max_model_len - 4), 11 + w + 3 * i, vocab)
+            engine.add_request(ids[-1], prompt, params)
+        engine.step()
+        if w == 0:  # the long prompt runs alone
+            while engine.has_unfinished_requests():
+                engine.step()
     while engine.has_unfinished_requests():
         engine.step()
-    for request_id in (_LONG, _SHORT):
+    for request_id in ids:
         engine.release(request_id)
     engine.scheduler.reset_prefix_cache()
     engine.scheduler.reset_stats()
-    engine.prefill_rate = PrefillRate()  # its first sample held the compiles
+    engine.prefill_rate = PrefillRate()  # its first samples held the compiles
     seconds = time.perf_counter() - started
-    log.info("warmed up in %.2f s (a %d-token prefill step, decode, sampling)", seconds, long_len)
+    log.info("warmed up in %.2f s (a %d-token prefill step, decode, sampling)", seconds, room)
     return seconds

@@ -30,6 +30,7 @@ from pdmesh.errors import (
 )
 from pdmesh.logger import get_logger
 from pdmesh.prefix_hash import hash_prefix_blocks
+from pdmesh.router import metrics
 from pdmesh.router.config import RouterConfig
 from pdmesh.router.decode_link import DecodeLink, DeltaQueue, LinkLost
 from pdmesh.router.policies import Decision, LocalTargets, PromptInfo, create_policy
@@ -98,6 +99,8 @@ class Attempt:
     def __post_init__(self) -> None:
         self.queue = self.link.register(self.wire_id)
         self.decode.inflight_blocks += self.blocks
+        self.decode.streams += 1
+        metrics.worker_streams(self.decode.address, self.decode.streams)
         if self.prefill is not None:
             self.prefill.inflight_blocks += self.prefill_blocks
 
@@ -370,6 +373,8 @@ class Dispatcher:
         """Undo an attempt's bookkeeping; abort it on its worker unless it finished there."""
         attempt.link.unregister(attempt.wire_id)
         attempt.decode.inflight_blocks -= attempt.blocks
+        attempt.decode.streams -= 1
+        metrics.worker_streams(attempt.decode.address, attempt.decode.streams)
         attempt.first_tokens()
         # Not when the client left, or the worker was lost or refused it; a request its worker
         # handed over has ended there (an Abort now could free KV another worker pulls).

@@ -69,6 +69,11 @@ WORKER_ROLE_SWITCHES = Counter(
     "Times a worker changed role (`pdmesh role`, SetWorkerRole), by the role it took.",
     ["worker", "role"],
 )
+WORKER_STREAMS = Gauge(
+    "pdmesh_router_worker_streams",
+    "Requests this router has on the decode worker now (submitted and not yet ended).",
+    ["worker"],
+)
 PREFILL_SECONDS_PER_TOKEN = Gauge(
     "pdmesh_router_prefill_seconds_per_token",
     "The prefill rate this router measures (a moving average, router/prefill_rate.py): remote "
@@ -148,3 +153,7 @@ def count_request(endpoint: str, status: str) -> None:
 def exposition() -> tuple[bytes, str]:
     """The default registry in the Prometheus text format, and its content type."""
     return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
+
+
+def worker_streams(address: str, streams: int) -> None:
+    WORKER_STREAMS.labels(address).set(streams)

@@ -123,3 +123,24 @@ def test_load_aware_disaggregation_stalls_no_stream_past_the_inter_token_target(
         name, overlap_weight=1.0, disagg_min_tokens=64, rate=fast, targets=targets
     )
     assert quick.choose(prompt, [decode], [prefill]).prefill is None
+
+
+@pytest.mark.parametrize("name", ["kv", "round_robin"])
+def test_the_inter_token_target_counts_streams_the_workers_stats_do_not_show_yet(name: str) -> None:
+    """Stats come every half second: a decode worker they show idle may already run streams this
+    router sent it since (a burst of arrivals). Those streams count too."""
+    rate = PrefillRate()
+    targets = LocalTargets(ttft_s=1.0, itl_p99_s=0.025)
+    policy = create_policy(
+        name, overlap_weight=1.0, disagg_min_tokens=64, rate=rate, targets=targets
+    )
+    decode, prefill = Worker("d:1", "decode"), Worker("p:1", "prefill")
+    prompt = _prompt(320)
+    rate.observe(remote=True, seconds=0.64, tokens=640)
+    rate.observe(remote=False, seconds=0.32, tokens=320)
+    prefill.inflight_blocks = 100
+    assert decode.load.num_running == 0
+    decode.streams = 2  # sent since its last stats
+    assert policy.choose(prompt, [decode], [prefill]).prefill is prefill
+    decode.streams = 0
+    assert policy.choose(prompt, [decode], [prefill]).prefill is None

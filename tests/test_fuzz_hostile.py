@@ -488,6 +488,9 @@ def test_after_the_fuzz_no_worker_died_and_innocent_requests_are_answered_as_bef
     assert all(
         value == 1 for (name, _), value in metrics.items() if name == "pdmesh_router_worker_up"
     )
+    # Every request, refused, cancelled or answered, gave back what the router booked for it.
+    streams = [v for (name, _), v in metrics.items() if name == "pdmesh_router_worker_streams"]
+    assert streams and not any(streams), streams
     assert mesh.proc.poll() is None
     assert not any("exited (code" in line for line in mesh.output), mesh.output[-20:]
     assert [_reply(mesh, _http(COMPLETIONS, body)).text for body in INNOCENT] == baseline

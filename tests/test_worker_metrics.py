@@ -65,6 +65,7 @@ def test_a_killed_worker_is_counted_down_restarted_and_its_request_failed(mesh: 
         stub = generation_pb2_grpc.GenerationStub(ch)
         stream = _generate(stub, 400)
         next(stream)  # the request runs on the worker
+        assert _value(mesh, "pdmesh_router_worker_streams", worker=decode) == 1
         os.kill(mesh.pids[decode], signal.SIGKILL)
         killed_at = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:
@@ -88,6 +89,8 @@ def test_a_killed_worker_is_counted_down_restarted_and_its_request_failed(mesh: 
 
         replies = list(_generate(stub, 4))  # served by the new process
         assert replies[-1].finish_reason == gen_pb.FINISH_REASON_LENGTH
+        # Neither the lost request nor the served one is still booked on the worker.
+        assert _value(mesh, "pdmesh_router_worker_streams", worker=decode) == 0
     restarting = [line for line in mesh.output if "restarting in" in line]
     assert len(restarting) == 1 and f"restarting in {RESTART_BASE_S:.0f} s" in restarting[0]
     assert back_after_s < 90

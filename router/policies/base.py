@@ -112,7 +112,8 @@ class DispatchPolicy(ABC):
         if wait is None or stall is None or wait <= stall:
             return ""
         itl = self.targets.itl_p99_s
-        if itl is not None and stall > itl and decode.load.num_running > 0:
+        running = max(decode.load.num_running, decode.streams)
+        if itl is not None and stall > itl and running > 0:
             return ""
         if self.targets.ttft_s is not None:  # the queue, then what the prefill worker misses
             miss = prompt.num_tokens - prefill.index.match(prompt.block_hashes) * prompt.block_size
