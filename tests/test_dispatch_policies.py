@@ -90,8 +90,10 @@ def test_load_aware_disaggregation_keeps_the_prompt_remote_while_the_queue_meets
     prompt = _prompt(320)
     rate.observe(remote=True, seconds=0.64, tokens=640)  # 1 ms a token
     rate.observe(remote=False, seconds=0.32, tokens=320)
-    prefill.inflight_blocks = 40  # 640 queued + 320 own: ~0.96 s to the first token
+    prefill.inflight_blocks = 25  # 400 queued + 320 own: ~0.72 s to the first token
     assert policy.choose(prompt, [decode], [prefill]).prefill is prefill
+    prefill.inflight_blocks = 36  # 576 + 320: ~0.9 s, within the target but not its headroom
+    assert policy.choose(prompt, [decode], [prefill]).prefill is None
     prefill.inflight_blocks = 50  # 800 + 320: ~1.12 s, past the target
     local = policy.choose(prompt, [decode], [prefill])
     assert local.prefill is None and "prefill queue" in local.reason
