@@ -95,12 +95,14 @@ class Attempt:
     lost: LinkLost | None = None
     moved: str | None = None  # the worker's migration handle ("": nothing to pull)
     timing: PrefillTiming | None = None
+    local_blocks: int = 0  # uncached blocks its decode worker prefills itself
 
     def __post_init__(self) -> None:
         self.queue = self.link.register(self.wire_id)
         self.decode.inflight_blocks += self.blocks
         self.decode.streams += 1
         metrics.worker_streams(self.decode.address, self.decode.streams)
+        self.decode.local_prefill_blocks += self.local_blocks
         if self.prefill is not None:
             self.prefill.inflight_blocks += self.prefill_blocks
 
@@ -109,6 +111,8 @@ class Attempt:
         if self.prefill is not None:
             self.prefill.inflight_blocks -= self.prefill_blocks
             self.prefill = None
+        self.decode.local_prefill_blocks -= self.local_blocks
+        self.local_blocks = 0
 
     async def relay(self, pacer: StreamPacer) -> AsyncIterator[gen_pb.GenerateResponse]:
         """Chunks of whatever piled up on the queue since the last one (under load it first
@@ -296,6 +300,8 @@ class Dispatcher:
             prefill_to = (prefill or decision.fallback) if migrate_from is None else None
             fresh = not resumed and migrate_from is None
             timing = self._timing(prompt, decision) if fresh and prefill_to is prefill else None
+            local = prefill is None and migrate_from is None
+            local_blocks = -(-prompt.uncached_tokens(d) // prompt.block_size) if local else 0
             attempt = Attempt(
                 inp.request_id,
                 f"{inp.request_id}~{self._submits}" if resumed else inp.request_id,
@@ -305,6 +311,7 @@ class Dispatcher:
                 prompt.num_blocks,
                 decision.prefill_miss_blocks,
                 timing=timing,
+                local_blocks=local_blocks,
             )
             request = worker_pb2.DecodeRequest(
                 request_id=attempt.wire_id,
@@ -348,9 +355,7 @@ class Dispatcher:
         if decision.prefill is not None:
             blocks = decision.prefill.inflight_blocks + decision.prefill_miss_blocks
             return PrefillTiming(self.prefill_rate, True, blocks * prompt.block_size)
-        held = max(decision.decode.index.match(prompt.block_hashes), prompt.store_blocks)
-        tokens = prompt.num_tokens - held * prompt.block_size
-        return PrefillTiming(self.prefill_rate, False, tokens)
+        return PrefillTiming(self.prefill_rate, False, prompt.uncached_tokens(decision.decode))
 
     async def _candidates(self, avoid: set[str], refused: set[str]) -> list[Worker]:
         """Ready decode workers not in `refused`: waits up to LINK_WAIT_S for any to be ready

@@ -41,6 +41,9 @@ class Worker:
     # This router's requests on the decode worker now, known at once (its stats lag by up to
     # the stats interval; at 8 prompts a second that is four arrivals).
     streams: int = 0
+    # Blocks of prompts this router gave the decode worker to prefill itself, first token not
+    # yet back: its own prefill queue (load-aware disaggregation, router/policies/base.py).
+    local_prefill_blocks: int = 0
     index: PrefixIndex = field(default_factory=PrefixIndex)
     channel: grpc.aio.Channel | None = None
     stub: object = None

@@ -146,3 +146,25 @@ def test_the_inter_token_target_counts_streams_the_workers_stats_do_not_show_yet
     assert policy.choose(prompt, [decode], [prefill]).prefill is prefill
     decode.streams = 0
     assert policy.choose(prompt, [decode], [prefill]).prefill is None
+
+
+@pytest.mark.parametrize("name", ["kv", "round_robin"])
+def test_load_aware_disaggregation_counts_the_prompts_the_decode_worker_already_prefills(
+    name: str,
+) -> None:
+    """Prompts a decode worker prefills for this router come before a new one there: once they
+    would take longer than the prefill worker's queue, the prompt is sent (on two H200s, 8B
+    prefill-heavy load at 16 a second put 51 of 64 prompts on the decode worker and their first
+    tokens 1.5 s late when they did not count)."""
+    rate = PrefillRate()
+    policy = create_policy(name, overlap_weight=1.0, disagg_min_tokens=64, rate=rate)
+    decode, prefill = Worker("d:1", "decode"), Worker("p:1", "prefill")
+    prompt = _prompt(320)
+    rate.observe(remote=True, seconds=0.64, tokens=640)  # 1 ms a token, both ways
+    rate.observe(remote=False, seconds=0.32, tokens=320)
+    prefill.inflight_blocks = 60  # 960 queued: 0.96 s
+    assert policy.choose(prompt, [decode], [prefill]).prefill is None  # 0.32 s here
+    decode.local_prefill_blocks = 45  # 720 tokens ahead of it there: 1.04 s in all
+    assert policy.choose(prompt, [decode], [prefill]).prefill is prefill
+    decode.local_prefill_blocks = 20  # 320 ahead: 0.64 s in all
+    assert policy.choose(prompt, [decode], [prefill]).prefill is None

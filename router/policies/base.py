@@ -24,6 +24,12 @@ class PromptInfo:
     def num_blocks(self) -> int:
         return -(-self.num_tokens // self.block_size)
 
+    def uncached_tokens(self, decode: Worker) -> int:
+        """Tokens a decode worker would compute to prefill the prompt itself: those after the
+        blocks it likely caches or would fetch from the KV store."""
+        held = max(decode.index.match(self.block_hashes), self.store_blocks)
+        return max(0, self.num_tokens - held * self.block_size)
+
     def split(self, cached: int) -> tuple[int, int]:
         """For a worker holding the first `cached` blocks: (blocks it would fetch from the KV
         store, blocks it would compute)."""
@@ -91,14 +97,14 @@ class DispatchPolicy(ABC):
         """Whether the decode worker's likely-uncached part of the prompt is short enough to
         prefill there (the worker checks again against its real cache). Blocks the KV store
         holds count as cached: the worker fetches them instead."""
-        held = max(decode.index.match(prompt.block_hashes), prompt.store_blocks)
-        return prompt.num_tokens - held * prompt.block_size < self.disagg_min_tokens
+        return prompt.uncached_tokens(decode) < self.disagg_min_tokens
 
     def local_under_load(self, prompt: PromptInfo, decode: Worker, prefill: Worker) -> str:
         """Why the decode worker should prefill the prompt itself although it is long enough to
         send ("": it should not): the prefill worker's queue would make the prompt wait longer
-        than prefilling its uncached part here holds up the decode worker's running batch (both
-        from the measured prefill rate; nothing before it is measured); with a TTFT target, the
+        than the prompts this router already gave the decode worker to prefill and its own
+        uncached part there, which hold up the worker's running batch (all from the measured
+        prefill rate; nothing before it is measured); with a TTFT target, the
         prompt would miss it through the prefill worker; and with a p99 inter-token target, the
         local prefill would not stall the decode worker's running streams past it.
 
@@ -110,11 +116,12 @@ class DispatchPolicy(ABC):
         goodput of prefill-heavy load against sending every prompt (BENCHMARKS.md, 2026-11-28)."""
         if self.rate is None:
             return ""
-        held = max(decode.index.match(prompt.block_hashes), prompt.store_blocks)
         queued = prefill.inflight_blocks * prompt.block_size
         wait = self.rate.queue_wait_s(queued)
-        stall = self.rate.local_s(prompt.num_tokens - held * prompt.block_size)
-        if wait is None or stall is None or wait <= stall:
+        stall = self.rate.local_s(prompt.uncached_tokens(decode))
+        # Prompts the decode worker already prefills for this router come first there.
+        local_wait = self.rate.local_s(decode.local_prefill_blocks * prompt.block_size)
+        if wait is None or stall is None or local_wait is None or wait <= stall + local_wait:
             return ""
         itl = self.targets.itl_p99_s
         running = max(decode.load.num_running, decode.streams)
