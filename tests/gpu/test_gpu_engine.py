@@ -88,6 +88,16 @@ def test_no_kernel_is_compiled_mid_step(tiny_model, arch: str) -> None:
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert all(len(o.outputs[0].token_ids) == 40 for o in outputs)
+    # Prompts arriving one by one while others decode: steps of 1 to 11 decode rows beside a
+    # prefill, so each field of the step's inputs lands at many offsets (before they were
+    # aligned, each new offset compiled prefill attention anew on a served decode worker).
+    engine = llm.engine
+    for k, prompt in enumerate(random_prompts([3 + 5 * k for k in range(11)], seed=9)):
+        engine.add_request(f"arrival-{k}", prompt, params)
+        engine.step()
+        engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
     compiled = _compiled_variants()
     assert {k: v - started.get(k, 0) for k, v in compiled.items() if v != started.get(k, 0)} == {}
 
