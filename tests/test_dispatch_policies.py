@@ -11,6 +11,7 @@ import pytest
 
 from pdmesh.prefix_hash import hash_prefix_blocks
 from pdmesh.router.policies import LocalTargets, PromptInfo, create_policy
+from pdmesh.router.policies.base import NO_TARGETS, DispatchPolicy
 from pdmesh.router.prefill_rate import PrefillRate
 from pdmesh.router.registry import Worker
 
@@ -21,6 +22,20 @@ def _prompt(num_tokens: int) -> PromptInfo:
     rng = random.Random(num_tokens)
     ids = [rng.randrange(100, 30000) for _ in range(num_tokens)]
     return PromptInfo(num_tokens, hash_prefix_blocks(ids, BS), BS)
+
+
+def _measured(
+    name: str, targets: LocalTargets = NO_TARGETS, local_s_per_token: float = 0.001
+) -> tuple[DispatchPolicy, Worker, Worker]:
+    """A load-aware policy whose router measured 1 ms a prompt token through the prefill queue
+    and `local_s_per_token` on decode workers; a decode and a prefill worker."""
+    rate = PrefillRate()
+    rate.observe(remote=True, seconds=0.64, tokens=640)
+    rate.observe(remote=False, seconds=320 * local_s_per_token, tokens=320)
+    policy = create_policy(
+        name, overlap_weight=1.0, disagg_min_tokens=64, rate=rate, targets=targets
+    )
+    return policy, Worker("d:1", "decode"), Worker("p:1", "prefill")
 
 
 @pytest.mark.parametrize("name", ["kv", "round_robin"])
@@ -81,15 +96,8 @@ def test_load_aware_disaggregation_keeps_the_prompt_remote_while_the_queue_meets
     through the prefill worker still meets the TTFT target, costs the prompt nothing it was
     promised: the prompt is sent, and the decode worker's streams are not stalled. Past the
     target it is prefilled locally."""
-    rate = PrefillRate()
-    targets = LocalTargets(ttft_s=1.0)
-    policy = create_policy(
-        name, overlap_weight=1.0, disagg_min_tokens=64, rate=rate, targets=targets
-    )
-    decode, prefill = Worker("d:1", "decode"), Worker("p:1", "prefill")
+    policy, decode, prefill = _measured(name, LocalTargets(ttft_s=1.0))
     prompt = _prompt(320)
-    rate.observe(remote=True, seconds=0.64, tokens=640)  # 1 ms a token
-    rate.observe(remote=False, seconds=0.32, tokens=320)
     prefill.inflight_blocks = 25  # 400 queued + 320 own: ~0.72 s to the first token
     assert policy.choose(prompt, [decode], [prefill]).prefill is prefill
     prefill.inflight_blocks = 36  # 576 + 320: ~0.9 s, within the target but not its headroom
@@ -104,26 +112,15 @@ def test_load_aware_disaggregation_stalls_no_stream_past_the_inter_token_target(
     """With a p99 inter-token target, a decode worker that runs streams prefills locally only
     what stalls them less than the target, however long the prefill queue; an idle one still
     takes the prompt (no stream to stall), and so does one whose stall fits the target."""
-    rate = PrefillRate()
     targets = LocalTargets(ttft_s=1.0, itl_p99_s=0.025)
-    policy = create_policy(
-        name, overlap_weight=1.0, disagg_min_tokens=64, rate=rate, targets=targets
-    )
-    decode, prefill = Worker("d:1", "decode"), Worker("p:1", "prefill")
+    policy, decode, prefill = _measured(name, targets)  # 1 ms a token here: a 0.32 s stall
     prompt = _prompt(320)
-    rate.observe(remote=True, seconds=0.64, tokens=640)  # 1 ms a token through the queue
-    rate.observe(remote=False, seconds=0.32, tokens=320)  # 1 ms a token here: a 0.32 s stall
     prefill.inflight_blocks = 100  # 1,600 queued: the prompt would miss its TTFT target there
     assert policy.choose(prompt, [decode], [prefill]).prefill is None  # no streams running
     decode.load.num_running = 8
     sent = policy.choose(prompt, [decode], [prefill])
     assert sent.prefill is prefill  # 0.32 s would stall 8 streams past 25 ms
-    fast = PrefillRate()  # decode workers that prefill the prompt in ~6 ms
-    fast.observe(remote=True, seconds=0.64, tokens=640)
-    fast.observe(remote=False, seconds=0.0064, tokens=320)
-    quick = create_policy(
-        name, overlap_weight=1.0, disagg_min_tokens=64, rate=fast, targets=targets
-    )
+    quick, _, _ = _measured(name, targets, local_s_per_token=0.00002)  # a ~6 ms prefill
     assert quick.choose(prompt, [decode], [prefill]).prefill is None
 
 
@@ -131,15 +128,8 @@ def test_load_aware_disaggregation_stalls_no_stream_past_the_inter_token_target(
 def test_the_inter_token_target_counts_streams_the_workers_stats_do_not_show_yet(name: str) -> None:
     """Stats come every half second: a decode worker they show idle may already run streams this
     router sent it since (a burst of arrivals). Those streams count too."""
-    rate = PrefillRate()
-    targets = LocalTargets(ttft_s=1.0, itl_p99_s=0.025)
-    policy = create_policy(
-        name, overlap_weight=1.0, disagg_min_tokens=64, rate=rate, targets=targets
-    )
-    decode, prefill = Worker("d:1", "decode"), Worker("p:1", "prefill")
+    policy, decode, prefill = _measured(name, LocalTargets(ttft_s=1.0, itl_p99_s=0.025))
     prompt = _prompt(320)
-    rate.observe(remote=True, seconds=0.64, tokens=640)
-    rate.observe(remote=False, seconds=0.32, tokens=320)
     prefill.inflight_blocks = 100
     assert decode.load.num_running == 0
     decode.streams = 2  # sent since its last stats
@@ -156,12 +146,8 @@ def test_load_aware_disaggregation_counts_the_prompts_the_decode_worker_already_
     would take longer than the prefill worker's queue, the prompt is sent (on two H200s, 8B
     prefill-heavy load at 16 a second put 51 of 64 prompts on the decode worker and their first
     tokens 1.5 s late when they did not count)."""
-    rate = PrefillRate()
-    policy = create_policy(name, overlap_weight=1.0, disagg_min_tokens=64, rate=rate)
-    decode, prefill = Worker("d:1", "decode"), Worker("p:1", "prefill")
+    policy, decode, prefill = _measured(name)  # 1 ms a token, both ways
     prompt = _prompt(320)
-    rate.observe(remote=True, seconds=0.64, tokens=640)  # 1 ms a token, both ways
-    rate.observe(remote=False, seconds=0.32, tokens=320)
     prefill.inflight_blocks = 60  # 960 queued: 0.96 s
     assert policy.choose(prompt, [decode], [prefill]).prefill is None  # 0.32 s here
     decode.local_prefill_blocks = 45  # 720 tokens ahead of it there: 1.04 s in all
