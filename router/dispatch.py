@@ -351,11 +351,12 @@ class Dispatcher:
 
     def _timing(self, prompt: PromptInfo, decision: Decision) -> PrefillTiming:
         """What a fresh request's prefill will compute, to time it: on a prefill worker, the
-        tokens booked there before it and its own; on its decode worker, its uncached tokens."""
+        tokens booked there before it and its own; on its decode worker, the tokens of the
+        prompts this router gave it to prefill before and its own uncached ones."""
         if decision.prefill is not None:
             blocks = decision.prefill.inflight_blocks + decision.prefill_miss_blocks
             return PrefillTiming(self.prefill_rate, True, blocks * prompt.block_size)
-        return PrefillTiming(self.prefill_rate, False, prompt.uncached_tokens(decision.decode))
+        return PrefillTiming(self.prefill_rate, False, prompt.local_tokens(decision.decode))
 
     async def _candidates(self, avoid: set[str], refused: set[str]) -> list[Worker]:
         """Ready decode workers not in `refused`: waits up to LINK_WAIT_S for any to be ready

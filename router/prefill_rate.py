@@ -4,9 +4,10 @@ the prefill pool (queue included) and on decode workers themselves.
 A prompt sent to a prefill worker is timed from its Submit to its first token and divided by
 the tokens that worker had to compute before it could answer: those this router had sent it
 and not yet seen come back (its queue), plus the prompt's own. A prompt prefilled on its decode
-worker is divided by its own uncached tokens only: the time it holds up that worker's running
-batch. Each is a moving average (the last samples weigh most), so it follows the load and the
-hardware the workers run on; until one is measured the other stands in for it.
+worker likewise: the uncached tokens of the prompts this router had given that worker to prefill
+and not yet seen answered, plus its own. Each is a moving average (the last samples weigh
+most), so it follows the load and the hardware the workers run on; until one is measured the
+other stands in for it.
 
 With these, `queue_wait_s(tokens)` estimates how long a prompt sent now would wait behind a
 prefill worker's queue, and `local_s(tokens)` how long prefilling it on a decode worker would

@@ -154,3 +154,18 @@ def test_load_aware_disaggregation_counts_the_prompts_the_decode_worker_already_
     assert policy.choose(prompt, [decode], [prefill]).prefill is prefill
     decode.local_prefill_blocks = 20  # 320 ahead: 0.64 s in all
     assert policy.choose(prompt, [decode], [prefill]).prefill is None
+
+
+def test_a_prompts_local_tokens_are_the_decode_workers_prefill_queue_and_its_uncached_part() -> (
+    None
+):
+    """What a decode worker computes before a prompt's first token there, which the router both
+    predicts with and times local prefills by: its queue of prompts from this router, then the
+    prompt's blocks it does not hold."""
+    decode = Worker("d:1", "decode")
+    prompt = _prompt(90)  # 5 full blocks and 10 tokens
+    assert prompt.local_tokens(decode) == 90
+    decode.index.insert(prompt.block_hashes[:3])
+    assert prompt.local_tokens(decode) == 90 - 3 * BS
+    decode.local_prefill_blocks = 7
+    assert prompt.local_tokens(decode) == 7 * BS + 90 - 3 * BS

@@ -30,6 +30,11 @@ class PromptInfo:
         held = max(decode.index.match(self.block_hashes), self.store_blocks)
         return max(0, self.num_tokens - held * self.block_size)
 
+    def local_tokens(self, decode: Worker) -> int:
+        """Tokens the decode worker computes before the prompt's first token if it prefills the
+        prompt itself: the prompts this router gave it to prefill first, then its uncached part."""
+        return decode.local_prefill_blocks * self.block_size + self.uncached_tokens(decode)
+
     def split(self, cached: int) -> tuple[int, int]:
         """For a worker holding the first `cached` blocks: (blocks it would fetch from the KV
         store, blocks it would compute)."""
@@ -120,8 +125,8 @@ class DispatchPolicy(ABC):
         wait = self.rate.queue_wait_s(queued)
         stall = self.rate.local_s(prompt.uncached_tokens(decode))
         # Prompts the decode worker already prefills for this router come first there.
-        local_wait = self.rate.local_s(decode.local_prefill_blocks * prompt.block_size)
-        if wait is None or stall is None or local_wait is None or wait <= stall + local_wait:
+        local = self.rate.local_s(prompt.local_tokens(decode))
+        if wait is None or stall is None or local is None or wait <= local:
             return ""
         itl = self.targets.itl_p99_s
         running = max(decode.load.num_running, decode.streams)
