@@ -38,7 +38,7 @@ def test_a_warmed_up_engine_holds_nothing_and_answers_as_a_new_one(tiny_model) -
     assert (stats.num_running, stats.num_waiting) == (0, 0)
     assert stats.kv_blocks_used == 0 and stats.kv_blocks_free == stats.kv_blocks_total
     assert (stats.prefix_queried_tokens, stats.prefix_hit_tokens) == (0, 0)
-    assert warmed.prefill_rate.seconds_per_token is None
+    assert warmed.prefill_rate.seconds_per_token is None and warmed.most_in_flight == 0
     assert not warmed.has_unfinished_requests()
     # Its prompts left no cached prefix: a prompt of the same tokens is computed anew.
     vocab = warmed.info.vocab_size
