@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,18 @@ class Mesh:
                 else worker_pb2_grpc.DecodeWorkerStub
             )
             return stub_cls(ch).GetStats(worker_pb2.StatsRequest(), timeout=10)
+
+    def blocks_used(self) -> tuple[int, int]:
+        """KV blocks the first decode and the first prefill worker hold."""
+        return self.stats(self.decode[0]).kv_blocks_used, self.stats(self.prefill[0]).kv_blocks_used
+
+    def wait_blocks_free(self, within_s: float) -> float:
+        """Seconds until neither holds a block; AssertionError after `within_s`."""
+        start = time.monotonic()
+        while (used := self.blocks_used()) != (0, 0):
+            assert time.monotonic() - start < within_s, f"blocks still used: {used}"
+            time.sleep(0.05)
+        return time.monotonic() - start
 
     def stop(self) -> None:
         stop(self.proc, 30)

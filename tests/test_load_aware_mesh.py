@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from pathlib import Path
 
 from mesh_support import Mesh, greedy_tokens, start_mesh
 
 from pdmesh import LLM, SamplingParams
+
+# --slo-ttft-ms 1: every queue misses it, so the queues alone decide.
+MESH = (
+    "--prefill", "1", "--decode", "1", "--load-aware-disagg", "--slo-ttft-ms", "1",
+    "--kv-cache-tokens", "16384", "--max-num-batched-tokens", "256", "--disagg-min-tokens", "64",
+)  # fmt: skip
 
 
 def _metric(mesh: Mesh, name: str, **labels: str) -> float:
@@ -23,19 +28,7 @@ def test_a_burst_of_long_prompts_is_split_between_the_prefill_and_the_decode_wor
     small_llm: LLM, small_model_folder: Path
 ) -> None:
     mesh = start_mesh(
-        "--prefill",
-        "1",
-        "--decode",
-        "1",
-        "--load-aware-disagg",
-        "--slo-ttft-ms",
-        "1",  # every queue misses it: the queues alone decide
-        "--kv-cache-tokens",
-        "16384",
-        "--max-num-batched-tokens",
-        "256",
-        "--disagg-min-tokens",
-        "64",
+        *MESH,
         model=small_model_folder,
         http=True,
     )
@@ -65,11 +58,7 @@ def test_a_burst_of_long_prompts_is_split_between_the_prefill_and_the_decode_wor
         decode = mesh.stats(mesh.decode[0])
         assert (decode.remote_prefills, decode.prefill_fallbacks) == (remote, 0)
         assert _metric(mesh, "pdmesh_router_worker_streams", worker=mesh.decode[0]) == 0
-        deadline = time.monotonic() + 10
-        while (
-            mesh.stats(mesh.decode[0]).kv_blocks_used or mesh.stats(mesh.prefill[0]).kv_blocks_used
-        ):
-            assert time.monotonic() < deadline, "blocks still held after every stream ended"
-            time.sleep(0.05)
+        mesh.wait_blocks_free(10.0)
+
     finally:
         mesh.stop()

@@ -230,7 +230,7 @@ def test_choices_ending_at_different_steps_through_the_mesh(mesh: Mesh, small_ll
     assert finishes == [(0, stop_pb), (1, length_pb), (2, length_pb)]
     assert stream[-1].usage.completion_tokens == sum(len(t) for t in _by_choice(stream).values())
     assert stream[-1].timings.disaggregated
-    assert _blocks_used(mesh) == (0, 0)
+    assert mesh.blocks_used() == (0, 0)
 
 
 def test_n_beyond_what_the_kv_cache_can_hold_is_refused(mesh: Mesh) -> None:
@@ -267,19 +267,6 @@ def test_model_info_and_tokenize(mesh: Mesh, small_llm: LLM, small_model_folder:
         assert list(tok.token_ids) == small_llm.get_tokenizer().encode("Hello world")
 
 
-def _blocks_used(mesh: Mesh) -> tuple[int, int]:
-    return mesh.stats(mesh.decode[0]).kv_blocks_used, mesh.stats(mesh.prefill[0]).kv_blocks_used
-
-
-def _wait_free(mesh: Mesh, within_s: float) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < within_s:
-        if _blocks_used(mesh) == (0, 0):
-            return time.monotonic() - start
-        time.sleep(0.05)
-    raise AssertionError(f"blocks still used after {within_s} s: {_blocks_used(mesh)}")
-
-
 def test_cancel_mid_stream_frees_decode_blocks(mesh: Mesh) -> None:
     prompt = list(range(1000, 1300))
     with grpc.insecure_channel(mesh.target) as ch:
@@ -289,9 +276,9 @@ def test_cancel_mid_stream_frees_decode_blocks(mesh: Mesh) -> None:
         for i, _ in enumerate(call):
             if i == 3:
                 break
-        assert _blocks_used(mesh)[0] > 0
+        assert mesh.blocks_used()[0] > 0
         call.cancel()
-        _wait_free(mesh, 5.0)  # generous: two pytest workers may share the cores
+        mesh.wait_blocks_free(5.0)  # generous: two pytest workers may share the cores
 
 
 def test_cancel_during_remote_prefill_frees_prefill_blocks(mesh: Mesh) -> None:
@@ -305,7 +292,7 @@ def test_cancel_during_remote_prefill_frees_prefill_blocks(mesh: Mesh) -> None:
         future.cancel()
         # The abort lands between steps: after the prefill chunk under way, which on two CPU
         # cores shared with the router and the decode worker can itself take about a second.
-        _wait_free(mesh, 10.0)
+        mesh.wait_blocks_free(10.0)
 
 
 def test_deadline_frees_blocks(mesh: Mesh) -> None:
@@ -317,7 +304,7 @@ def test_deadline_frees_blocks(mesh: Mesh) -> None:
             ):
                 pass
         assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-    _wait_free(mesh, 5.0)
+    mesh.wait_blocks_free(5.0)
 
 
 @pytest.mark.parametrize(

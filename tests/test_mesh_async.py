@@ -6,26 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from pathlib import Path
 
 import grpc
-from mesh_support import Mesh, greedy_tokens, start_mesh
+from mesh_support import greedy_tokens, start_mesh
 
 from pdmesh import LLM, SamplingParams
 from pdmesh.v1 import generation_pb2 as gen_pb
 from pdmesh.v1 import generation_pb2_grpc
-
-
-def _blocks_used(mesh: Mesh) -> tuple[int, int]:
-    return mesh.stats(mesh.decode[0]).kv_blocks_used, mesh.stats(mesh.prefill[0]).kv_blocks_used
-
-
-def _wait_free(mesh: Mesh, within_s: float) -> None:
-    deadline = time.monotonic() + within_s
-    while _blocks_used(mesh) != (0, 0):
-        assert time.monotonic() < deadline, f"blocks still used: {_blocks_used(mesh)}"
-        time.sleep(0.05)
 
 
 def test_async_decode_worker_streams_the_offline_tokens(
@@ -61,7 +49,7 @@ def test_async_decode_worker_streams_the_offline_tokens(
         stats = mesh.stats(mesh.decode[0])
         assert stats.steps_launched_ahead > 0
         assert stats.remote_prefills == sum(n >= 64 for n in lengths)
-        _wait_free(mesh, 8.0)
+        mesh.wait_blocks_free(8.0)
 
         with grpc.insecure_channel(mesh.target) as ch:  # cancelled while steps run ahead
             call = generation_pb2_grpc.GenerationStub(ch).Generate(
@@ -74,7 +62,7 @@ def test_async_decode_worker_streams_the_offline_tokens(
                 if i == 5:
                     break
             call.cancel()
-        _wait_free(mesh, 8.0)
+        mesh.wait_blocks_free(8.0)
     finally:
         mesh.stop()
     assert mesh.proc.returncode == 0, "".join(mesh.output[-30:])
