@@ -147,6 +147,13 @@ def stop(proc: subprocess.Popen[Any], grace_s: float = STOP_GRACE_S) -> None:
     """SIGTERM `proc`, SIGKILL if it still runs after `grace_s`; returns once it has exited."""
     if proc.poll() is None:
         proc.terminate()
+    wait_or_kill(proc, grace_s)
+
+
+def wait_or_kill(proc: subprocess.Popen[Any], grace_s: float) -> None:
+    """Wait up to `grace_s` for a process already told to stop, then SIGKILL it. No second
+    SIGTERM: one arriving while a service takes its own handler down (pdmesh/serving/runner.py
+    resets it to the default before ignoring it) killed a kvstore mid-shutdown in a test."""
     try:
         proc.wait(grace_s)
     except subprocess.TimeoutExpired:
@@ -155,10 +162,10 @@ def stop(proc: subprocess.Popen[Any], grace_s: float = STOP_GRACE_S) -> None:
 
 
 def stop_all(children: list[Child]) -> None:
-    """SIGTERM every child, then SIGKILL those still running after STOP_GRACE_S."""
+    """SIGTERM every child once, then SIGKILL those still running after STOP_GRACE_S."""
     for c in children:
         if c.proc.poll() is None:
             c.proc.terminate()
     deadline = time.monotonic() + STOP_GRACE_S
     for c in children:
-        stop(c.proc, max(0.1, deadline - time.monotonic()))
+        wait_or_kill(c.proc, max(0.1, deadline - time.monotonic()))

@@ -173,4 +173,4 @@ def stop(services: dict[str, LocalService]) -> None:
             s.proc.send_signal(signal.SIGTERM)
     for s in services.values():
         if s.proc is not None:
-            supervisor.stop(s.proc, 20)
+            supervisor.wait_or_kill(s.proc, 20)
