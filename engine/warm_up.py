@@ -38,8 +38,8 @@ def _prompt(length: int, seed: int, vocab: int) -> list[int]:
 def warm_up(engine: LLMEngine) -> float:
     """Run the warm-up requests to their end; the seconds it took."""
     started = time.perf_counter()
-    capacity = engine.runner.num_blocks * engine.config.block_size
-    room = min(engine.scheduler.max_num_batched_tokens, engine.max_model_len, capacity) - 8
+    # max_model_len is within the KV cache already (LLMEngine lowers it to the cache's size).
+    room = min(engine.scheduler.max_num_batched_tokens, engine.max_model_len) - 8
     vocab = engine.info.vocab_size
     greedy = SamplingParams(max_tokens=3, ignore_eos=True)
     sampled = SamplingParams(

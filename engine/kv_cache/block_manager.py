@@ -87,12 +87,16 @@ class BlockManager:
         # Free blocks in eviction order: the front is handed out first.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[int, int] = {}  # block hash -> block id
+        self.reset_counters()
+        self._copies: list[tuple[int, int]] = []  # (source, copy) blocks, for the next step
+        self.host = host if enable_prefix_caching else None
+
+    def reset_counters(self) -> None:
+        """Zero what the stats count since start (prefix lookups, forks, copies on write)."""
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
-        self._copies: list[tuple[int, int]] = []  # (source, copy) blocks, for the next step
         self.num_forked_blocks = 0  # block references taken by forks (blocks shared)
         self.num_block_copies = 0  # copies on write
-        self.host = host if enable_prefix_caching else None
 
     # -- sizes --------------------------------------------------------------------------------
     @property

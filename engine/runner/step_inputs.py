@@ -138,13 +138,13 @@ def _to_parts(
     kernel anew for each pointer argument's alignment, and views at the offsets the step's row
     counts gave compiled prefill attention in the middle of served steps (one variant a new
     mix of decode and prefill rows, 0.5-1.5 s each, on two H200s)."""
-    step = _ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size()
+    step = _ALIGN_BYTES // dtype.itemsize
     values = array.array(_ARRAY_CODES[dtype])
     sizes = []
     for part in parts:
         values.extend(part)  # in C: a 512-sequence decode step carries ~20,000 ints
         pad = -len(part) % step
-        values.extend(bytes(pad))
+        values.extend([0] * pad)
         sizes.append(len(part) + pad)
     flat = torch.frombuffer(values, dtype=dtype) if values else torch.empty(0, dtype=dtype)
     if device.type != "cpu":

@@ -436,5 +436,4 @@ class Scheduler:
     def reset_stats(self) -> None:
         """Zero the counters `stats` reports (an engine's warm-up: engine/warm_up.py)."""
         self.num_preemptions = self.num_lookaheads = 0
-        self._blocks.prefix_queried_tokens = self._blocks.prefix_hit_tokens = 0
-        self._blocks.num_forked_blocks = self._blocks.num_block_copies = 0
+        self._blocks.reset_counters()
