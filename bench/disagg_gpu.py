@@ -29,7 +29,6 @@ client. Stages, each writing DIR/disagg.json as it ends:
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import gc
 import itertools
@@ -39,14 +38,9 @@ import random
 import subprocess
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.samples import Sample
 
 from pdmesh.bench.gpu_models import (
     TINY,
@@ -57,6 +51,7 @@ from pdmesh.bench.gpu_models import (
     write_llama_8b,
 )
 from pdmesh.bench.latency_stats import RequestRecord, Slo, summarize
+from pdmesh.bench.mesh_metrics import Mesh
 from pdmesh.bench.report import Report, out_parser
 from pdmesh.bench.serving import LoadConfig, Workload, exact_request, make_workload, run_load
 from pdmesh.bench.span_timeline import read_spans, span_timeline
@@ -107,58 +102,6 @@ LAYOUT_SETS = {
 ENGINE = ["--load-format", "dummy", "--max-model-len", "8192", "--kv-transport", "nccl"]
 TINY_ENGINE: list[str] = []  # --tiny: the dry run's flags, after (overriding) ENGINE's
 VOCAB = 128256
-
-
-@dataclass(frozen=True)
-class Mesh:
-    target: str  # the router's gRPC address
-    metrics: dict[str, str]  # worker name -> its /metrics URL
-
-    def samples(self, service: str) -> Iterator[Sample]:
-        """Every sample on a service's /metrics."""
-        text = urllib.request.urlopen(self.metrics[service], timeout=10).read().decode()
-        for family in text_string_to_metric_families(text):
-            yield from family.samples
-
-    def roles(self) -> dict[str, int]:
-        """How many workers serve each role now (their pdmesh_worker_role gauges)."""
-        workers = [w for w in self.metrics if w.startswith(("prefill", "decode"))]
-        roles = [
-            s.labels["role"]
-            for w in workers
-            for s in self.samples(w)
-            if s.name == "pdmesh_worker_role" and s.value == 1
-        ]
-        return dict(collections.Counter(roles))
-
-    def switches(self) -> dict[str, float]:
-        """The planner's role switches so far, `to_role/reason` (failed ones `failed/to_role`),
-        from the router's /metrics."""
-        found = {}
-        for s in self.samples("router"):
-            if s.name == "pdmesh_router_planner_switches_total":
-                found[f"{s.labels['to_role']}/{s.labels['reason']}"] = s.value
-            elif s.name == "pdmesh_router_planner_switches_failed_total":
-                found[f"failed/{s.labels['to_role']}"] = s.value
-        return found
-
-    def dispatches(self) -> dict[str, float]:
-        """The router's dispatch decisions so far, by outcome (remote_prefill, local_prefill)."""
-        return {
-            s.labels["outcome"]: s.value
-            for s in self.samples("router")
-            if s.name == "pdmesh_router_dispatch_decisions_total"
-        }
-
-    def scrape(self, worker: str, name: str) -> tuple[float, float]:
-        """(sum, count) of one histogram of a worker, summed over its label sets."""
-        total = count = 0.0
-        for s in self.samples(worker):
-            if s.name == f"{name}_sum":
-                total += s.value
-            elif s.name == f"{name}_count":
-                count += s.value
-        return total, count
 
 
 @contextlib.contextmanager
