@@ -9,9 +9,28 @@ The offline API mirrors vLLM's names so users can switch::
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+
+def _drop_checkout_root() -> None:
+    """Take this checkout's root off sys.path (`python -m` from the checkout puts it there).
+
+    Its folders install as pdmesh.* subpackages (kernels/ is pdmesh.kernels); seen from the root
+    they are top-level packages too, and `kernels` then shadows the Hugging Face package of that
+    name, which transformers (5.25 and newer) imports when it is installed."""
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "kernels" / "__init__.py").is_file():
+        return  # an installed pdmesh: its parent is site-packages
+    for entry in list(sys.path):
+        if Path(entry or ".").resolve() == root:
+            sys.path.remove(entry)
+
+
+_drop_checkout_root()
 
 if TYPE_CHECKING:
     from pdmesh.engine.llm import LLM

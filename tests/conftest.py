@@ -6,6 +6,10 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+# First, before transformers: importing pdmesh takes the checkout's root off sys.path.
+import pdmesh  # noqa: F401
+
+# isort: split
 import pytest
 from support import make_small_default_model, make_tiny_model
 
