@@ -3,6 +3,7 @@ with the narrow decode projections on the matmul library and on the GEMV kernel,
 async scheduling (each step launched before the previous one's tokens are read).
 
     python -m pdmesh.bench.decode_step_gpu --out DIR [--profile] [--quantization fp8]
+        [--variants cublas,gemv,gemv-async,gemv-async-pdl] [--batch 1 --context 512]
 
 Two bf16 random-weight models: the Llama-3.1-8B shape and one TP=2 rank's shard of it (half
 the heads, MLP and vocabulary: what a rank computes per step, collectives aside), each built
@@ -10,8 +11,10 @@ with PDMESH_GEMV_MAX_ROWS=0 (cuBLAS), =1 (the GEMV, default), and the GEMV with 
 scheduling. Each build's batch-1 logits on one fixed token are compared with cuBLAS's (relative
 error in the results). With --quantization fp8 the weights are quantized at load: "cublas" is
 then the per-token quantization and cuBLASLt's fp8 GEMM (torch._scaled_mm), "gemv" the fp8 GEMV
-(weight-only), and the floors count the fp8 bytes. Writes DIR/decode_step.json (with fp8:
-decode_step-fp8.json; --profile: a torch.profiler table per setting); prints a table.
+(weight-only), and the floors count the fp8 bytes. "gemv-async-pdl" is "gemv-async" with
+PDMESH_PDL=1 (programmatic dependent launch). --batch / --context: a larger step (the
+floor then counts the batch's KV too). Writes DIR/decode_step[-fp8]-bB.json (--profile: a
+torch.profiler table per setting); prints a table.
 """
 
 from __future__ import annotations
@@ -38,8 +41,13 @@ def tp2_shard_config() -> Any:
     return config
 
 
-# (name, PDMESH_GEMV_MAX_ROWS, async scheduling)
-VARIANTS = [("cublas", 0, False), ("gemv", 1, False), ("gemv-async", 1, True)]
+# (name, PDMESH_GEMV_MAX_ROWS, async scheduling, PDMESH_PDL)
+VARIANTS = [
+    ("cublas", 0, False, "0"),
+    ("gemv", 1, False, "0"),
+    ("gemv-async", 1, True, "0"),
+    ("gemv-async-pdl", 1, True, "1"),
+]
 
 
 def fixed_token_logits(engine: Any) -> torch.Tensor:
@@ -54,17 +62,20 @@ def fixed_token_logits(engine: Any) -> torch.Tensor:
 
 def measure(
     folder: Path,
-    variant: tuple[str, int, bool],
+    variant: tuple[str, int, bool, str],
     profile: bool,
     out: Path,
     bw: float,
     quantization: str | None = None,
+    batch: int = 1,
+    context: int = 512,
 ) -> tuple[dict[str, Any], torch.Tensor]:
-    name, gemv_rows, overlap = variant
+    name, gemv_rows, overlap, use_pdl = variant
     os.environ["PDMESH_GEMV_MAX_ROWS"] = str(gemv_rows)
+    os.environ["PDMESH_PDL"] = use_pdl
     llm = dummy_llm(
         folder,
-        kv_cache_tokens=32768,
+        kv_cache_tokens=max(32768, batch * (context + 64)),
         max_num_seqs=64,
         max_model_len=8192,
         async_scheduling=overlap,
@@ -72,24 +83,28 @@ def measure(
     )
     engine = llm.engine
     wbytes = weight_bytes(engine.runner)
-    step_ms = decode_step_time(engine, 1, 512, steps=40) * 1e3
-    replay_ms = median_s(engine.runner.graphs.graphs[1].replay, warmup=20) * 1e3
+    kv_bytes = batch * (context + 16) * engine.runner.kv_spec.bytes_per_token
+    step_ms = decode_step_time(engine, batch, context, steps=40) * 1e3
+    graph = engine.runner.graphs.graphs.get(batch)  # a graph bucket's size, or none
+    replay_ms = median_s(graph.replay, warmup=20) * 1e3 if graph else float("nan")
     logits = fixed_token_logits(engine)
     result = {
         "model": folder.name,
         "quantization": quantization,
         "variant": name,
+        "batch": batch,
+        "context": context,
         "weight_gb": wbytes / 1e9,
-        "floor_ms": wbytes / bw * 1e3,
+        "kv_gb": kv_bytes / 1e9,
+        "floor_ms": (wbytes + kv_bytes) / bw * 1e3,
         "step_ms": step_ms,
         "replay_ms": replay_ms,
         "host_ms": step_ms - replay_ms,
     }
     if profile and folder.name == "llama8b":
-        table = profile_decode(engine, 1, 512)
-        (
-            out / f"profile-{folder.name}-{name}{'-' + quantization if quantization else ''}.txt"
-        ).write_text(table)
+        table = profile_decode(engine, batch, context)
+        kind = f"-{quantization}" if quantization else ""
+        (out / f"profile-{folder.name}-{name}{kind}-b{batch}.txt").write_text(table)
     del llm, engine
     free_memory()
     return result, logits
@@ -99,19 +114,38 @@ def main(argv: list[str] | None = None) -> int:
     parser = out_parser(__doc__)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--quantization", default=None, help="fp8: the weights in FP8")
+    parser.add_argument(
+        "--variants", default=",".join(v[0] for v in VARIANTS), help="which builds, by name"
+    )
+    parser.add_argument("--models", default="llama8b,llama8b-tp2-shard")
+    parser.add_argument("--batch", type=int, default=1, help="sequences decoding a step")
+    parser.add_argument("--context", type=int, default=512, help="tokens each has")
     args = parser.parse_args(argv)
     bw = ceilings()["copy_gb_s"] * 1e9
-    name = f"decode_step{'-' + args.quantization if args.quantization else ''}.json"
-    report = Report(args.out / name, indent=1, **run_info(), copy_gb_s=bw / 1e9)
+    kind = f"-{args.quantization}" if args.quantization else ""
+    report = Report(
+        args.out / f"decode_step{kind}-b{args.batch}.json",
+        indent=1,
+        **run_info(),
+        copy_gb_s=bw / 1e9,
+    )
     tmp = Path(tempfile.mkdtemp())
-    models = [
-        write_config(tmp / "llama8b", llama_8b_config()),
-        write_config(tmp / "llama8b-tp2-shard", tp2_shard_config()),
-    ]
+    configs = {"llama8b": llama_8b_config, "llama8b-tp2-shard": tp2_shard_config}
+    models = [write_config(tmp / m, configs[m]()) for m in args.models.split(",")]
+    chosen = [v for v in VARIANTS if v[0] in args.variants.split(",")]
     for folder in models:
         reference = None
-        for variant in VARIANTS:
-            r, logits = measure(folder, variant, args.profile, args.out, bw, args.quantization)
+        for variant in chosen:
+            r, logits = measure(
+                folder,
+                variant,
+                args.profile,
+                args.out,
+                bw,
+                args.quantization,
+                args.batch,
+                args.context,
+            )
             reference = logits if reference is None else reference
             r["logits_rel_err"] = float((logits - reference).norm() / reference.norm())
             report.append("results", r)

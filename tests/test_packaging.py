@@ -42,9 +42,16 @@ def test_the_command_line_parser_imports_no_torch() -> None:
 
 
 def test_no_top_level_name_but_pdmesh() -> None:
-    # `kernels` and `router` would collide with other distributions (docs/architecture.md).
+    # `kernels` and `router` would collide with other distributions (docs/architecture.md):
+    # Hugging Face's `kernels`, a dependency of transformers 5.25 and newer, may be installed; none
+    # of these names may lead to this checkout's folders.
+    root = Path(__file__).resolve().parent.parent
     names = ("kernels", "router", "engine", "kv_transfer")
-    code = f"import importlib.util as u; print([n for n in {names!r} if u.find_spec(n)])"
+    code = (
+        "import importlib.util as u\n"
+        f"specs = [(n, u.find_spec(n)) for n in {names!r}]\n"
+        f"print([n for n, s in specs if s and str(s.origin).startswith({str(root)!r} + '/' + n)])"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/"
     )

@@ -19,6 +19,7 @@ import triton.language as tl
 from pdmesh.kernels.backend import register_triton
 from pdmesh.kernels.triton.device import dot_precision, last_dim_contiguous, num_sms
 from pdmesh.kernels.triton.kv_store import cache_strides
+from pdmesh.kernels.triton.pdl import pdl, pdl_launch, wait_for_previous
 
 # A split shorter than this costs more in its partial write and merge than it gains.
 MIN_SPLIT_TOKENS = 128
@@ -66,10 +67,12 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
     F16_DOT: tl.constexpr,  # the dots in fp16 (fp8 pages convert to it natively), else q's
+    USE_PDL: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    wait_for_previous(USE_PDL)
     ctx = tl.load(context_lens_ptr + b)
     # Each sequence is cut into num_splits pieces of its own length (a multiple of BLOCK_N).
     split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
@@ -138,10 +141,12 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # One program per (sequence, query head): weight each split by exp2(lse - max lse).
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    wait_for_previous(USE_PDL)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     s_mask = s < num_splits
@@ -227,6 +232,7 @@ def paged_decode_attention(
         # Partials in fp32: [B, H, S, D] outputs and [B, H, S] log2-sum-exps.
         part = torch.empty(batch, num_heads, num_splits, head_dim, device=query.device)
         lse = torch.empty(batch, num_heads, num_splits, device=query.device)
+    use_pdl = pdl(query.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         query,
         k_cache,
@@ -255,8 +261,10 @@ def paged_decode_attention(
         BLOCK_N=tile.block_n,
         DOT_PREC=dot_precision(query.dtype),
         F16_DOT=tile.f16_dot and not wide,
+        USE_PDL=use_pdl,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
+        **pdl_launch(use_pdl),
     )
     if not direct:
         _decode_merge_kernel[(batch, num_heads)](
@@ -274,6 +282,8 @@ def paged_decode_attention(
             HEAD_DIM=head_dim,
             BLOCK_S=MERGE_BLOCK_S,  # one size for every split count: one compile
             BLOCK_D=triton.next_power_of_2(head_dim),
+            USE_PDL=use_pdl,
             num_warps=4,
+            **pdl_launch(use_pdl),
         )
     return out

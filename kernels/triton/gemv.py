@@ -22,6 +22,7 @@ import triton.language as tl
 from pdmesh import envs
 from pdmesh.kernels.backend import register_triton
 from pdmesh.kernels.triton.activation import silu_and_mul, silu_mul
+from pdmesh.kernels.triton.pdl import pdl, pdl_launch, wait_for_previous
 
 # Output features above which the matmul library streams the weight as fast (measured).
 MAX_OUTPUTS = 8192
@@ -44,6 +45,22 @@ def _load_x(ptrs, mask, K, GATED: tl.constexpr):
 
 
 @triton.jit
+def _load_w(w_ptrs, k_ok, EVEN_K: tl.constexpr):
+    """A [BLOCK_N, BLOCK_K] tile of W, evicted first (nothing reads it again this step)."""
+    if EVEN_K:
+        w = tl.load(w_ptrs, eviction_policy="evict_first")
+    else:
+        w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+    return w
+
+
+@triton.jit
+def _x_mask(row_ok, k_ok, EVEN_K: tl.constexpr):
+    """Which elements of a [BLOCK_M, BLOCK_K] tile of x exist (rows past M do not)."""
+    return row_ok[:, None] if EVEN_K else row_ok[:, None] & k_ok[None, :]
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -60,6 +77,7 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,
     EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -71,18 +89,20 @@ def _gemv_kernel(
     w_rows = tl.minimum(cols, N - 1).to(tl.int64)
     w_ptrs = w_ptr + w_rows[:, None] * stride_wn + ks[None, :]  # [BLOCK_N, BLOCK_K]
     x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]  # [BLOCK_M, BLOCK_K]
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs, eviction_policy="evict_first")
-            x = _load_x(x_ptrs, row_ok[:, None], K, GATED)
-        else:
-            k_ok = (k0 + ks) < K
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
-            x = _load_x(x_ptrs, row_ok[:, None] & k_ok[None, :], K, GATED)
-        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    # The first tile of W is read before waiting for the kernel that wrote x (with programmatic
+    # dependent launch, that kernel may still be running: W does not depend on it).
+    k_ok = ks < K
+    w = _load_w(w_ptrs, k_ok, EVEN_K)
+    wait_for_previous(USE_PDL)
+    x = _load_x(x_ptrs, _x_mask(row_ok, k_ok, EVEN_K), K, GATED)
+    acc = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+        k_ok = (k0 + ks) < K
+        w = _load_w(w_ptrs, k_ok, EVEN_K)
+        x = _load_x(x_ptrs, _x_mask(row_ok, k_ok, EVEN_K), K, GATED)
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
     if HAS_SCALE:  # an fp8 weight: row n of W is w[n] * scale[n]
         y *= tl.load(s_ptr + w_rows)[None, :]
@@ -133,6 +153,7 @@ def gemv(
     config: GemvConfig | None = None,
     gated: bool = False,
     scale: torch.Tensor | None = None,
+    use_pdl: bool | None = None,
 ) -> torch.Tensor:
     # x: [M, K] (or [M, 2K] = [gate | up] when gated), weight: [N, K], bias: [N] -> [M, N];
     # scale: [N] float32 for an fp8 weight (row n is weight[n] * scale[n])
@@ -141,6 +162,7 @@ def gemv(
     if x.shape[1] != k * (2 if gated else 1):
         raise ValueError(f"x has {x.shape[1]} features for a weight of {k}{' (gated)' * gated}")
     cfg = config or default_config(m, n, k)
+    use_pdl = pdl(x.device) if use_pdl is None else use_pdl
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x,
@@ -158,11 +180,13 @@ def gemv(
         HAS_BIAS=bias is not None,
         GATED=gated,
         EVEN_K=k % cfg.block_k == 0,
+        USE_PDL=use_pdl,
         BLOCK_M=triton.next_power_of_2(m),
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl_launch(use_pdl),
     )
     return y
 

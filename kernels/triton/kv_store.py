@@ -9,6 +9,7 @@ import triton.language as tl
 from pdmesh.kernels.backend import register_triton
 from pdmesh.kernels.kv_quant import is_fp8
 from pdmesh.kernels.triton.device import last_dim_contiguous
+from pdmesh.kernels.triton.pdl import pdl, pdl_launch, wait_for_previous
 
 
 @triton.jit
@@ -51,9 +52,11 @@ def _store_kv_kernel(
     BLOCK_D: tl.constexpr,
     FP8: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # One program per token: all its heads at once, [BLOCK_H, BLOCK_D].
     t = tl.program_id(0).to(tl.int64)
+    wait_for_previous(USE_PDL)
     slot = tl.load(slot_ptr + t)
     if slot < 0:
         return
@@ -95,6 +98,7 @@ def store_kv_cache(
         return
     key, value = last_dim_contiguous(key), last_dim_contiguous(value)
     _, page, num_kv_heads, head_dim = k_cache.shape
+    use_pdl = pdl(key.device)
     _store_kv_kernel[(num_tokens,)](
         key,
         value,
@@ -113,5 +117,7 @@ def store_kv_cache(
         BLOCK_D=triton.next_power_of_2(head_dim),
         FP8=is_fp8(k_cache.dtype),
         FP8_MAX=torch.finfo(k_cache.dtype).max if is_fp8(k_cache.dtype) else 0.0,
+        USE_PDL=use_pdl,
         num_warps=4,
+        **pdl_launch(use_pdl),
     )

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from pdmesh.kernels.triton.activation import silu_mul
 from pdmesh.kernels.triton.device import last_dim_contiguous
+from pdmesh.kernels.triton.pdl import pdl, pdl_launch, wait_for_previous
 
 # Batches of at most this many tokens take these kernels; larger ones the grouped GEMMs, which
 # read an expert's weights once for all of its rows. Qwen3-30B-A3B's layer on an H200 (µs, GEMV
@@ -93,8 +94,10 @@ def _up_kernel(
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pair = tl.program_id(0).to(tl.int64)
+    wait_for_previous(USE_PDL)  # the expert ids: the routing kernel's
     e = tl.load(ids_ptr + pair) - first_expert
     if (e < 0) | (e >= num_local):  # held on another rank: h's row stays unwritten, unread
         return
@@ -148,11 +151,13 @@ def _down_kernel(
     BLOCK_J: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # All k experts of the token at once: a [BLOCK_J, BLOCK_N, BLOCK_K] tile of their rows per
     # step (one program would otherwise wait on k small loads in turn). Experts held elsewhere
     # are masked off, so their rows are never read.
     t = tl.program_id(0).to(tl.int64)
+    wait_for_previous(USE_PDL)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(cols, N - 1).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
@@ -197,6 +202,7 @@ def up_projection(
     num_local, two_inter, _ = w13.shape
     inter, top_k = two_inter // 2, topk_ids.shape[1]
     h = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    use_pdl = pdl(x.device)
     _up_kernel[(num_tokens * top_k, triton.cdiv(inter, cfg.up_block_n))](
         x,
         w13,
@@ -217,7 +223,9 @@ def up_projection(
         EVEN_K=hidden % cfg.up_block_k == 0,
         BLOCK_N=cfg.up_block_n,
         BLOCK_K=cfg.up_block_k,
+        USE_PDL=use_pdl,
         num_warps=cfg.up_warps,
+        **pdl_launch(use_pdl),
     )
     return h
 
@@ -235,6 +243,7 @@ def down_projection(
     num_local, hidden, inter = w2.shape
     num_tokens, top_k = topk_ids.shape
     out = torch.empty(num_tokens, hidden, dtype=dtype, device=h.device)
+    use_pdl = pdl(h.device)
     _down_kernel[(num_tokens, triton.cdiv(hidden, cfg.down_block_n))](
         h,
         w2,
@@ -257,7 +266,9 @@ def down_projection(
         BLOCK_J=triton.next_power_of_2(top_k),
         BLOCK_N=cfg.down_block_n,
         BLOCK_K=cfg.down_block_k,
+        USE_PDL=use_pdl,
         num_warps=cfg.down_warps,
+        **pdl_launch(use_pdl),
     )
     return out
 

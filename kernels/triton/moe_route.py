@@ -15,6 +15,7 @@ import triton.language as tl
 from pdmesh.kernels.backend import register_triton
 from pdmesh.kernels.moe import RouteTally, Routing, SlotTable
 from pdmesh.kernels.triton.device import last_dim_contiguous
+from pdmesh.kernels.triton.pdl import pdl, pdl_launch, wait_for_previous
 
 
 # first_token and the counted rows change from step to step: specialising on their values (1, or
@@ -42,9 +43,11 @@ def _route_kernel(
     COUNT_SLOTS: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # One program per token: the whole row of E logits in registers, k rounds of argmax.
     t = tl.program_id(0).to(tl.int64)
+    wait_for_previous(USE_PDL)
     e = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + t * stride_l + e, mask=e < num_experts, other=float("-inf"))
     x = x.to(tl.float32)
@@ -103,6 +106,7 @@ def moe_route(
             raise ValueError(f"{name} counts must be int64, got {buf.dtype}")
     logits = last_dim_contiguous(router_logits)
     block_e = triton.next_power_of_2(num_experts)
+    use_pdl = pdl(device)
     _route_kernel[(num_tokens,)](
         logits,
         weights,
@@ -125,6 +129,8 @@ def moe_route(
         COUNT_SLOTS=slot_counts is not None,
         BLOCK_E=block_e,
         BLOCK_K=triton.next_power_of_2(top_k),
+        USE_PDL=use_pdl,
         num_warps=4 if block_e >= 512 else 1,
+        **pdl_launch(use_pdl),
     )
     return Routing(weights, ids, slots)

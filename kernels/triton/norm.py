@@ -14,6 +14,7 @@ import triton.language as tl
 
 from pdmesh.kernels.backend import register_triton
 from pdmesh.kernels.triton.device import last_dim_contiguous
+from pdmesh.kernels.triton.pdl import pdl, pdl_launch, wait_for_previous
 
 # Elements one program aims to hold: rows are batched until a tile reaches this size.
 _TILE_ELEMENTS = 4096
@@ -34,12 +35,17 @@ def _rms_norm_kernel(
     stride_o,
     stride_ro,
     ADD_RESIDUAL: tl.constexpr,
+    USE_PDL: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
     cols = tl.arange(0, BLOCK_C)[None, :]
     mask = (rows < n_rows) & (cols < n_cols)
+    # The weight first: with programmatic dependent launch the kernel that wrote x may still be
+    # running until the wait.
+    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    wait_for_previous(USE_PDL)
     x = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=0.0)
     if ADD_RESIDUAL:
         r = tl.load(res_ptr + rows * stride_r + cols, mask=mask, other=0.0)
@@ -49,7 +55,6 @@ def _rms_norm_kernel(
     x32 = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x32 * x32, 1) / n_cols + eps)  # [BLOCK_R]
     y = (x32 * inv_rms[:, None]).to(x.dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows * stride_o + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -74,6 +79,7 @@ def _launch(
         # Rows a program takes: from the row size only, so that a new row count never compiles
         # the kernel again mid-step (see decode_attention.py); short batches mask the rest.
         block_r = max(1, _TILE_ELEMENTS // block_c)
+        use_pdl = pdl(x.device)
         _rms_norm_kernel[(triton.cdiv(n_rows, block_r),)](
             x2,
             res2 if res2 is not None else x2,
@@ -88,9 +94,11 @@ def _launch(
             out.stride(0),
             res_out.stride(0) if res_out is not None else 0,
             ADD_RESIDUAL=residual is not None,
+            USE_PDL=use_pdl,
             BLOCK_R=block_r,
             BLOCK_C=block_c,
             num_warps=min(16, max(1, block_r * block_c // 512)),
+            **pdl_launch(use_pdl),
         )
     shape = x.shape
     return out.view(shape), None if res_out is None else res_out.view(shape)

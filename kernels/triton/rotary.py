@@ -13,6 +13,7 @@ import triton.language as tl
 
 from pdmesh.kernels.backend import register_triton
 from pdmesh.kernels.triton.device import last_dim_contiguous
+from pdmesh.kernels.triton.pdl import pdl, pdl_launch, wait_for_previous
 
 
 @triton.jit
@@ -74,8 +75,10 @@ def _rotary_kernel(
     BLOCK_HKV: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    wait_for_previous(USE_PDL)
     row = cache_ptr + tl.load(pos_ptr + t) * stride_cache
     i = tl.arange(0, BLOCK_HALF)
     cos = tl.load(row + i, mask=i < HALF, other=0.0)  # [BLOCK_HALF] float32
@@ -107,6 +110,7 @@ def apply_rotary(
     query, key = last_dim_contiguous(query), last_dim_contiguous(key)
     cos_sin_cache = last_dim_contiguous(cos_sin_cache)
     pass_dims = head_dim - 2 * half
+    use_pdl = pdl(query.device)
     _rotary_kernel[(num_tokens,)](
         positions,
         cos_sin_cache,
@@ -125,6 +129,8 @@ def apply_rotary(
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_PASS=triton.next_power_of_2(pass_dims) if pass_dims else 0,
+        USE_PDL=use_pdl,
         num_warps=4,
+        **pdl_launch(use_pdl),
     )
     return q_out, k_out
