@@ -46,6 +46,26 @@ def test_batch1_decode_on_the_gemv_kernel_matches_transformers(tiny_model) -> No
     assert llm.engine.steps_launched_ahead >= 3 * 22
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_programmatic_dependent_launch_matches_transformers(tiny_model, monkeypatch, arch) -> None:
+    """PDMESH_PDL=1: the decode path's kernels launched while the kernel before them finishes
+    (each waits before reading what that kernel wrote), in graphs and eager, batch 1 (GEMVs,
+    the MoE GEMVs) and batched; tokens equal to transformers'."""
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setenv("PDMESH_PDL", "1")
+    folder = tiny_model(arch)
+    llm = LLM(str(folder), dtype="float32", kv_cache_tokens=4096, max_num_batched_tokens=64)
+    hf = load_hf(folder)
+    prompts = random_prompts([5, 17, 40, 100])
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        one = llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY)
+    assert any("_gemv_kernel" in e.key for e in prof.key_averages())
+    outputs = one + llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], GREEDY)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 24, ignore_eos=True)
+
+
 def test_cuda_graphs_equal_eager(tiny_model) -> None:
     folder = str(tiny_model("llama"))
     prompts = [{"prompt_token_ids": p} for p in random_prompts([7, 33, 64, 90])]
