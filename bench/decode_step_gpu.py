@@ -3,7 +3,7 @@ with the narrow decode projections on the matmul library and on the GEMV kernel,
 async scheduling (each step launched before the previous one's tokens are read).
 
     python -m pdmesh.bench.decode_step_gpu --out DIR [--profile] [--quantization fp8]
-        [--variants cublas,gemv,gemv-async,gemv-async-pdl] [--batch 1 --context 512]
+        [--variants cublas,gemv,gemv-async,gemv-async-nopdl] [--batch 1 --context 512]
 
 Two bf16 random-weight models: the Llama-3.1-8B shape and one TP=2 rank's shard of it (half
 the heads, MLP and vocabulary: what a rank computes per step, collectives aside), each built
@@ -11,8 +11,8 @@ with PDMESH_GEMV_MAX_ROWS=0 (cuBLAS), =1 (the GEMV, default), and the GEMV with 
 scheduling. Each build's batch-1 logits on one fixed token are compared with cuBLAS's (relative
 error in the results). With --quantization fp8 the weights are quantized at load: "cublas" is
 then the per-token quantization and cuBLASLt's fp8 GEMM (torch._scaled_mm), "gemv" the fp8 GEMV
-(weight-only), and the floors count the fp8 bytes. "gemv-async-pdl" is "gemv-async" with
-PDMESH_PDL=1 (programmatic dependent launch). --batch / --context: a larger step (the
+(weight-only), and the floors count the fp8 bytes. "gemv-async-nopdl" is "gemv-async" with
+PDMESH_PDL=0 (no programmatic dependent launch). --batch / --context: a larger step (the
 floor then counts the batch's KV too). Writes DIR/decode_step[-fp8]-bB.json (--profile: a
 torch.profiler table per setting); prints a table.
 """
@@ -43,10 +43,10 @@ def tp2_shard_config() -> Any:
 
 # (name, PDMESH_GEMV_MAX_ROWS, async scheduling, PDMESH_PDL)
 VARIANTS = [
-    ("cublas", 0, False, "0"),
-    ("gemv", 1, False, "0"),
-    ("gemv-async", 1, True, "0"),
-    ("gemv-async-pdl", 1, True, "1"),
+    ("cublas", 0, False, "1"),
+    ("gemv", 1, False, "1"),
+    ("gemv-async", 1, True, "1"),
+    ("gemv-async-nopdl", 1, True, "0"),
 ]
 
 

@@ -36,11 +36,12 @@ def gemv_max_rows() -> int:
 
 
 def pdl() -> bool:
-    """PDMESH_PDL=1: programmatic dependent launch of the decode path's Triton kernels (GEMVs,
+    """PDMESH_PDL: programmatic dependent launch of the decode path's Triton kernels (GEMVs,
     RMSNorm, rotary, KV store, decode attention, MoE routing and expert GEMVs) on GPUs that have
     it (compute capability 9.0 and newer): each is launched while the kernel before it finishes,
-    reads what does not depend on it (its weights) and then waits for it. Default 0 (off)."""
-    value = os.environ.get("PDMESH_PDL", "0")
+    reads what does not depend on it (its weights) and then waits for it. 1 (default): on where
+    the GPU has it; 0: off (measured on an H100: docs/gpu.md)."""
+    value = os.environ.get("PDMESH_PDL", "1")
     if value not in ("0", "1"):
         raise ValueError(f"PDMESH_PDL must be 0 or 1, got {value!r}")
     return value == "1"

@@ -10,11 +10,12 @@ from pdmesh import envs
 from pdmesh.kernels.triton.pdl import pdl, pdl_launch
 
 
-def test_off_by_default_and_never_off_cuda(monkeypatch) -> None:
+def test_on_by_default_and_never_off_cuda(monkeypatch) -> None:
     monkeypatch.delenv("PDMESH_PDL", raising=False)
+    assert envs.pdl() is True
+    monkeypatch.setenv("PDMESH_PDL", "0")
     assert envs.pdl() is False
     monkeypatch.setenv("PDMESH_PDL", "1")
-    assert envs.pdl() is True
     assert pdl(torch.device("cpu")) is False  # the interpreter: no launch option at all
     assert pdl_launch(False) == {}
     assert pdl_launch(True) == {"launch_pdl": True}

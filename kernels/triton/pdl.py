@@ -5,7 +5,7 @@ reads of what the kernel before it does not write (a GEMV's weights) overlap tha
 A kernel taking part has a USE_PDL constexpr and calls `wait_for_previous(USE_PDL)` before it
 reads or writes anything the kernels before it write or read (only constant data before it); the
 wait returns once the kernel before it has finished and its writes are visible. The call also
-lets the next kernel launch early. Its launch passes `**pdl_launch(use)`. PDMESH_PDL=1 turns it on.
+lets the next kernel launch early. Its launch passes `**pdl_launch(use)`. PDMESH_PDL=0 turns it off.
 """
 
 from __future__ import annotations

@@ -48,9 +48,9 @@ def test_batch1_decode_on_the_gemv_kernel_matches_transformers(tiny_model) -> No
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
 def test_programmatic_dependent_launch_matches_transformers(tiny_model, monkeypatch, arch) -> None:
-    """PDMESH_PDL=1: the decode path's kernels launched while the kernel before them finishes
-    (each waits before reading what that kernel wrote), in graphs and eager, batch 1 (GEMVs,
-    the MoE GEMVs) and batched; tokens equal to transformers'."""
+    """PDMESH_PDL=1 (the default): the decode path's kernels launched while the kernel before
+    them finishes (each waits before reading what that kernel wrote), in graphs and eager, batch
+    1 (GEMVs, the MoE GEMVs) and batched; tokens equal to transformers'."""
     from torch.profiler import ProfilerActivity, profile
 
     monkeypatch.setenv("PDMESH_PDL", "1")
