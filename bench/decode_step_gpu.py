@@ -12,7 +12,9 @@ scheduling. Each build's batch-1 logits on one fixed token are compared with cuB
 error in the results). With --quantization fp8 the weights are quantized at load: "cublas" is
 then the per-token quantization and cuBLASLt's fp8 GEMM (torch._scaled_mm), "gemv" the fp8 GEMV
 (weight-only), and the floors count the fp8 bytes. "gemv-async-nopdl" is "gemv-async" with
-PDMESH_PDL=0 (no programmatic dependent launch). --batch / --context: a larger step (the
+PDMESH_PDL=0 (no programmatic dependent launch); "-words": the fp8 GEMV widening
+its weights by integer operations (kernels/triton/fp8_gemv.py); "gemv4": up to 4 rows on the
+GEMV (PDMESH_GEMV_MAX_ROWS=4). --batch / --context: a larger step (the
 floor then counts the batch's KV too). Writes DIR/decode_step[-fp8]-bB.json (--profile: a
 torch.profiler table per setting); prints a table.
 """
@@ -29,6 +31,7 @@ import torch
 from pdmesh.bench.gpu_models import dummy_llm, llama_8b_config, write_config
 from pdmesh.bench.gpu_workloads import decode_step_time, profile_decode, weight_bytes
 from pdmesh.bench.report import Report, ceilings, free_memory, median_s, out_parser, run_info
+from pdmesh.kernels.triton import fp8_linear
 
 
 def tp2_shard_config() -> Any:
@@ -41,12 +44,15 @@ def tp2_shard_config() -> Any:
     return config
 
 
-# (name, PDMESH_GEMV_MAX_ROWS, async scheduling, PDMESH_PDL)
+# (name, PDMESH_GEMV_MAX_ROWS, async scheduling, PDMESH_PDL, how the fp8 GEMV widens weights)
 VARIANTS = [
-    ("cublas", 0, False, "1"),
-    ("gemv", 1, False, "1"),
-    ("gemv-async", 1, True, "1"),
-    ("gemv-async-nopdl", 1, True, "0"),
+    ("cublas", 0, False, "1", "convert"),
+    ("gemv", 1, False, "1", "convert"),
+    ("gemv-async", 1, True, "1", "convert"),
+    ("gemv-async-nopdl", 1, True, "0", "convert"),
+    ("gemv-async-words", 1, True, "1", "words"),
+    ("gemv4-async", 4, True, "1", "convert"),
+    ("gemv4-async-words", 4, True, "1", "words"),
 ]
 
 
@@ -62,17 +68,19 @@ def fixed_token_logits(engine: Any) -> torch.Tensor:
 
 def measure(
     folder: Path,
-    variant: tuple[str, int, bool, str],
+    variant: tuple[str, int, bool, str, str],
     profile: bool,
     out: Path,
     bw: float,
     quantization: str | None = None,
     batch: int = 1,
     context: int = 512,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[dict[str, Any], torch.Tensor]:
-    name, gemv_rows, overlap, use_pdl = variant
+    name, gemv_rows, overlap, use_pdl, widen = variant
     os.environ["PDMESH_GEMV_MAX_ROWS"] = str(gemv_rows)
     os.environ["PDMESH_PDL"] = use_pdl
+    fp8_linear.WIDEN = widen
     llm = dummy_llm(
         folder,
         kv_cache_tokens=max(32768, batch * (context + 64)),
@@ -80,6 +88,7 @@ def measure(
         max_model_len=8192,
         async_scheduling=overlap,
         quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
     )
     engine = llm.engine
     wbytes = weight_bytes(engine.runner)
@@ -91,6 +100,7 @@ def measure(
     result = {
         "model": folder.name,
         "quantization": quantization,
+        "kv_cache_dtype": kv_cache_dtype,
         "variant": name,
         "batch": batch,
         "context": context,
@@ -103,7 +113,9 @@ def measure(
     }
     if profile and folder.name == "llama8b":
         table = profile_decode(engine, batch, context)
-        kind = f"-{quantization}" if quantization else ""
+        kind = (f"-{quantization}" if quantization else "") + (
+            f"-kv{kv_cache_dtype}" if kv_cache_dtype != "auto" else ""
+        )
         (out / f"profile-{folder.name}-{name}{kind}-b{batch}.txt").write_text(table)
     del llm, engine
     free_memory()
@@ -120,9 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="llama8b,llama8b-tp2-shard")
     parser.add_argument("--batch", type=int, default=1, help="sequences decoding a step")
     parser.add_argument("--context", type=int, default=512, help="tokens each has")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="fp8: an fp8 KV cache")
     args = parser.parse_args(argv)
     bw = ceilings()["copy_gb_s"] * 1e9
-    kind = f"-{args.quantization}" if args.quantization else ""
+    kind = (f"-{args.quantization}" if args.quantization else "") + (
+        f"-kv{args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""
+    )
     report = Report(
         args.out / f"decode_step{kind}-b{args.batch}.json",
         indent=1,
@@ -145,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.quantization,
                 args.batch,
                 args.context,
+                args.kv_cache_dtype,
             )
             reference = logits if reference is None else reference
             r["logits_rel_err"] = float((logits - reference).norm() / reference.norm())
