@@ -1,5 +1,7 @@
 """PDMESH_PDL: programmatic dependent launch, only where a CUDA device of compute capability 9.0
-or newer runs the kernels (the GPU test is tests/gpu/test_gpu_engine.py)."""
+or newer runs the kernels (the GPU test is tests/gpu/test_gpu_engine.py). In this folder: its
+conftest imports pdmesh.kernels.triton under the interpreter; an import from a test elsewhere
+would decorate every kernel for a GPU first."""
 
 from __future__ import annotations
 
