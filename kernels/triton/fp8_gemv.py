@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdmesh.kernels.triton.gemv import GemvConfig, _load_x, _x_mask
+from pdmesh.kernels.triton.gemv import GemvConfig, _load_w, _load_x, _x_mask
 from pdmesh.kernels.triton.pdl import pdl, pdl_launch, wait_for_previous
 
 
@@ -39,15 +39,6 @@ def _widen(w, J: tl.constexpr):
         sign = w
         mag = w >> 4
     return ((sign & -2147483648) | (mag & 0x07F00000)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _load_words(w_ptrs, c_ok, EVEN: tl.constexpr):
-    if EVEN:
-        w = tl.load(w_ptrs, eviction_policy="evict_first")
-    else:
-        w = tl.load(w_ptrs, mask=c_ok[None, :], other=0, eviction_policy="evict_first")
-    return w
 
 
 @triton.jit
@@ -90,7 +81,7 @@ def _fp8_gemv_words_kernel(
     w_ptrs = w_ptr + w_rows[:, None] * stride_wn + cs[None, :]  # [BLOCK_N, BLOCK_C]
     x_ptrs = x_ptr + rows[:, None] * stride_xm + 4 * cs[None, :]  # [BLOCK_M, BLOCK_C]
     c_ok = cs < words
-    w = _load_words(w_ptrs, c_ok, EVEN)  # before the wait: W does not depend on the kernel before
+    w = _load_w(w_ptrs, c_ok, EVEN)  # before the wait: W does not depend on the kernel before
     wait_for_previous(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_C], dtype=tl.float32)
     acc = _words_times_x(acc, w, x_ptrs, _x_mask(row_ok, c_ok, EVEN), K, GATED)
@@ -98,7 +89,7 @@ def _fp8_gemv_words_kernel(
         w_ptrs += BLOCK_C
         x_ptrs += 4 * BLOCK_C
         c_ok = (c0 + cs) < words
-        w = _load_words(w_ptrs, c_ok, EVEN)
+        w = _load_w(w_ptrs, c_ok, EVEN)
         acc = _words_times_x(acc, w, x_ptrs, _x_mask(row_ok, c_ok, EVEN), K, GATED)
     y = tl.sum(acc, axis=2) * 1.152921504606846976e18  # [BLOCK_M, BLOCK_N], times 2^60
     y *= (tl.load(s_ptr + w_rows) * 1.152921504606846976e18)[None, :]  # the scale times 2^60
