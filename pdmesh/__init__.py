@@ -21,10 +21,12 @@ def _drop_checkout_root() -> None:
 
     Its folders install as pdmesh.* subpackages (kernels/ is pdmesh.kernels); seen from the root
     they are top-level packages too, and `kernels` then shadows the Hugging Face package of that
-    name, which transformers (5.25 and newer) imports when it is installed."""
+    name, which transformers (5.25 and newer) imports when it is installed. An installed pdmesh
+    sits in site-packages, beside that very package: nothing is done there."""
     root = Path(__file__).resolve().parent.parent
-    if not (root / "kernels" / "__init__.py").is_file():
-        return  # an installed pdmesh: its parent is site-packages
+    checkout = (root / "pyproject.toml").is_file() and (root / "engine" / "llm_engine.py").is_file()
+    if not checkout:
+        return
     for entry in list(sys.path):
         if Path(entry or ".").resolve() == root:
             sys.path.remove(entry)
