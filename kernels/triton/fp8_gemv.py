@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdmesh.kernels.triton.gemv import GemvConfig, _load_w, _load_x, _x_mask
+from pdmesh.kernels.triton.gemv import GemvConfig, load_weight_tile, load_x_tile, x_tile_mask
 from pdmesh.kernels.triton.pdl import pdl, pdl_launch, wait_for_previous
 
 
@@ -46,7 +46,7 @@ def _words_times_x(acc, w, x_ptrs, x_mask, K, GATED: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N, BLOCK_C] plus the products of the words' four weights with the
     four elements of x each pairs with."""
     for j in tl.static_range(4):
-        x = _load_x(x_ptrs + j, x_mask, K, GATED).to(tl.float32)
+        x = load_x_tile(x_ptrs + j, x_mask, K, GATED).to(tl.float32)
         acc += x[:, None, :] * _widen(w, j)[None, :, :]
     return acc
 
@@ -81,16 +81,16 @@ def _fp8_gemv_words_kernel(
     w_ptrs = w_ptr + w_rows[:, None] * stride_wn + cs[None, :]  # [BLOCK_N, BLOCK_C]
     x_ptrs = x_ptr + rows[:, None] * stride_xm + 4 * cs[None, :]  # [BLOCK_M, BLOCK_C]
     c_ok = cs < words
-    w = _load_w(w_ptrs, c_ok, EVEN)  # before the wait: W does not depend on the kernel before
+    w = load_weight_tile(w_ptrs, c_ok, EVEN)  # before the wait: no earlier kernel writes W
     wait_for_previous(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_C], dtype=tl.float32)
-    acc = _words_times_x(acc, w, x_ptrs, _x_mask(row_ok, c_ok, EVEN), K, GATED)
+    acc = _words_times_x(acc, w, x_ptrs, x_tile_mask(row_ok, c_ok, EVEN), K, GATED)
     for c0 in range(BLOCK_C, words, BLOCK_C):
         w_ptrs += BLOCK_C
         x_ptrs += 4 * BLOCK_C
         c_ok = (c0 + cs) < words
-        w = _load_w(w_ptrs, c_ok, EVEN)
-        acc = _words_times_x(acc, w, x_ptrs, _x_mask(row_ok, c_ok, EVEN), K, GATED)
+        w = load_weight_tile(w_ptrs, c_ok, EVEN)
+        acc = _words_times_x(acc, w, x_ptrs, x_tile_mask(row_ok, c_ok, EVEN), K, GATED)
     y = tl.sum(acc, axis=2) * 1.152921504606846976e18  # [BLOCK_M, BLOCK_N], times 2^60
     y *= (tl.load(s_ptr + w_rows) * 1.152921504606846976e18)[None, :]  # the scale times 2^60
     if HAS_BIAS:

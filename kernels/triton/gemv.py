@@ -36,7 +36,7 @@ class GemvConfig(NamedTuple):
 
 
 @triton.jit
-def _load_x(ptrs, mask, K, GATED: tl.constexpr):
+def load_x_tile(ptrs, mask, K, GATED: tl.constexpr):
     """A tile of x; GATED: silu(gate) * up, gate at `ptrs` and up K elements further."""
     x = tl.load(ptrs, mask=mask, other=0.0)
     if GATED:
@@ -45,7 +45,7 @@ def _load_x(ptrs, mask, K, GATED: tl.constexpr):
 
 
 @triton.jit
-def _load_w(w_ptrs, k_ok, EVEN_K: tl.constexpr):
+def load_weight_tile(w_ptrs, k_ok, EVEN_K: tl.constexpr):
     """A [BLOCK_N, BLOCK_K] tile of W, evicted first (nothing reads it again this step)."""
     if EVEN_K:
         w = tl.load(w_ptrs, eviction_policy="evict_first")
@@ -55,7 +55,7 @@ def _load_w(w_ptrs, k_ok, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _x_mask(row_ok, k_ok, EVEN_K: tl.constexpr):
+def x_tile_mask(row_ok, k_ok, EVEN_K: tl.constexpr):
     """Which elements of a [BLOCK_M, BLOCK_K] tile of x exist (rows past M do not)."""
     return row_ok[:, None] if EVEN_K else row_ok[:, None] & k_ok[None, :]
 
@@ -92,16 +92,16 @@ def _gemv_kernel(
     # The first tile of W is read before waiting for the kernel that wrote x (with programmatic
     # dependent launch, that kernel may still be running: W does not depend on it).
     k_ok = ks < K
-    w = _load_w(w_ptrs, k_ok, EVEN_K)
+    w = load_weight_tile(w_ptrs, k_ok, EVEN_K)
     wait_for_previous(USE_PDL)
-    x = _load_x(x_ptrs, _x_mask(row_ok, k_ok, EVEN_K), K, GATED)
+    x = load_x_tile(x_ptrs, x_tile_mask(row_ok, k_ok, EVEN_K), K, GATED)
     acc = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         k_ok = (k0 + ks) < K
-        w = _load_w(w_ptrs, k_ok, EVEN_K)
-        x = _load_x(x_ptrs, _x_mask(row_ok, k_ok, EVEN_K), K, GATED)
+        w = load_weight_tile(w_ptrs, k_ok, EVEN_K)
+        x = load_x_tile(x_ptrs, x_tile_mask(row_ok, k_ok, EVEN_K), K, GATED)
         acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
     if HAS_SCALE:  # an fp8 weight: row n of W is w[n] * scale[n]

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from pdmesh.kernels.triton.activation import silu_mul
 from pdmesh.kernels.triton.device import last_dim_contiguous
-from pdmesh.kernels.triton.gemv import _load_w
+from pdmesh.kernels.triton.gemv import load_weight_tile
 from pdmesh.kernels.triton.pdl import pdl, pdl_launch, wait_for_previous
 
 # Batches of at most this many tokens take these kernels; larger ones the grouped GEMMs, which
@@ -60,7 +60,7 @@ def default_config(hidden: int, inter: int) -> ExpertGemvConfig:
 @triton.jit
 def _load_w_tile(w_ptrs, k_ok, EVEN_K: tl.constexpr):
     """A [BLOCK_N, BLOCK_K] tile of weight rows in fp32 (read once a step: evicted first)."""
-    return _load_w(w_ptrs, k_ok, EVEN_K).to(tl.float32)
+    return load_weight_tile(w_ptrs, k_ok, EVEN_K).to(tl.float32)
 
 
 @triton.jit
