@@ -20,9 +20,12 @@ from pdmesh.kernels.backend import register_triton
 from pdmesh.kernels.fp8 import _MIN_AMAX, FP8_DTYPE, FP8_MAX, scaled_mm_ref
 from pdmesh.kernels.triton.activation import silu_mul
 from pdmesh.kernels.triton.device import last_dim_contiguous
+from pdmesh.kernels.triton.fp8_gemm import fits as gemm_fits
+from pdmesh.kernels.triton.fp8_gemm import fp8_gemm
 from pdmesh.kernels.triton.fp8_gemv import fits as words_fit
 from pdmesh.kernels.triton.fp8_gemv import fp8_gemv_words
 from pdmesh.kernels.triton.gemv import GemvConfig, gemv
+from pdmesh.kernels.triton.pdl import pdl, pdl_launch, wait_for_previous
 
 _BLOCK_K = 2048
 
@@ -64,8 +67,10 @@ def _quantize_rows_kernel(
     MIN_AMAX: tl.constexpr,
     GATED: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # Grid: (rows,). Two passes over the row: its largest magnitude, then the scaled values.
+    wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
     x_row = x_ptr + row * stride_x
@@ -90,6 +95,7 @@ def quantize_rows(x: torch.Tensor, gated: bool = False) -> tuple[torch.Tensor, t
     q = torch.empty(rows, k, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows:
+        use_pdl = pdl(x.device)
         _quantize_rows_kernel[(rows,)](
             x,
             q,
@@ -101,12 +107,19 @@ def quantize_rows(x: torch.Tensor, gated: bool = False) -> tuple[torch.Tensor, t
             MIN_AMAX=_MIN_AMAX,
             GATED=gated,
             BLOCK_K=min(_BLOCK_K, triton.next_power_of_2(k)),
+            USE_PDL=use_pdl,
             num_warps=4,
+            **pdl_launch(use_pdl),
         )
     return q, scale
 
 
 register_triton("fp8_quantize_rows")(quantize_rows)
+
+
+# Which GEMM takes W8A8 products of decode-sized batches (up to fp8_gemm.MAX_TOKENS rows):
+# "cublas" (torch._scaled_mm) or "triton" (fp8_gemm.py); the benches set it to compare the two.
+SMALL_GEMM = "cublas"
 
 
 def scaled_mm(
@@ -121,6 +134,8 @@ def scaled_mm(
     GEMM with rowwise scales (bf16 output), or its fp32 emulation for other output dtypes."""
     if out_dtype != torch.bfloat16:  # cuBLASLt's rowwise-scaled fp8 GEMM writes bf16 only
         return scaled_mm_ref(xq, x_scale, qweight, w_scale, bias, out_dtype)
+    if SMALL_GEMM == "triton" and gemm_fits(xq, qweight):
+        return fp8_gemm(xq, x_scale, qweight, w_scale, bias, out_dtype)
     # qweight.t() is [K, N] column-major: the layout the fp8 GEMM takes its second operand in.
     y = torch._scaled_mm(
         xq,
