@@ -247,7 +247,7 @@ class LLMEngine:
         seqs = new_sequences(request_id, token_ids, params, text, arrival_time, num_output_tokens)
         for seq in seqs if params.structured_outputs is not None else ():
             seq.grammar = self.grammars.matcher(params.structured_outputs)
-        return Request.start(seqs, self.tokenizer, self.info.vocab_size)
+        return Request.start(seqs, self.tokenizer)
 
     # -- prompts prefilled by another worker ---------------------------------------------------
     def reserve_prefill(
@@ -288,7 +288,7 @@ class LLMEngine:
             if seq.generator is not None and not seq.params.greedy:
                 # The prefill worker drew the first token from this seed: skip that draw here
                 # so the rest matches a single-worker run.
-                Sampler.skip_draw(seq.generator, self.info.vocab_size)
+                Sampler.skip_draw(seq.generator)
         if request.prompt_logprobs is not None and first.prompt_logprobs is not None:
             request.prompt_logprobs = first.prompt_logprobs
         deltas = [

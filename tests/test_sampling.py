@@ -74,6 +74,29 @@ def test_temperature_sampling_follows_softmax() -> None:
     assert torch.allclose(freq, expected, atol=0.015), (freq, expected)
 
 
+def test_a_skipped_draw_is_what_a_sampled_token_takes_from_its_seed() -> None:
+    """A token drawn elsewhere (a prefill worker's first token, a resumed request's output) is
+    skipped with `skip_draw`: the generator then stands where sampling that token left it, so
+    the rest of the request matches a single-worker run."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=1.0, seed=9)] * 3
+    sampled = [torch.Generator().manual_seed(9) for _ in range(3)]
+    Sampler()(logits, SamplingBatch.build(params, sampled, 50, torch.device("cpu")))
+    skipped = torch.Generator().manual_seed(9)
+    Sampler.skip_draw(skipped)  # each row's generator made one draw
+    assert all(torch.equal(g.get_state(), skipped.get_state()) for g in sampled)
+
+
+def test_sampling_never_picks_a_token_of_probability_zero() -> None:
+    """The inverse transform over the cumulative probabilities: masked tokens (-inf), however
+    many and wherever they lie, are never drawn, the last token included."""
+    logits = torch.full((4000, 40), float("-inf"))
+    logits[:, [0, 17, 39]] = torch.tensor([0.0, 1.0, -1.0])
+    params = [SamplingParams(temperature=1.0)] * logits.shape[0]
+    tokens = Sampler(seed=3)(logits, _batch(params, 40))
+    assert set(tokens.tolist()) == {0, 17, 39}
+
+
 @pytest.mark.parametrize(("top_k", "top_p", "allowed"), [(2, 1.0, {0, 1}), (0, 0.8, {0, 1})])
 def test_filters_never_sample_outside_their_set(top_k: int, top_p: float, allowed: set) -> None:
     # softmax([3, 2.5, 0, 0]) ~ [0.58, 0.35, 0.03, 0.03]: top_p 0.8 keeps the first two.

@@ -394,7 +394,7 @@ class ModelRunner:
         plan = self.kv_connector.plan_step(batch) if self.kv_connector is not None else None
         seqs = [batch.seqs[i] for i in inputs.sample_seq_index]
         # Speculative decoding: a sequence with draft tokens samples a row per draft as well.
-        verify = Verify.of(seqs, self.info.vocab_size)
+        verify = Verify.of(seqs)
         if verify is not None:
             seqs = verify.row_seqs
         # Pipeline stages: a step of plain greedy rows is sampled on the last stage.

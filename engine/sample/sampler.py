@@ -71,26 +71,40 @@ class Sampler:
         return torch.where(temps > 0, sampled, greedy)
 
     @staticmethod
-    def skip_draw(generator: torch.Generator, vocab_size: int) -> None:
+    def skip_draw(generator: torch.Generator) -> None:
         """Advance a seeded request's generator past one sampled token (drawn elsewhere)."""
-        torch.empty(vocab_size).exponential_(generator=generator)
+        _uniform(1, generator, torch.device("cpu"))
 
     def _sample(
         self, probs: torch.Tensor, generators: list[torch.Generator | None]
     ) -> torch.Tensor:
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; one draw per vocab entry
-        # from the row's own generator keeps seeded rows independent of their neighbours.
+        # Inverse transform: one uniform u per row picks the first token whose cumulative
+        # probability exceeds u (times the row's total, which rounding keeps near 1). One draw
+        # per row, from the row's own generator when seeded, keeps seeded rows independent of
+        # their neighbours. (An exponential race, argmax(p / E) with E ~ Exp(1), draws from the
+        # same distribution but needs a draw per vocabulary entry: 10 ms a step for 8 rows of a
+        # 49k vocabulary on a 2-core CPU, against 0.3 ms here.)
         if self._generator is None:
             self._generator = torch.Generator(device=probs.device).manual_seed(self._seed)
-        noise = torch.empty_like(probs)
+        rows = probs.shape[0]
         seeded = [(row, gen) for row, gen in enumerate(generators) if gen is not None]
-        if len(seeded) < len(generators):
-            noise.exponential_(generator=self._generator)
-        for row, gen in seeded:
+        if len(seeded) < rows:
+            u = _uniform(rows, self._generator, probs.device)
+        else:
+            u = torch.empty(rows, dtype=torch.float64, device=probs.device)
+        if seeded:
             # Per-request generators live on the CPU so seeds mean the same on every device.
-            draw = torch.empty(probs.shape[-1]).exponential_(generator=gen)
-            noise[row] = host_to_device(draw, probs.device)
-        return (probs / noise).argmax(dim=-1)
+            draws = torch.cat([_uniform(1, gen, torch.device("cpu")) for _, gen in seeded])
+            u[[row for row, _ in seeded]] = host_to_device(draws, probs.device)
+        cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [S, V]
+        target = (u * cdf[:, -1]).unsqueeze(1)  # [S, 1]
+        tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)
+        return tokens.clamp_(max=probs.shape[-1] - 1)
+
+
+def _uniform(n: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """n draws from U[0, 1), float64, from `generator` (on `device`)."""
+    return torch.rand(n, generator=generator, dtype=torch.float64, device=device)
 
 
 def _apply_top_k_top_p(

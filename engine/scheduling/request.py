@@ -55,7 +55,7 @@ class Request:
     error: RequestError | None = None  # why the engine ended it early (finish_reason "error")
 
     @classmethod
-    def start(cls, seqs: list[Sequence], tokenizer: Any, vocab_size: int) -> Request:
+    def start(cls, seqs: list[Sequence], tokenizer: Any) -> Request:
         """The record of new sequences, one per choice (the first runs the prompt). A resumed
         request's output so far (see Sequence; one choice only) is replayed as the lost worker
         produced it: the detokenizer ends up holding back exactly what that worker held back
@@ -71,7 +71,7 @@ class Request:
                 seq.grammar.accept_token(t)  # a resumed request's matcher where the lost one was
             if seq.generator is not None and not params.greedy:
                 for _ in range(seq.num_output_tokens):  # each token sent was one draw
-                    Sampler.skip_draw(seq.generator, vocab_size)
+                    Sampler.skip_draw(seq.generator)
             logprobs = [] if params.logprobs is not None else None
             choices.append(Choice(seq, detok, text, logprobs))
         first = seqs[0]

@@ -39,12 +39,11 @@ class Verify:
 
     drafts: list[list[int]]  # [S]: the draft tokens of each sampled sequence (often none)
     row_seqs: list[Any]  # [R]: the sequence of each logits row, R = S + total drafts
-    vocab_size: int
     # Seeded, sampled sequences with drafts: (index in S, generator, its state before the step)
     _rewind: list[tuple[int, torch.Generator, torch.Tensor]] = field(default_factory=list)
 
     @classmethod
-    def of(cls, seqs: list[Any], vocab_size: int) -> Verify | None:
+    def of(cls, seqs: list[Any]) -> Verify | None:
         """For a step sampling `seqs` (in `sample_seq_index` order), or None when none of them
         has draft tokens (a plain step). Call before the step samples: seeded generators'
         states are saved here."""
@@ -57,7 +56,7 @@ class Verify:
             for i, s in enumerate(seqs)
             if drafts[i] and s.generator is not None and not s.params.greedy
         ]
-        return cls(drafts, rows, vocab_size, rewind)
+        return cls(drafts, rows, rewind)
 
     @property
     def num_rows(self) -> int:
@@ -81,7 +80,7 @@ class Verify:
         for i, generator, state in self._rewind:
             generator.set_state(state)
             for _ in out[i]:
-                Sampler.skip_draw(generator, self.vocab_size)
+                Sampler.skip_draw(generator)
         return out
 
     def logprobs(
