@@ -7,7 +7,12 @@ import torch
 from support import random_prompts
 
 from pdmesh import LLM, SamplingParams
-from pdmesh.engine.sample.sampler import Sampler, SamplingBatch
+from pdmesh.engine.sample.sampler import (
+    Sampler,
+    SamplingBatch,
+    filter_top_k_top_p,
+    filter_top_k_top_p_sorted,
+)
 
 PROMPT = "Write a short poem about the sea:"
 
@@ -95,6 +100,24 @@ def test_sampling_never_picks_a_token_of_probability_zero() -> None:
     params = [SamplingParams(temperature=1.0)] * logits.shape[0]
     tokens = Sampler(seed=3)(logits, _batch(params, 40))
     assert set(tokens.tolist()) == {0, 17, 39}
+
+
+def test_filters_from_the_largest_logits_equal_those_from_a_full_sort() -> None:
+    """On the CPU the top-k / top-p filters first look at each row's largest logits only; rows
+    mixing every setting (top-k alone, top-p alone, both, a top-k wider than the candidates, a
+    flat row whose top-p needs thousands of tokens: the whole sort) keep exactly the tokens, and
+    the logits, that a sort of the whole vocabulary keeps."""
+    g = torch.Generator().manual_seed(5)
+    vocab = 5000
+    logits = torch.randn(7, vocab, generator=g) * torch.tensor([8, 8, 8, 8, 8, 0.5, 8])[:, None]
+    top_k = torch.tensor([40, vocab, 3, 300, vocab, vocab, 1])
+    top_p = torch.tensor([1.0, 0.9, 0.5, 0.99, 0.3, 0.95, 1.0])
+    for rows in ([0, 1, 2, 3, 4, 6], list(range(7))):  # without and with the flat row
+        got = filter_top_k_top_p(logits[rows], top_k[rows], top_p[rows])
+        want = filter_top_k_top_p_sorted(logits[rows], top_k[rows], top_p[rows])
+        assert torch.equal(torch.isinf(got), torch.isinf(want))
+        assert torch.equal(got[~torch.isinf(got)], want[~torch.isinf(want)])
+        assert (~torch.isinf(got)).sum(dim=-1).min() >= 1
 
 
 @pytest.mark.parametrize(("top_k", "top_p", "allowed"), [(2, 1.0, {0, 1}), (0, 0.8, {0, 1})])

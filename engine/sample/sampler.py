@@ -65,7 +65,7 @@ class Sampler:
         temps = batch.temperature
         scaled = logits / torch.where(temps > 0, temps, 1.0).unsqueeze(1)
         if batch.need_filter:
-            scaled = _apply_top_k_top_p(scaled, batch.top_k, batch.top_p)
+            scaled = filter_top_k_top_p(scaled, batch.top_k, batch.top_p)
         probs = torch.softmax(scaled, dim=-1)
         sampled = self._sample(probs, batch.generators)
         return torch.where(temps > 0, sampled, greedy)
@@ -107,19 +107,69 @@ def _uniform(n: int, generator: torch.Generator, device: torch.device) -> torch.
     return torch.rand(n, generator=generator, dtype=torch.float64, device=device)
 
 
-def _apply_top_k_top_p(
+# The largest logits a row's top-k / top-p filter is first tried on (CPU): when each row's kept
+# tokens are among them, a partial sort (topk) replaces the sort of the whole vocabulary.
+TOP_CANDIDATES = 256
+
+
+def filter_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:
-    # logits: [S, V]; masked entries become -inf. Sorting once serves both filters.
+    # logits: [S, V]; masked entries become -inf.
+    if logits.device.type == "cpu":  # on a GPU the check below would wait for the device
+        filtered = _filter_among_candidates(logits, top_k, top_p)
+        if filtered is not None:
+            return filtered
+    return filter_top_k_top_p_sorted(logits, top_k, top_p)
+
+
+def _filter_among_candidates(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor | None:
+    """`filter_top_k_top_p_sorted`'s result from each row's largest TOP_CANDIDATES logits (or
+    its top_k, if larger), or None when some row may keep a token outside them: a row whose
+    top_k is off and whose candidates hold less than its top_p of the probability. 8 rows of a 49k
+    vocabulary on a 2-core CPU: 1.6 ms against 20 ms for the sort."""
+    vocab = logits.shape[-1]
+    limited = top_k < vocab  # [S]
+    widest = int(top_k[limited].max()) if bool(limited.any()) else 0
+    k = min(vocab, max(TOP_CANDIDATES, widest))
+    values, order = logits.topk(k, dim=-1)  # [S, k], descending
+    mask = torch.arange(k).unsqueeze(0) >= top_k.unsqueeze(1)
+    values = values.masked_fill(mask, float("-inf"))
+    # The softmax's denominator: over the row's top-k, or over its whole row when k is off.
+    log_total = torch.where(limited, values.logsumexp(dim=-1), logits.logsumexp(dim=-1))
+    probs = (values - log_total.unsqueeze(1)).exp()
+    if not bool((limited | (probs.sum(dim=-1) >= top_p)).all()):
+        return None
+    return _mask_top_p(values, probs, mask, top_p, order, logits)
+
+
+def filter_top_k_top_p_sorted(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """The filters over the whole vocabulary, sorted once for both."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
     mask = ranks >= top_k.unsqueeze(1)
-    probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it
-    # already does. The first token always stays.
-    mass_before = probs.cumsum(dim=-1) - probs
-    mask |= mass_before >= top_p.unsqueeze(1)
-    mask[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    return _mask_top_p(sorted_logits, probs, mask, top_p, order, logits)
+
+
+def _mask_top_p(
+    values: torch.Tensor,  # [S, k]: a row's largest logits, descending, top-k applied (-inf)
+    probs: torch.Tensor,  # [S, k]: their probabilities (after top-k)
+    mask: torch.Tensor,  # [S, k]: the top-k filter's mask
+    top_p: torch.Tensor,  # [S]
+    order: torch.Tensor,  # [S, k]: their columns in `logits`
+    logits: torch.Tensor,  # [S, V]
+) -> torch.Tensor:
+    # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it
+    # already does. The first token always stays. Columns outside `order` are dropped.
+    mass_before = probs.cumsum(dim=-1) - probs
+    mask = mask | (mass_before >= top_p.unsqueeze(1))
+    mask[:, 0] = False
+    kept = values.masked_fill(mask, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, order, kept)
