@@ -12,12 +12,13 @@ from test_kernel_references import MIXED, _dense_attention, _paged
 
 from pdmesh.kernels import linear, paged_decode_attention, silu_and_mul_linear
 from pdmesh.kernels.activation import silu_and_mul_ref
-from pdmesh.kernels.attention import paged_decode_attention_ref
+from pdmesh.kernels.attention import paged_decode_attention_ref, store_kv_cache_ref
 from pdmesh.kernels.backend import pick
 from pdmesh.kernels.cpu import attention as cpu_attention
-from pdmesh.kernels.cpu import jit, onednn_linear, paged_decode
+from pdmesh.kernels.cpu import jit, kv_store, norm, onednn_linear, paged_decode
 from pdmesh.kernels.cpu import rotary as cpu_rotary
 from pdmesh.kernels.linear import linear_ref
+from pdmesh.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from pdmesh.kernels.rotary import apply_rotary_ref
 
 
@@ -47,6 +48,40 @@ def test_onednn_linear_leaves_other_dtypes_and_shapes_to_the_reference() -> None
     assert torch.equal(onednn_linear.linear(x16, w.bfloat16()), linear_ref(x16, w.bfloat16()))
     x3 = torch.randn(2, 5, 32)
     assert torch.equal(onednn_linear.linear(x3, w), linear_ref(x3, w))
+
+
+@pytest.mark.parametrize("rows", [1, 8, 70])  # 70: the parallel loop
+def test_cpu_rms_norm_matches_the_reference(rows: int) -> None:
+    """Alone and fused with the residual add: the sum x + residual bit for bit, the normalized
+    rows within float32's last bits of the reference (its sum of squares is ordered otherwise)."""
+    g = torch.Generator().manual_seed(rows)
+    x, residual = torch.randn(rows, 576, generator=g) * 4, torch.randn(rows, 576, generator=g)
+    weight = torch.randn(576, generator=g)
+    got, summed = norm.fused_add_rms_norm(x, residual, weight, 1e-5)
+    want, want_summed = fused_add_rms_norm_ref(x, residual, weight, 1e-5)
+    assert torch.equal(summed, want_summed)
+    torch.testing.assert_close(got, want, rtol=4e-7, atol=0)
+    torch.testing.assert_close(norm.rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6),
+                               rtol=4e-7, atol=0)  # fmt: skip
+    x16 = x.bfloat16()  # other dtypes: the reference itself
+    assert torch.equal(norm.rms_norm(x16, weight.bfloat16(), 1e-5),
+                       rms_norm_ref(x16, weight.bfloat16(), 1e-5))  # fmt: skip
+
+
+def test_cpu_kv_store_writes_what_the_reference_writes() -> None:
+    """Keys and values (a strided view, as the QKV projection's split gives them) land in their
+    slots, padding (-1) skipped, nothing else touched."""
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(5, 3 * 2 * 16, generator=g)
+    key = qkv[:, 32:64].view(5, 2, 16)
+    value = qkv[:, 64:].view(5, 2, 16)
+    slots = torch.tensor([7, -1, 0, 31, 16])
+    caches = [torch.randn(4, 8, 2, 16, generator=g) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    kv_store.store_kv_cache(key, value, *caches, slots)
+    store_kv_cache_ref(key, value, *want, slots)
+    assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
+    assert pick("store_kv_cache", key, store_kv_cache_ref) is kv_store.store_kv_cache
 
 
 @pytest.mark.parametrize("path", ["numba", "sdpa"])
@@ -98,7 +133,7 @@ def test_cpu_tensors_get_the_cpu_kernels_unless_the_torch_backend_is_forced(
     assert pick("paged_decode_attention", x, paged_decode_attention_ref) is (
         cpu_attention.paged_decode_attention
     )
-    assert pick("rms_norm", x, linear_ref) is linear_ref  # no CPU kernel: the reference
+    assert pick("silu_and_mul", x, linear_ref) is linear_ref  # no CPU kernel: the reference
     monkeypatch.setenv("PDMESH_KERNEL_BACKEND", "torch")
     assert pick("linear", x, linear_ref) is linear_ref
     # The wrappers callers use go the same way.

@@ -6,9 +6,8 @@ products, two sums, two concatenations, each on a few kilobytes). On the 2-core 
 machine, the query and key of one layer of the default model took 15 us at 16 tokens against
 41 us, and 112 us at 512 against 374 us. The arithmetic is the reference's, element by element,
 without `fastmath` (no product is fused into the sum it feeds), so the results are the same
-bits. fp32 only; other dtypes keep the reference. (RMSNorm and SiLU-and-mul were tried the same
-way and were not faster: a call costs a few microseconds, and without `fastmath` a row's sum of
-squares does not vectorize.)
+bits. fp32 only; other dtypes keep the reference. (SiLU-and-mul was tried the same way and was
+not faster. RMSNorm is `norm.py`.)
 """
 
 from __future__ import annotations
