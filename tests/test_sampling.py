@@ -104,15 +104,18 @@ def test_sampling_never_picks_a_token_of_probability_zero() -> None:
 
 def test_filters_from_the_largest_logits_equal_those_from_a_full_sort() -> None:
     """On the CPU the top-k / top-p filters first look at each row's largest logits only; rows
-    mixing every setting (top-k alone, top-p alone, both, a top-k wider than the candidates, a
-    flat row whose top-p needs thousands of tokens: the whole sort) keep exactly the tokens, and
-    the logits, that a sort of the whole vocabulary keeps."""
+    mixing every setting (top-k alone, top-p alone, both, a top-k wider than the first
+    candidates, a flatter row whose top-p needs the wider set, a nearly uniform one whose top-p
+    needs more than every candidate set: the whole sort) keep exactly the tokens, and the
+    logits, that a sort of the whole vocabulary keeps."""
     g = torch.Generator().manual_seed(5)
-    vocab = 5000
-    logits = torch.randn(7, vocab, generator=g) * torch.tensor([8, 8, 8, 8, 8, 0.5, 8])[:, None]
-    top_k = torch.tensor([40, vocab, 3, 300, vocab, vocab, 1])
-    top_p = torch.tensor([1.0, 0.9, 0.5, 0.99, 0.3, 0.95, 1.0])
-    for rows in ([0, 1, 2, 3, 4, 6], list(range(7))):  # without and with the flat row
+    vocab = 12000
+    scales = torch.tensor([8, 8, 8, 8, 8, 0.05, 8, 2])[:, None]
+    logits = torch.randn(8, vocab, generator=g) * scales
+    top_k = torch.tensor([40, vocab, 3, 300, vocab, vocab, 1, vocab])
+    top_p = torch.tensor([1.0, 0.9, 0.5, 0.99, 0.3, 0.95, 1.0, 0.9])
+    # The first 256 candidates; the 4,096 (the last row's top-p needs more than 256); the sort.
+    for rows in ([0, 1, 2, 3, 4, 6], [0, 1, 7], list(range(8))):
         got = filter_top_k_top_p(logits[rows], top_k[rows], top_p[rows])
         want = filter_top_k_top_p_sorted(logits[rows], top_k[rows], top_p[rows])
         assert torch.equal(torch.isinf(got), torch.isinf(want))

@@ -107,9 +107,11 @@ def _uniform(n: int, generator: torch.Generator, device: torch.device) -> torch.
     return torch.rand(n, generator=generator, dtype=torch.float64, device=device)
 
 
-# The largest logits a row's top-k / top-p filter is first tried on (CPU): when each row's kept
-# tokens are among them, a partial sort (topk) replaces the sort of the whole vocabulary.
-TOP_CANDIDATES = 256
+# How many of a row's largest logits its top-k / top-p filter is tried on (CPU), in turn: when
+# each row's kept tokens are among them, a partial sort (topk) replaces the sort of the whole
+# vocabulary. 256 hold a peaked distribution's top-p; a flat one (a random prompt's) may need
+# thousands.
+TOP_CANDIDATES = (256, 4096)
 
 
 def filter_top_k_top_p(
@@ -117,23 +119,24 @@ def filter_top_k_top_p(
 ) -> torch.Tensor:
     # logits: [S, V]; masked entries become -inf.
     if logits.device.type == "cpu":  # on a GPU the check below would wait for the device
-        filtered = _filter_among_candidates(logits, top_k, top_p)
-        if filtered is not None:
-            return filtered
+        for candidates in TOP_CANDIDATES:
+            filtered = _filter_among_candidates(logits, top_k, top_p, candidates)
+            if filtered is not None:
+                return filtered
     return filter_top_k_top_p_sorted(logits, top_k, top_p)
 
 
 def _filter_among_candidates(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, candidates: int
 ) -> torch.Tensor | None:
-    """`filter_top_k_top_p_sorted`'s result from each row's largest TOP_CANDIDATES logits (or
-    its top_k, if larger), or None when some row may keep a token outside them: a row whose
-    top_k is off and whose candidates hold less than its top_p of the probability. 8 rows of a 49k
-    vocabulary on a 2-core CPU: 1.6 ms against 20 ms for the sort."""
+    """`filter_top_k_top_p_sorted`'s result from each row's largest `candidates` logits (or its
+    top_k, if larger), or None when some row may keep a token outside them: a row whose top_k
+    is off and whose candidates hold less than its top_p of the probability. 8 rows of a 49k
+    vocabulary on a 2-core CPU: 1.6 ms (256 candidates) against 20 ms for the sort."""
     vocab = logits.shape[-1]
     limited = top_k < vocab  # [S]
     widest = int(top_k[limited].max()) if bool(limited.any()) else 0
-    k = min(vocab, max(TOP_CANDIDATES, widest))
+    k = min(vocab, max(candidates, widest))
     values, order = logits.topk(k, dim=-1)  # [S, k], descending
     mask = torch.arange(k).unsqueeze(0) >= top_k.unsqueeze(1)
     values = values.masked_fill(mask, float("-inf"))
