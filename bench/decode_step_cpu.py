@@ -1,13 +1,12 @@
-"""A decode step of the default model on the CPU, and where it goes: the projections, the paged
-decode attention, and the rest (norms, rotary, the KV store, the MLP's down projection, the LM
-head, the host's step).
+"""A decode step of the default model on the CPU, and where it goes: the projections (plain, and
+the MLP's down projection with its SiLU-and-mul), the paged decode attention, the norms, the
+rotary embedding, the KV store, and the rest (the host's step, module calls, sampling).
 
     python -m pdmesh.bench.decode_step_cpu [--batch 8] [--prompt-len 256] [--steps 60]
 
 `--batch` requests of `--prompt-len` random token ids decode together (fp32, greedy); after 20
-steps (the prefill among them), `--steps` are timed, each kernel wrapper's wall clock summed
-(the projections: the `linear` kernel, which the MLP's down projection does not go through).
-Prints JSON: milliseconds per step.
+steps (the prefill among them), `--steps` are timed, each CPU kernel's wall clock summed (the
+kernels as `backend.pick` hands them out). Prints JSON: milliseconds per step.
 """
 
 from __future__ import annotations
@@ -19,9 +18,19 @@ import time
 
 from pdmesh.bench.report import timed_into
 
+# The CPU kernels timed (backend's names) and the part of the step each counts towards.
+PARTS = {
+    "linear": "projections",
+    "silu_and_mul_linear": "gated_projection",
+    "paged_decode_attention": "attention",
+    "fused_add_rms_norm": "norms",
+    "rms_norm": "norms",
+    "apply_rotary": "rotary",
+    "store_kv_cache": "kv_store",
+}
+
 
 def measure(batch: int, prompt_len: int, steps: int) -> dict[str, float]:
-    import pdmesh.kernels.cpu.paged_decode as paged_decode
     from pdmesh import LLM, SamplingParams
     from pdmesh.kernels import backend
 
@@ -33,17 +42,17 @@ def measure(batch: int, prompt_len: int, steps: int) -> dict[str, float]:
         engine.add_request(f"r{i}", prompt, params)
     for _ in range(20):
         engine.step()
-    totals = {"projections": 0.0, "attention": 0.0}
-    backend._CPU["linear"] = timed_into(totals, "projections", backend._CPU["linear"])
-    attend = paged_decode.paged_decode_attention
-    paged_decode.paged_decode_attention = timed_into(totals, "attention", attend)
+    totals = dict.fromkeys(PARTS.values(), 0.0)
+    kernels = {name: backend._CPU[name] for name in PARTS}
+    for name, part in PARTS.items():
+        backend._CPU[name] = timed_into(totals, part, kernels[name])
     try:
         start = time.perf_counter()
         for _ in range(steps):
             engine.step()
         elapsed = time.perf_counter() - start
     finally:
-        paged_decode.paged_decode_attention = attend
+        backend._CPU.update(kernels)
     ms = {k: round(v / steps * 1000, 1) for k, v in totals.items()}
     step = round(elapsed / steps * 1000, 1)
     return {"batch": batch, "step_ms": step, **ms, "rest_ms": round(step - sum(ms.values()), 1)}

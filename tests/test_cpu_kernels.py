@@ -281,3 +281,13 @@ def test_non_finite_values_of_one_sequence_stay_in_its_rows(value: float, batch:
         assert not torch.isfinite(got[0]).all()
         if batch == 2:
             torch.testing.assert_close(got[1], clean[1], rtol=0, atol=0)
+
+
+def test_the_decode_step_bench_times_every_cpu_kernel_of_a_step() -> None:
+    """`python -m pdmesh.bench.decode_step_cpu`: each CPU kernel a decode step runs is timed
+    (a kernel renamed or no longer reached would show as a missing or zero part)."""
+    from pdmesh.bench.decode_step_cpu import PARTS, measure
+
+    figures = measure(batch=2, prompt_len=8, steps=2)
+    assert all(figures[part] > 0 for part in PARTS.values()), figures
+    assert figures["step_ms"] >= sum(figures[part] for part in set(PARTS.values()))

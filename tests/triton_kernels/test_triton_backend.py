@@ -13,16 +13,16 @@ PROBE = """
 import sys
 import torch
 import pdmesh.kernels
-from pdmesh.kernels import backend, rms_norm
-from pdmesh.kernels.norm import rms_norm_ref
+from pdmesh.kernels import backend, silu_and_mul
+from pdmesh.kernels.activation import silu_and_mul_ref
 
+# SiLU-and-mul: a Triton kernel, and none of the CPU's (whose kernels would not be the reference)
 device = "cuda" if torch.cuda.is_available() else "cpu"
 x = torch.randn(4, 64, device=device if "{where}" == "device" else "cpu")
-out = rms_norm(x, torch.ones(64, device=x.device), 1e-6)
-torch.testing.assert_close(out, rms_norm_ref(x, torch.ones(64, device=x.device), 1e-6))
-chosen = backend.pick("rms_norm", x, rms_norm_ref)
+torch.testing.assert_close(silu_and_mul(x), silu_and_mul_ref(x))
+chosen = backend.pick("silu_and_mul", x, silu_and_mul_ref)
 print("loaded" if "pdmesh.kernels.triton" in sys.modules else "not-loaded",
-      "triton" if chosen is not rms_norm_ref else "reference")
+      "triton" if chosen is not silu_and_mul_ref else "reference")
 """
 
 
