@@ -94,8 +94,10 @@ class Sampler:
             u = torch.empty(rows, dtype=torch.float64, device=probs.device)
         if seeded:
             # Per-request generators live on the CPU so seeds mean the same on every device.
+            # (A list index would be copied to the device from pageable memory: a stream sync.)
             draws = torch.cat([_uniform(1, gen, torch.device("cpu")) for _, gen in seeded])
-            u[[row for row, _ in seeded]] = host_to_device(draws, probs.device)
+            index = host_to_device(torch.tensor([row for row, _ in seeded]), probs.device)
+            u.index_copy_(0, index, host_to_device(draws, probs.device))
         cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [S, V]
         target = (u * cdf[:, -1]).unsqueeze(1)  # [S, 1]
         tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)
