@@ -3,8 +3,10 @@ the MLP's down projection with its SiLU-and-mul), the paged decode attention, th
 rotary embedding, the KV store, and the rest (the host's step, module calls, sampling).
 
     python -m pdmesh.bench.decode_step_cpu [--batch 8] [--prompt-len 256] [--steps 60]
+        [--temperature 0] [--top-p 1]
 
-`--batch` requests of `--prompt-len` random token ids decode together (fp32, greedy); after 20
+`--batch` requests of `--prompt-len` random token ids decode together (fp32; greedy unless
+`--temperature` / `--top-p` say otherwise, which time the sampler too); after 20
 steps (the prefill among them), `--steps` are timed, each CPU kernel's wall clock summed (the
 kernels as `backend.pick` hands them out). Prints JSON: milliseconds per step.
 """
@@ -30,13 +32,17 @@ PARTS = {
 }
 
 
-def measure(batch: int, prompt_len: int, steps: int) -> dict[str, float]:
+def measure(
+    batch: int, prompt_len: int, steps: int, temperature: float = 0.0, top_p: float = 1.0
+) -> dict[str, float]:
     from pdmesh import LLM, SamplingParams
     from pdmesh.kernels import backend
 
     engine = LLM(kv_cache_tokens=max(32768, batch * (prompt_len + 20 + steps))).engine
     rng = random.Random(0)
-    params = SamplingParams(max_tokens=20 + steps + 1, ignore_eos=True, temperature=0)
+    params = SamplingParams(
+        max_tokens=20 + steps + 1, ignore_eos=True, temperature=temperature, top_p=top_p
+    )
     for i in range(batch):
         prompt = [rng.randrange(100, engine.info.vocab_size) for _ in range(prompt_len)]
         engine.add_request(f"r{i}", prompt, params)
@@ -63,8 +69,11 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
     args = p.parse_args()
-    print(json.dumps(measure(args.batch, args.prompt_len, args.steps)))
+    figures = measure(args.batch, args.prompt_len, args.steps, args.temperature, args.top_p)
+    print(json.dumps(figures))
 
 
 if __name__ == "__main__":

@@ -78,8 +78,6 @@ def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # x, residual: [T, H] -> (rms_norm(x + residual), x + residual)
-    if not (_fits(x, weight) and residual.dtype is torch.float32 and residual.is_contiguous()):
-        return fused_add_rms_norm_ref(x, residual, weight, eps)
-    if residual.shape != x.shape:
-        return fused_add_rms_norm_ref(x, residual, weight, eps)
-    return _normalize(x, residual, weight, eps, add=True)
+    if _fits(x, weight) and _fits(residual, weight) and residual.shape == x.shape:
+        return _normalize(x, residual, weight, eps, add=True)
+    return fused_add_rms_norm_ref(x, residual, weight, eps)
