@@ -1,6 +1,7 @@
 """The pages cannot drift from the tree: every relative link and every path they name exists.
 
-Checked in README.md, BENCHMARKS.md and every docs/*.md:
+Checked in README.md, BENCHMARKS.md, every docs/*.md and every benchmark topic page,
+docs/benchmarks/*.md:
 - each relative Markdown link (`[text](path)`, `[text](path#anchor)`, `[text](#anchor)`, images
   too) names a file or folder that exists, and its anchor is a heading of the target (GitHub's
   slug: lowercase, punctuation other than `-` and `_` removed, spaces to `-`);
@@ -8,7 +9,9 @@ Checked in README.md, BENCHMARKS.md and every docs/*.md:
   `kernels/triton/`, `bench/results/moe-{bf16,fp8}-h100-2026-11-25.json`, `Makefile`) exists;
 - each module named as `pdmesh.x.y` (`python -m pdmesh.bench.gpu`) resolves to a module of the
   tree through `pyproject.toml`'s package-dir mapping;
-- `docs/README.md` links every page of docs/, and README.md stays within 300 lines.
+- `docs/README.md` links every page of docs/ and of docs/benchmarks/; BENCHMARKS.md, the entry
+  page of the benchmarks, links every page of docs/benchmarks/ too; README.md stays within 300
+  lines.
 Each failure names the file, the line and the missing target.
 """
 
@@ -24,6 +27,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
+BENCHMARK_PAGES = DOCS / "benchmarks"
 README_MAX_LINES = 300
 
 # Top-level folders whose paths the pages name, and top-level files named on their own.
@@ -112,8 +116,17 @@ class Page:
                 yield number, line
 
 
+def benchmark_pages() -> list[Path]:
+    return sorted(BENCHMARK_PAGES.glob("*.md"))
+
+
 def pages() -> list[Path]:
-    return [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted(DOCS.glob("*.md"))]
+    return [
+        ROOT / "README.md",
+        ROOT / "BENCHMARKS.md",
+        *sorted(DOCS.glob("*.md")),
+        *benchmark_pages(),
+    ]
 
 
 def slug(heading: str) -> str:
@@ -269,20 +282,31 @@ def test_paths_named_in_code_exist(path: Path) -> None:
     assert not problems, "paths that do not exist:\n" + "\n".join(map(str, problems))
 
 
-def test_docs_index_lists_every_page() -> None:
-    index = Page.read(DOCS / "README.md")
+def unlinked(index: Path, wanted: list[Path]) -> list[str]:
+    """The pages of `wanted` (other than `index`) that `index` does not link, relative to it."""
+    page = Page.read(index)
     linked = {
-        (DOCS / match.group(1).partition("#")[0]).resolve()
-        for _, text in index.prose_paragraphs()
+        (index.parent / match.group(1).partition("#")[0]).resolve()
+        for _, text in page.prose_paragraphs()
         for match in LINK_RE.finditer(text)
     }
-    missing = [
-        page.name
-        for page in sorted(DOCS.glob("*.md"))
-        if page.name != "README.md"
-        if page.resolve() not in linked
+    return [
+        path.relative_to(index.parent).as_posix()
+        for path in wanted
+        if path.resolve() != index.resolve()
+        if path.resolve() not in linked
     ]
+
+
+def test_docs_index_lists_every_page() -> None:
+    missing = unlinked(DOCS / "README.md", [*sorted(DOCS.glob("*.md")), *benchmark_pages()])
     assert not missing, f"docs/README.md:1: does not link {', '.join(missing)}"
+
+
+def test_benchmarks_page_links_every_topic_page() -> None:
+    assert benchmark_pages(), "docs/benchmarks/ holds no page"
+    missing = unlinked(ROOT / "BENCHMARKS.md", benchmark_pages())
+    assert not missing, f"BENCHMARKS.md:1: does not link {', '.join(missing)}"
 
 
 def test_readme_is_short() -> None:
@@ -315,6 +339,17 @@ def test_the_checks_catch_what_they_should() -> None:
         "docs/README.md:3: names missing path engine/no_such_module.py",
         "docs/README.md:5: names missing module pdmesh.engine.no_such_module"
         " (engine/no_such_module.py does not exist)",
+    ]
+    # A topic page two folders down: links resolve from its own folder.
+    nested = Page(
+        BENCHMARK_PAGES / "x.md",
+        ("[up](../../BENCHMARKS.md#headline-figures) [wrong depth](../BENCHMARKS.md)",),
+        (False,),
+    )
+    found = [str(p) for p in link_problems(nested, {})]
+    assert found == ["docs/benchmarks/x.md:1: link to missing file ../BENCHMARKS.md"]
+    assert unlinked(DOCS / "README.md", [BENCHMARK_PAGES / "no-such-page.md"]) == [
+        "benchmarks/no-such-page.md"
     ]
     assert slug("CPU: pdmesh against vLLM's CPU build (issue 21, 2026-11-25)") == (
         "cpu-pdmesh-against-vllms-cpu-build-issue-21-2026-11-25"
