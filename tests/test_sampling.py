@@ -79,6 +79,17 @@ def test_temperature_sampling_follows_softmax() -> None:
     assert torch.allclose(freq, expected, atol=0.015), (freq, expected)
 
 
+def test_greedy_rows_beside_sampled_ones_take_their_argmax() -> None:
+    """A batch of greedy and sampled rows: the greedy ones get the largest logit, the sampled
+    ones draw (a flat row's draws spread over its tokens)."""
+    logits = torch.zeros(400, 8)
+    logits[:, 5] = 0.01  # the argmax, by a hair
+    params = [SamplingParams(temperature=0.0 if i % 2 else 1.0) for i in range(400)]
+    tokens = Sampler(seed=0)(logits, _batch(params, 8))
+    assert (tokens[1::2] == 5).all()
+    assert len(set(tokens[0::2].tolist())) == 8
+
+
 def test_a_skipped_draw_is_what_a_sampled_token_takes_from_its_seed() -> None:
     """A token drawn elsewhere (a prefill worker's first token, a resumed request's output) is
     skipped with `skip_draw`: the generator then stands where sampling that token left it, so

@@ -23,6 +23,7 @@ class SamplingBatch:
     top_p: torch.Tensor  # [S] float32, 1 where off
     generators: list[torch.Generator | None]
     all_greedy: bool
+    any_greedy: bool
     need_filter: bool
 
     @classmethod
@@ -44,6 +45,7 @@ class SamplingBatch:
             top_p=host_to_device(torch.tensor(top_p, dtype=torch.float32), device),
             generators=generators,
             all_greedy=all(t == 0 for t in temps),  # a seeded row still draws (see _sample)
+            any_greedy=any(t == 0 for t in temps),
             need_filter=any(k < vocab_size for k in top_k) or any(p < 1 for p in top_p),
         )
 
@@ -59,16 +61,17 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         # logits: [S, V] -> tokens: [S] int64
         logits = logits.float()
-        greedy = logits.argmax(dim=-1)
         if batch.all_greedy:
-            return greedy
+            return logits.argmax(dim=-1)
         temps = batch.temperature
         scaled = logits / torch.where(temps > 0, temps, 1.0).unsqueeze(1)
         if batch.need_filter:
             scaled = filter_top_k_top_p(scaled, batch.top_k, batch.top_p)
         probs = torch.softmax(scaled, dim=-1)
         sampled = self._sample(probs, batch.generators)
-        return torch.where(temps > 0, sampled, greedy)
+        if not batch.any_greedy:
+            return sampled
+        return torch.where(temps > 0, sampled, logits.argmax(dim=-1))
 
     @staticmethod
     def skip_draw(generator: torch.Generator) -> None:
