@@ -87,3 +87,31 @@ def freeze_heap() -> None:
     once the process is ready to serve; what it creates afterwards is collected as usual."""
     gc.collect()
     gc.freeze()
+
+
+# mallopt(3) parameters (glibc's malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
+_KEEP_BYTES = 1 << 30
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc keep freed memory for the next allocation instead of handing it back
+    to the OS, as vLLM's CPU workers get by preloading tcmalloc. A CPU forward allocates each
+    layer's activations afresh (a 2,048-token prefill of the default model: about 70 MB a
+    layer); glibc serves blocks that large with mmap and returns them on free (or trims them
+    off the heap's top), so every step faulted its activations in again: some 390,000 page
+    faults and 0.9 s of a 4.5 s prefill on the 2-core build machine (docs/benchmarks/cpu.md).
+    Blocks under 1 GiB now come from the heap and stay there, in one arena for every thread (a
+    thread's own arena is a 64 MiB heap, too small for them). Call before the process starts
+    its threads; the KV cache (allocated once) and larger blocks still use mmap. False where
+    the C library has no mallopt (musl, macOS): nothing changes."""
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    settings = (
+        (_M_ARENA_MAX, 1),
+        (_M_MMAP_THRESHOLD, _KEEP_BYTES),
+        (_M_TRIM_THRESHOLD, _KEEP_BYTES),
+    )
+    return all(mallopt(param, value) == 1 for param, value in settings)
