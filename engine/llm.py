@@ -13,6 +13,7 @@ from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.data_parallel.front import DataParallelEngine
 from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.outputs import RequestOutput
+from pdmesh.processes import keep_freed_memory
 from pdmesh.sampling_params import SamplingParams
 from pdmesh.text.chat_messages import check_tools
 from pdmesh.text.chat_template import Message, chat_token_ids
@@ -26,6 +27,8 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
         config = EngineConfig.from_kwargs(model=model, **engine_options)
         config = config.with_batch_defaults(offline=True)
+        if config.torch_device().type == "cpu":
+            keep_freed_memory()  # each prefill's activations reused, not faulted in again
         self.engine: LLMEngine | DataParallelEngine
         if config.data_parallel_size > 1:
             self.engine = DataParallelEngine(config)

@@ -18,7 +18,7 @@ from pdmesh.flags import (
     tls_args,
     tls_config,
 )
-from pdmesh.processes import exit_service, keep_freed_memory
+from pdmesh.processes import exit_service
 
 
 # -- generate ---------------------------------------------------------------------------------
@@ -358,8 +358,6 @@ def _serve_worker(config_cls: Any, serve: Any, args: argparse.Namespace, **field
     from pdmesh.engine.config import EngineConfig
 
     engine = EngineConfig(**engine_options(args))
-    if engine.torch_device().type == "cpu":
-        keep_freed_memory()  # before the service's threads start: one arena for all of them
     if engine.node_rank > 0:  # another node of a static launch: its ranks only, no service
         from pdmesh.engine.executor.nodes import serve_node
 

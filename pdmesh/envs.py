@@ -47,6 +47,15 @@ def pdl() -> bool:
     return value == "1"
 
 
+def keep_freed_memory() -> bool:
+    """PDMESH_KEEP_FREED_MEMORY: whether CPU workers keep what malloc frees for their next step
+    (1, default; pdmesh/processes.py) or let glibc hand it back to the OS (0)."""
+    value = os.environ.get("PDMESH_KEEP_FREED_MEMORY", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"PDMESH_KEEP_FREED_MEMORY must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def all_reduce() -> str:
     """PDMESH_ALL_REDUCE: how tensor-parallel ranks sum decode steps' small tensors on GPUs.
     'auto' (default): a one-shot all-reduce over symmetric memory that copies its input in

@@ -90,28 +90,28 @@ def freeze_heap() -> None:
 
 
 # mallopt(3) parameters (glibc's malloc.h)
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _KEEP_BYTES = 1 << 30
 
 
 def keep_freed_memory() -> bool:
     """Have glibc's malloc keep freed memory for the next allocation instead of handing it back
-    to the OS, as vLLM's CPU workers get by preloading tcmalloc. A CPU forward allocates each
-    layer's activations afresh (a 2,048-token prefill of the default model: about 70 MB a
-    layer); glibc serves blocks that large with mmap and returns them on free (or trims them
-    off the heap's top), so every step faulted its activations in again: some 390,000 page
-    faults and 0.9 s of a 4.5 s prefill on the 2-core build machine (docs/benchmarks/cpu.md).
-    Blocks under 1 GiB now come from the heap and stay there, in one arena for every thread (a
-    thread's own arena is a 64 MiB heap, too small for them). Call before the process starts
-    its threads; the KV cache (allocated once) and larger blocks still use mmap. False where
-    the C library has no mallopt (musl, macOS): nothing changes."""
+    to the OS (vLLM's CPU workers preload tcmalloc to the same end). A CPU forward allocates
+    each layer's activations afresh (a 2,048-token prefill of the default model: about 70 MB a
+    layer); glibc served blocks that large with mmap and unmapped them on free, or trimmed them
+    off the heap's top, so every prefill faulted its activations in again: some 390,000 page
+    faults, and prefills of 8 x 256 tokens 1.15-1.2x slower, in an offline engine on the 2-core
+    build machine (docs/benchmarks/cpu.md). Blocks under 1 GiB now come from the heap and stay
+    there once freed; larger ones (a KV cache, allocated once) still use mmap.
+    The offline engine (`LLM`) on a CPU calls this. A serving worker does not: its engine runs
+    in a thread of its own, whose malloc arena did not fault so, and `vllm bench serve` against
+    `pdmesh up --colocated` measured no gain (a few percent less, within the noise).
+    False where the C library has no mallopt (musl, macOS) or PDMESH_KEEP_FREED_MEMORY=0."""
+    if not envs.keep_freed_memory():
+        return False
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
         return False
-    settings = (
-        (_M_ARENA_MAX, 1),
-        (_M_MMAP_THRESHOLD, _KEEP_BYTES),
-        (_M_TRIM_THRESHOLD, _KEEP_BYTES),
-    )
+    settings = ((_M_MMAP_THRESHOLD, _KEEP_BYTES), (_M_TRIM_THRESHOLD, _KEEP_BYTES))
     return all(mallopt(param, value) == 1 for param, value in settings)

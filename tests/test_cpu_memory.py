@@ -1,10 +1,11 @@
-"""A CPU engine's freed activations stay in the process for its next step
+"""An offline CPU engine's freed activations stay in the process for its next step
 (`pdmesh.processes.keep_freed_memory`): blocks as large as a layer's activations come from
 malloc's heap, not from mmap, and stay there once freed (glibc's `mallinfo2` counts both)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -40,11 +41,12 @@ print(json.dumps({"kept": kept, "alive": alive, "freed": heap()}))
 """
 
 
-def _block(mode: str) -> dict:
+def _block(mode: str, keep: str = "1") -> dict:
     """Where the 16 MiB block lived (MiB mmapped for it) and what its free left in the heap
-    (MiB of free heap it added), in a process started in `mode`."""
+    (MiB of free heap it added), in a process started in `mode` (PDMESH_KEEP_FREED_MEMORY=keep)."""
+    env = {**os.environ, "PDMESH_KEEP_FREED_MEMORY": keep}
     out = subprocess.run(
-        [sys.executable, "-c", HEAP, mode], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", HEAP, mode], capture_output=True, text=True, timeout=300, env=env
     )
     assert out.returncode == 0, out.stderr[-2000:]
     heap = json.loads(out.stdout.strip().splitlines()[-1])
@@ -69,7 +71,23 @@ def test_kept_a_large_block_comes_from_the_heap_and_stays_there_when_freed() -> 
     assert kept["mmapped"] == 0 and kept["held"] >= 16, kept  # held for the next allocation
 
 
-def test_a_cpu_engine_keeps_freed_memory() -> None:
-    """Building an engine on the CPU applies it (its model runner does, on every rank)."""
+def test_an_offline_cpu_engine_keeps_freed_memory() -> None:
+    """Building an `LLM` on the CPU applies it."""
     engine = _block("engine")
     assert engine["mmapped"] == 0 and engine["held"] >= 16, engine
+
+
+def test_pdmesh_keep_freed_memory_0_leaves_glibcs_default() -> None:
+    off = _block("keep", keep="0")
+    assert off["kept"] is False and off["mmapped"] >= 16, off
+
+
+def test_the_prefill_bench_reports_time_faults_and_its_ceiling() -> None:
+    """`python -m pdmesh.bench.prefill_cpu`: each round's time and page faults, and the
+    projections' share of the time at the matrix-multiply rate measured beside them."""
+    from pdmesh.bench.prefill_cpu import measure
+
+    figures = measure(batch=2, prompt_len=32, rounds=2)
+    assert len(figures["seconds"]) == len(figures["page_faults"]) == 2
+    assert all(s > 0 for s in figures["seconds"])
+    assert figures["matmul_gflops"] > 0 and 0 < figures["share_of_ceiling"] < 1.5, figures

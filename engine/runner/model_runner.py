@@ -33,7 +33,6 @@ from pdmesh.engine.scheduling.scheduler import ScheduledBatch
 from pdmesh.engine.spec_decode.verify import Verify
 from pdmesh.engine.weights import init_dummy_weights, load_named, load_weights
 from pdmesh.kv_transfer.connector import KVBinding, KVConnector, KVHeads
-from pdmesh.processes import keep_freed_memory
 
 
 @contextlib.contextmanager
@@ -91,8 +90,6 @@ class ModelRunner:
         self.device = device
         if device.type == "cuda":
             torch.cuda.set_device(device)  # for this (the building) thread
-        else:  # a step's freed activations stay in the process for the next one
-            keep_freed_memory()
         self.dtype = dtype = config.torch_dtype(device)
         self.block_size = block_size = config.block_size
         tp = _moe_exchange(tp, config, device)
