@@ -14,8 +14,7 @@ then the per-token quantization and cuBLASLt's fp8 GEMM (torch._scaled_mm), "gem
 (weight-only), and the floors count the fp8 bytes. "gemv-async-nopdl" is "gemv-async" with
 PDMESH_PDL=0 (no programmatic dependent launch); "-words": the fp8 GEMV widening
 its weights by integer operations (kernels/triton/fp8_gemv.py); "gemv4": up to 4 rows on the
-GEMV (PDMESH_GEMV_MAX_ROWS=4); "-tgemm": fp8 products of up to 64 rows on the swapped-operand
-Triton GEMM (kernels/triton/fp8_gemm.py) instead of cuBLASLt. --batch / --context: a larger
+GEMV (PDMESH_GEMV_MAX_ROWS=4). --batch / --context: a larger
 step (the floor then counts the batch's KV too). Writes DIR/decode_step[-fp8]-bB.json (--profile: a
 torch.profiler table per setting); prints a table.
 """
@@ -45,17 +44,15 @@ def tp2_shard_config() -> Any:
     return config
 
 
-# (name, PDMESH_GEMV_MAX_ROWS, async scheduling, PDMESH_PDL, how the fp8 GEMV widens weights,
-# which GEMM takes fp8 products of up to 64 rows)
+# (name, PDMESH_GEMV_MAX_ROWS, async scheduling, PDMESH_PDL, how the fp8 GEMV widens weights)
 VARIANTS = [
-    ("cublas", 0, False, "1", "convert", "cublas"),
-    ("gemv", 1, False, "1", "convert", "cublas"),
-    ("gemv-async", 1, True, "1", "convert", "cublas"),
-    ("gemv-async-nopdl", 1, True, "0", "convert", "cublas"),
-    ("gemv-async-words", 1, True, "1", "words", "cublas"),
-    ("gemv4-async", 4, True, "1", "convert", "cublas"),
-    ("gemv4-async-words", 4, True, "1", "words", "cublas"),
-    ("gemv-async-tgemm", 1, True, "1", "convert", "triton"),
+    ("cublas", 0, False, "1", "convert"),
+    ("gemv", 1, False, "1", "convert"),
+    ("gemv-async", 1, True, "1", "convert"),
+    ("gemv-async-nopdl", 1, True, "0", "convert"),
+    ("gemv-async-words", 1, True, "1", "words"),
+    ("gemv4-async", 4, True, "1", "convert"),
+    ("gemv4-async-words", 4, True, "1", "words"),
 ]
 
 
@@ -71,7 +68,7 @@ def fixed_token_logits(engine: Any) -> torch.Tensor:
 
 def measure(
     folder: Path,
-    variant: tuple[str, int, bool, str, str, str],
+    variant: tuple[str, int, bool, str, str],
     profile: bool,
     out: Path,
     bw: float,
@@ -80,11 +77,10 @@ def measure(
     context: int = 512,
     kv_cache_dtype: str = "auto",
 ) -> tuple[dict[str, Any], torch.Tensor]:
-    name, gemv_rows, overlap, use_pdl, widen, small_gemm = variant
+    name, gemv_rows, overlap, use_pdl, widen = variant
     os.environ["PDMESH_GEMV_MAX_ROWS"] = str(gemv_rows)
     os.environ["PDMESH_PDL"] = use_pdl
     fp8_linear.WIDEN = widen
-    fp8_linear.SMALL_GEMM = small_gemm
     llm = dummy_llm(
         folder,
         kv_cache_tokens=max(32768, batch * (context + 64)),

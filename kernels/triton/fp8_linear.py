@@ -20,8 +20,6 @@ from pdmesh.kernels.backend import register_triton
 from pdmesh.kernels.fp8 import _MIN_AMAX, FP8_DTYPE, FP8_MAX, scaled_mm_ref
 from pdmesh.kernels.triton.activation import silu_mul
 from pdmesh.kernels.triton.device import last_dim_contiguous
-from pdmesh.kernels.triton.fp8_gemm import fits as gemm_fits
-from pdmesh.kernels.triton.fp8_gemm import fp8_gemm
 from pdmesh.kernels.triton.fp8_gemv import fits as words_fit
 from pdmesh.kernels.triton.fp8_gemv import fp8_gemv_words
 from pdmesh.kernels.triton.gemv import GemvConfig, gemv
@@ -117,11 +115,6 @@ def quantize_rows(x: torch.Tensor, gated: bool = False) -> tuple[torch.Tensor, t
 register_triton("fp8_quantize_rows")(quantize_rows)
 
 
-# Which GEMM takes W8A8 products of decode-sized batches (up to fp8_gemm.MAX_TOKENS rows):
-# "cublas" (torch._scaled_mm) or "triton" (fp8_gemm.py); the benches set it to compare the two.
-SMALL_GEMM = "cublas"
-
-
 def scaled_mm(
     xq: torch.Tensor,
     x_scale: torch.Tensor,
@@ -134,8 +127,6 @@ def scaled_mm(
     GEMM with rowwise scales (bf16 output), or its fp32 emulation for other output dtypes."""
     if out_dtype != torch.bfloat16:  # cuBLASLt's rowwise-scaled fp8 GEMM writes bf16 only
         return scaled_mm_ref(xq, x_scale, qweight, w_scale, bias, out_dtype)
-    if SMALL_GEMM == "triton" and gemm_fits(xq, qweight):
-        return fp8_gemm(xq, x_scale, qweight, w_scale, bias, out_dtype)
     # qweight.t() is [K, N] column-major: the layout the fp8 GEMM takes its second operand in.
     y = torch._scaled_mm(
         xq,

@@ -105,41 +105,6 @@ def test_scaled_mm_bf16_matches_the_fp32_emulation(device) -> None:
     assert float((got.float() - ref).norm() / ref.norm()) < 1e-2
 
 
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize(("t", "n", "k"), [(1, 64, 128), (7, 45, 200), (20, 70, 384)])
-def test_fp8_gemm_is_the_scaled_product(t: int, n: int, k: int, bias: bool, device) -> None:
-    """The swapped-operand fp8 GEMM (fp8_gemm.py) gives torch._scaled_mm's result: the fp8
-    product in fp32 times both rows' scales, in bf16. Ragged N, T and K tiles included (k=200:
-    a last K tile of 72; t=20: a second token tile of 4)."""
-    from pdmesh.kernels.triton.fp8_gemm import Fp8GemmConfig, fp8_gemm
-
-    xq, xs = fp8.quantize_rows_ref(_randn(t, k, seed=t, device=device) * 3)
-    qw, sw = fp8.quantize_rows_ref(_randn(n, k, seed=n, device=device))
-    b = _randn(n, seed=k, device=device, dtype=torch.bfloat16) if bias else None
-    cfg = Fp8GemmConfig(block_n=32, block_t=16, block_k=64, num_warps=4, num_stages=2)
-    got = fp8_gemm(xq, xs, qw, sw, b, torch.bfloat16, config=cfg)
-    ref = fp8.scaled_mm_ref(xq, xs, qw, sw, b, torch.float32)
-    assert got.dtype == torch.bfloat16 and got.shape == (t, n)
-    # The cast to bf16 is the only difference (fp8 products are exact in fp32): half a bf16 step
-    # on a GPU, up to a whole one under the interpreter, whose cast truncates.
-    assert torch.allclose(got.float(), ref, rtol=2**-7, atol=1e-6 * float(ref.abs().max()))
-
-
-def test_scaled_mm_takes_the_triton_gemm_for_a_decode_batch(device, monkeypatch) -> None:
-    """With SMALL_GEMM = "triton", scaled_mm's result is the same for a batch it takes
-    (fp8_gemm.MAX_TOKENS rows or fewer) as for one it leaves to torch._scaled_mm."""
-    from pdmesh.kernels.triton import fp8_gemm
-
-    monkeypatch.setattr(fp8_linear, "SMALL_GEMM", "triton")
-    x = _randn(fp8_gemm.MAX_TOKENS + 1, 64, seed=11, device=device)
-    xq, xs = fp8.quantize_rows_ref(x)
-    qw, sw = fp8.quantize_rows_ref(_randn(48, 64, seed=12, device=device))
-    assert fp8_gemm.fits(xq[:3], qw) and not fp8_gemm.fits(xq, qw)
-    small = fp8_linear.scaled_mm(xq[:3], xs[:3], qw, sw, None, torch.bfloat16)
-    whole = fp8_linear.scaled_mm(xq, xs, qw, sw, None, torch.bfloat16)
-    assert torch.allclose(small.float(), whole[:3].float(), rtol=2**-7, atol=1e-3)
-
-
 @pytest.mark.parametrize(("num_tokens", "top_k"), [(1, 2), (9, 2), (70, 1)])
 def test_fp8_moe_experts_match_reference(num_tokens, top_k, dtype, device, assert_close) -> None:
     num_local, hidden, inter = 4, 64, 32
