@@ -27,7 +27,6 @@ from pdmesh.bench.report import Report, ceilings, free_memory, median_s, out_par
 from pdmesh.kernels.activation import silu_and_mul_ref
 from pdmesh.kernels.fp8 import dequantize_rows, quantize_rows_ref
 from pdmesh.kernels.triton.activation import silu_and_mul
-from pdmesh.kernels.triton.fp8_gemv import fp8_gemv_words
 from pdmesh.kernels.triton.fp8_linear import fp8_gemv_config, quantize_rows, scaled_mm
 from pdmesh.kernels.triton.gemv import GemvConfig, default_config, gemv
 
@@ -67,14 +66,6 @@ def sweep(rows: int, quick: bool) -> list[GemvConfig]:
             for s in (1, 3)
         ]
     return [GemvConfig(bn, bk, 4, s) for bn in (4, 8) for bk in (128, 256) for s in (1, 3)]
-
-
-# Launch shapes of the fp8 GEMV over int32 words (its tile holds a quarter of the accumulators).
-WORDS_SHAPES = [
-    GemvConfig(bn, bk, w, 1)
-    for bn, bk in ((8, 1024), (8, 2048), (8, 4096), (16, 1024), (16, 2048), (4, 4096))
-    for w in (4, 8)
-]
 
 
 def sweep_fp8() -> list[GemvConfig]:
@@ -117,13 +108,6 @@ def measure_fp8(name: str, n: int, k: int, quick: bool, bw: float) -> dict[str, 
     no_pdl_us = per_call_us(
         lambda p: gemv(x, p[0], config=default, gated=gated, scale=p[1], use_pdl=False), pairs
     )
-    words: list[dict[str, Any]] = []  # the weights widened by integer operations
-    for cfg in WORDS_SHAPES:
-        err = rel_err(fp8_gemv_words(x, *pairs[0], None, cfg, gated=gated), ref)
-        us = per_call_us(
-            lambda p, c=cfg: fp8_gemv_words(x, p[0], p[1], None, c, gated=gated), pairs
-        )
-        words.append({"config": cfg._asdict(), "rel_err": err, "us": us})
     del pairs
     free_memory()
     floor_us = nbytes / bw * 1e6
@@ -137,8 +121,6 @@ def measure_fp8(name: str, n: int, k: int, quick: bool, bw: float) -> dict[str, 
         "cublas_us": library_us,
         "default_us": timed[0]["us"] if tried[0].get("us") else None,
         "default_no_pdl_us": no_pdl_us,
-        "words": words,
-        "words_best_us": min(w["us"] for w in words),
         "best_us": best["us"],
         "best_config": best["config"],
         "cublas_ratio": library_us / floor_us,
@@ -229,9 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{name:12s} M={rows} floor {r['floor_us']:7.1f} us  cuBLAS {r['cublas_us']:7.1f}"
                 f" ({r['cublas_ratio']:.2f}x)  gemv default {r['default_us'] or 0:7.1f} "
-                f"(without PDL {r['default_no_pdl_us']:7.1f})"
-                + (f"  words {r['words_best_us']:7.1f}" if "words" in r else "")
-                + "  best "
+                f"(without PDL {r['default_no_pdl_us']:7.1f})" + "  best "
                 f"{r['best_us']:7.1f} ({r['best_ratio']:.2f}x) {tuple(r['best_config'].values())}",
                 flush=True,
             )

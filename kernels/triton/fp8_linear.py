@@ -20,8 +20,6 @@ from pdmesh.kernels.backend import register_triton
 from pdmesh.kernels.fp8 import _MIN_AMAX, FP8_DTYPE, FP8_MAX, scaled_mm_ref
 from pdmesh.kernels.triton.activation import silu_mul
 from pdmesh.kernels.triton.device import last_dim_contiguous
-from pdmesh.kernels.triton.fp8_gemv import fits as words_fit
-from pdmesh.kernels.triton.fp8_gemv import fp8_gemv_words
 from pdmesh.kernels.triton.gemv import GemvConfig, gemv
 from pdmesh.kernels.triton.pdl import pdl, pdl_launch, wait_for_previous
 
@@ -167,19 +165,10 @@ def _in_graph(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-# How the GEMV widens fp8 weights: "convert" (gemv.py: conversion instructions) or "words"
-# (fp8_gemv.py: int32 words, integer operations); the benches set it to compare the two.
-WIDEN = "convert"
-# The words kernel's launch shape (its tile holds a quarter of gemv.py's accumulators).
-WORDS_CONFIG = GemvConfig(block_n=8, block_k=2048, num_warps=4, num_stages=1)
-
-
 def _fp8_gemv(
     x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, gated
 ) -> torch.Tensor:
     n, k = qweight.shape
-    if WIDEN == "words" and words_fit(qweight):
-        return fp8_gemv_words(x, qweight, scale, bias, WORDS_CONFIG, gated=gated)
     cfg = fp8_gemv_config(x.shape[0], n, k)
     return gemv(x, qweight, bias, config=cfg, gated=gated, scale=scale)
 

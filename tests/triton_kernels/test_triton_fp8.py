@@ -61,29 +61,6 @@ def test_fp8_gemv_is_the_dequantized_weights_product(
     assert_close(y, ref)
 
 
-@pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize(("rows", "n", "k"), [(1, 64, 512), (3, 45, 200), (4, 13, 1100)])
-def test_fp8_gemv_over_words_is_the_dequantized_weights_product(
-    rows: int, n: int, k: int, gated: bool, dtype, device, assert_close: Check
-) -> None:
-    """The weights widened by integer operations (fp8_gemv.py): every e4m3 value, subnormals,
-    zeros and both signs among them, gives the product of the dequantized weight."""
-    from pdmesh.kernels.triton.fp8_gemv import fp8_gemv_words
-    from pdmesh.kernels.triton.gemv import GemvConfig
-
-    x = _randn(rows, k * (2 if gated else 1), seed=n, device=device, dtype=dtype)
-    qw, sw = fp8.quantize_rows_ref(_randn(n, k, seed=n + 1, device=device))
-    every_byte = torch.arange(256, dtype=torch.uint8)
-    every_byte[(every_byte & 0x7F) == 0x7F] = 0  # e4m3fn's two NaNs: never in weights
-    qw[0, :256] = every_byte[: min(256, k)].view(fp8.FP8_DTYPE).to(device)
-    bias = _randn(n, seed=n + 2, device=device, dtype=dtype)
-    cfg = GemvConfig(block_n=8, block_k=256, num_warps=4, num_stages=1)
-    y = fp8_gemv_words(x, qw, sw, bias, cfg, gated=gated)
-    act = silu_and_mul_ref(x) if gated else x
-    ref = torch.nn.functional.linear(act.float(), fp8.dequantize_rows(qw, sw, torch.float32))
-    assert_close(y, (ref + bias.float()).to(dtype))
-
-
 @pytest.mark.parametrize("rows", [1, 7])
 def test_fp8_linear_wrappers_match_references(rows: int, dtype, device, assert_close) -> None:
     """Outside CUDA graphs the wrappers quantize the activations and run the scaled GEMM."""
