@@ -12,10 +12,8 @@ scheduling. Each build's batch-1 logits on one fixed token are compared with cuB
 error in the results). With --quantization fp8 the weights are quantized at load: "cublas" is
 then the per-token quantization and cuBLASLt's fp8 GEMM (torch._scaled_mm), "gemv" the fp8 GEMV
 (weight-only), and the floors count the fp8 bytes. "gemv-async-nopdl" is "gemv-async" with
-PDMESH_PDL=0 (no programmatic dependent launch); "-readahead": the attention output
-projection's weight read into the L2 beside the attention kernels (PDMESH_L2_READ_AHEAD=4,
-engine/layers/read_ahead.py; "-readahead64": up to 64 rows); "gemv4": up to 4 rows on the
-GEMV (PDMESH_GEMV_MAX_ROWS=4). --batch / --context: a larger step (the floor then counts the
+PDMESH_PDL=0 (no programmatic dependent launch); "gemv4": up to 4 rows on the GEMV
+(PDMESH_GEMV_MAX_ROWS=4). --batch / --context: a larger step (the floor then counts the
 batch's KV too). Writes DIR/decode_step[-fp8]-bB.json (--profile: a
 torch.profiler table per setting); prints a table.
 """
@@ -44,15 +42,13 @@ def tp2_shard_config() -> Any:
     return config
 
 
-# (name, PDMESH_GEMV_MAX_ROWS, async scheduling, PDMESH_PDL, PDMESH_L2_READ_AHEAD)
+# (name, PDMESH_GEMV_MAX_ROWS, async scheduling, PDMESH_PDL)
 VARIANTS = [
-    ("cublas", 0, False, "1", "0"),
-    ("gemv", 1, False, "1", "0"),
-    ("gemv-async", 1, True, "1", "0"),
-    ("gemv-async-nopdl", 1, True, "0", "0"),
-    ("gemv-async-readahead", 1, True, "1", "4"),
-    ("gemv-async-readahead64", 1, True, "1", "64"),
-    ("gemv4-async", 4, True, "1", "0"),
+    ("cublas", 0, False, "1"),
+    ("gemv", 1, False, "1"),
+    ("gemv-async", 1, True, "1"),
+    ("gemv-async-nopdl", 1, True, "0"),
+    ("gemv4-async", 4, True, "1"),
 ]
 
 
@@ -68,7 +64,7 @@ def fixed_token_logits(engine: Any) -> torch.Tensor:
 
 def measure(
     folder: Path,
-    variant: tuple[str, int, bool, str, str],
+    variant: tuple[str, int, bool, str],
     profile: bool,
     out: Path,
     bw: float,
@@ -77,10 +73,9 @@ def measure(
     context: int = 512,
     kv_cache_dtype: str = "auto",
 ) -> tuple[dict[str, Any], torch.Tensor]:
-    name, gemv_rows, overlap, use_pdl, read_ahead = variant
+    name, gemv_rows, overlap, use_pdl = variant
     os.environ["PDMESH_GEMV_MAX_ROWS"] = str(gemv_rows)
     os.environ["PDMESH_PDL"] = use_pdl
-    os.environ["PDMESH_L2_READ_AHEAD"] = read_ahead
     llm = dummy_llm(
         folder,
         kv_cache_tokens=max(32768, batch * (context + 64)),

@@ -1,7 +1,8 @@
 """The decode projections at batch 1-4: the GEMV kernel's launch shapes against the matmul
 library, on the Llama-3.1-8B matrices whole (TP=1) and as one rank's shard of TP=2.
 
-    python -m pdmesh.bench.gemv_gpu --out DIR [--quick] [--quantization fp8]
+    python -m pdmesh.bench.gemv_gpu --out DIR [--quick] [--quantization fp8] [--shapes qkv,o]
+        [--rows 1]
 
 Each figure is one call's share of a CUDA graph that runs the same projection over 8+ copies of
 its weight in turn (the copies together several times the L2, as in a decode step, where each
@@ -61,7 +62,7 @@ def sweep(rows: int, quick: bool) -> list[GemvConfig]:
         return [
             GemvConfig(bn, bk, w, s)
             for bn in (4, 8, 16)
-            for bk in (256, 512, 1024)
+            for bk in (256, 512, 1024, 2048)
             for w in (4, 8)
             for s in (1, 3)
         ]
@@ -193,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = out_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="the default launch shape only")
     parser.add_argument("--quantization", default=None, help="fp8: fp8 weights, batch 1")
+    parser.add_argument("--shapes", default=None, help="only these, by name (e.g. qkv,o,down+silu)")
+    parser.add_argument("--rows", default=None, help="only these rows of x (e.g. 1)")
     args = parser.parse_args(argv)
     c = ceilings()
     fp8 = args.quantization == "fp8"
@@ -200,8 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     report = Report(args.out / name, indent=1, **run_info(), ceilings=c, results=[])
     # FP8: the projections an fp8 engine runs on the GEMV (its LM head stays bf16), TP=1.
     shapes = [s for s in SHAPES if s[0] in ("qkv", "o", "gate_up", "down+silu")] if fp8 else SHAPES
+    if args.shapes:
+        shapes = [s for s in shapes if s[0] in args.shapes.split(",")]
+    all_rows = (1,) if fp8 else ROWS
+    if args.rows:
+        all_rows = tuple(r for r in all_rows if str(r) in args.rows.split(","))
     for name, n, k in shapes:
-        for rows in (1,) if fp8 else ROWS:
+        for rows in all_rows:
             bw = c["copy_gb_s"] * 1e9
             if fp8:
                 r = measure_fp8(name, n, k, args.quick, bw)

@@ -13,7 +13,6 @@ from pdmesh.kernels.attention import (
 from pdmesh.kernels.linear import linear, silu_and_mul_linear
 from pdmesh.kernels.moe import RouteTally, Routing, SlotTable, moe_experts, moe_route
 from pdmesh.kernels.norm import fused_add_rms_norm, rms_norm
-from pdmesh.kernels.prefetch import read_into_l2
 from pdmesh.kernels.rotary import apply_rotary
 
 __all__ = [
@@ -27,7 +26,6 @@ __all__ = [
     "moe_route",
     "paged_decode_attention",
     "paged_prefill_attention",
-    "read_into_l2",
     "rms_norm",
     "silu_and_mul",
     "silu_and_mul_linear",

@@ -47,16 +47,6 @@ def pdl() -> bool:
     return value == "1"
 
 
-def l2_read_ahead_rows() -> int:
-    """PDMESH_L2_READ_AHEAD: in decode steps of at most this many rows (tokens) captured in CUDA
-    graphs, the attention output projection's weight is read into the GPU's L2 cache beside the
-    attention kernels, on a second stream (engine/layers/read_ahead.py). 0 (default): off."""
-    value = int(os.environ.get("PDMESH_L2_READ_AHEAD", "0"))
-    if value < 0:
-        raise ValueError(f"PDMESH_L2_READ_AHEAD must be 0 or more, got {value}")
-    return value
-
-
 def keep_freed_memory() -> bool:
     """PDMESH_KEEP_FREED_MEMORY: whether CPU workers keep what malloc frees for their next step
     (1, default; pdmesh/processes.py) or let glibc hand it back to the OS (0)."""

@@ -19,7 +19,6 @@ from pdmesh.engine.layers.linear import (
     RowParallelLinear,
 )
 from pdmesh.engine.layers.norm import RMSNorm
-from pdmesh.engine.layers.read_ahead import read_ahead
 from pdmesh.engine.layers.rotary import RotaryEmbedding
 from pdmesh.engine.models.base import CausalLM
 from pdmesh.engine.models.registry import register_model
@@ -71,13 +70,11 @@ class SelfAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        with read_ahead(self.o_proj.weight, hidden.shape[0]):
-            if self.q_norm is not None:
-                q = self.q_norm(q)
-                k = self.k_norm(k)
-            q, k = self.rotary_emb(positions, q, k)
-            out = self.attn(q, k, v, meta)  # [T, H * D]
-        return self.o_proj(out)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
 
 
 class GatedMLP(nn.Module):

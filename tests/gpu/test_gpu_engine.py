@@ -66,25 +66,6 @@ def test_programmatic_dependent_launch_matches_transformers(tiny_model, monkeypa
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 24, ignore_eos=True)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
-def test_l2_read_ahead_matches_transformers(tiny_model, monkeypatch, arch) -> None:
-    """PDMESH_L2_READ_AHEAD: the output projection's weight read into the L2 on a second stream
-    beside the attention kernels, inside the decode graphs; tokens equal to transformers'."""
-    from torch.profiler import ProfilerActivity, profile
-
-    monkeypatch.setenv("PDMESH_L2_READ_AHEAD", "4")
-    folder = tiny_model(arch)
-    llm = LLM(str(folder), dtype="float32", kv_cache_tokens=4096, max_num_batched_tokens=64)
-    hf = load_hf(folder)
-    prompts = random_prompts([5, 17, 40, 100])
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        one = llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY)
-    assert any("_read_kernel" in e.key for e in prof.key_averages())
-    outputs = one + llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], GREEDY)
-    for prompt, out in zip(prompts, outputs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 24, ignore_eos=True)
-
-
 def test_cuda_graphs_equal_eager(tiny_model) -> None:
     folder = str(tiny_model("llama"))
     prompts = [{"prompt_token_ids": p} for p in random_prompts([7, 33, 64, 90])]
