@@ -1,9 +1,10 @@
 """The engine core shared by prefill and decode workers.
 
-Top level: the offline API (`llm.py`), the engine loop every worker drives (`llm_engine.py`), its
-configuration (`config.py`), what it hands back (`outputs.py`), a sequence's state
-(`sequence.py`), checkpoint reading (`weights.py`), and the two ways a request's KV crosses the
-engine's edge whole (`migration.py`, `external_prefix.py`). The rest is one folder a concern:
+Top level: the offline API (`llm.py`), the engine loop every worker drives (`llm_engine.py`, its
+steps in `step_loop.py`, its figures in `stats.py`), its configuration (`config.py`), what it
+hands back (`outputs.py`), a sequence's state (`sequence.py`), checkpoint reading (`weights.py`),
+and the two ways a request's KV crosses the engine's edge whole (`migration.py`,
+`external_prefix.py`). The rest is one folder a concern:
 
 - `scheduling/`  continuous batching, a request's choices and stop rules, the overlapped step
 - `kv_cache/`    block bookkeeping, the paged cache tensors, the host-memory tier (`host/`)

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import time
-from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
 from pdmesh import envs
 from pdmesh.checkpoint.source import resolve_model_folder
 from pdmesh.engine.config import EngineConfig
-from pdmesh.engine.eplb.balancer import CountEplb, EplbCounts, EplbStats
-from pdmesh.engine.executor.driver import CountExperts, ExpertCounts, TPDriver, rank_device
-from pdmesh.engine.executor.profiling import span
+from pdmesh.engine.eplb.balancer import EplbStats
+from pdmesh.engine.executor.driver import TPDriver, rank_device
 from pdmesh.engine.kv_cache.block_manager import BlockManager
 from pdmesh.engine.kv_cache.host.index import HostIndex
 from pdmesh.engine.models.info import ModelInfo
@@ -21,7 +18,6 @@ from pdmesh.engine.outputs import (
     FirstTokens,
     ForkStats,
     PositionLogprobs,
-    RequestError,
     RequestOutput,
     StepDelta,
     mark_request_ends,
@@ -31,19 +27,20 @@ from pdmesh.engine.parallel.pipeline import SINGLE_STAGE, check_world
 from pdmesh.engine.runner.model_runner import ModelRunner
 from pdmesh.engine.sample.sampler import Sampler
 from pdmesh.engine.sample.structured import Grammars
-from pdmesh.engine.scheduling.burst import COLLECT_WAITED_S, PrefillRate
+from pdmesh.engine.scheduling.burst import PrefillRate
 from pdmesh.engine.scheduling.choices import (
     Limits,
     check_choices,
     check_first_tokens,
     new_sequences,
 )
-from pdmesh.engine.scheduling.overlap import InFlight, next_decode
-from pdmesh.engine.scheduling.request import Request, RequestFailed
+from pdmesh.engine.scheduling.overlap import InFlight
+from pdmesh.engine.scheduling.request import Request
 from pdmesh.engine.scheduling.scheduler import Scheduler
 from pdmesh.engine.sequence import Sequence
 from pdmesh.engine.spec_decode.speculator import make_speculator
-from pdmesh.engine.spec_decode.step import verified_step
+from pdmesh.engine.stats import eplb_stats, expert_counts, log_kv_cache, with_spec_and_host_tier
+from pdmesh.engine.step_loop import StepLoop
 from pdmesh.engine.warm_up import warm_up
 from pdmesh.errors import InvalidRequest
 from pdmesh.kernels.cpu.threads import set_cpu_threads
@@ -133,7 +130,6 @@ class LLMEngine:
             overlap_loads=rank0.type == "cuda",  # copies beside a forward: a stream of their own
         )
         self._requests: dict[str, Request] = {}
-        self.prefill_rate = PrefillRate()
         # Speculative decoding (engine/spec_decode/speculator.py); None: off.
         self.speculator = make_speculator(
             config.speculative,
@@ -144,48 +140,18 @@ class LLMEngine:
             capacity_tokens=capacity,
         )
         self.grammars = Grammars(self.info.folder, self.info.vocab_size, self.info.eos_token_ids)
-        # The last step could do nothing: queued requests wait for blocks that prompts being
-        # prefilled elsewhere hold (their KV's arrival is what unblocks it).
-        self.stalled = False
-        # Under data-parallel attention: whether any rank ran anything in the last step (an
-        # idle rank keeps stepping while its peers are busy, their MoE layers need it).
-        self.group_busy = False
-        # Async scheduling (see overlap.py): on with CUDA graphs unless the config says.
-        # Pipeline stages have a batch per stage in flight, and each batch's next step is
-        # launched ahead too, beside the others, its input ids then on rank 0's device only:
-        # only stages of one rank, whose first stage is rank 0 alone, can take them from there.
-        # Data-parallel replicas under data-parallel attention launch one step each in lockstep
-        # (`_lockstep`), the next one ahead of the tokens as well: on two H200s that took
-        # DP=2 + EP=2 from 4.16 to 2.93 ms a token at batch 1 (BENCHMARKS.md, issue 30).
-        self.async_scheduling = (
-            config.pipeline_parallel_size == 1 or config.tensor_parallel_size == 1
-        ) and (
-            bool(config.async_scheduling)
-            if config.async_scheduling is not None
-            else self.runner.graphs is not None
+        # Launching, the steps in flight and outputting their tokens (engine/step_loop.py).
+        self.steps = StepLoop(
+            config,
+            self.runner,
+            self.scheduler,
+            self.speculator,
+            self._requests,
+            eos_token_ids=self.info.eos_token_ids,
+            max_model_len=max_len,
         )
-        # Steps launched whose tokens are not read yet, oldest first: one launched ahead (async
-        # scheduling), or with pipeline stages one batch per stage, each of other sequences, so
-        # that no stage waits for the others (vLLM's virtual engines). Steps with KV plans go
-        # one at a time.
-        self._inflight: deque[InFlight] = deque()
-        pp = config.pipeline_parallel_size
-        self.max_in_flight = 1 if self.runner.has_planner or pp == 1 else envs.pp_batches(pp)
-        self.most_in_flight = 0  # the most batches on the device at once so far
-        log.info(
-            "KV cache: %s tokens (%d blocks of %d, %.2f GiB); "
-            "maximum concurrency for %s tokens per request: %.2fx",
-            f"{capacity:,}",
-            self.runner.num_blocks,
-            config.block_size,
-            self.runner.kv_cache.nbytes / 2**30,
-            f"{max_len:,}",
-            capacity / max_len,
-        )
-        if pool is not None:
-            log.info(
-                "host KV tier: %d blocks (%.2f GiB a rank)", pool.num_slots, pool.nbytes / 2**30
-            )
+        kv_bytes = self.runner.kv_cache.nbytes
+        log_kv_cache(self.runner.num_blocks, config.block_size, kv_bytes, max_len, pool)
         # Kernels compile now, not in a user's step (engine/warm_up.py). Data-parallel
         # attention's replicas step in lockstep: one warming alone would wait for the others.
         if rank0.type == "cuda" and self.runner.dp is None:
@@ -312,7 +278,7 @@ class LLMEngine:
             return None
         for choice in request.choices:
             if not choice.seq.is_finished:  # choices never forked end with the first
-                self._end(choice.seq, "abort")
+                self.steps.end(choice.seq, "abort")
         return StepDelta(request_id, [], "", "abort", request_finished=True)
 
     def request(self, request_id: str) -> Request | None:
@@ -327,143 +293,17 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Requests to run, or a step on the device still to handle."""
-        return self.scheduler.has_unfinished() or bool(self._inflight)
+        return self.scheduler.has_unfinished() or bool(self.steps.inflight)
 
     def num_waiting_for_blocks(self) -> int:
         """Queued requests beyond what the KV cache can take now (see Scheduler)."""
         return self.scheduler.num_waiting_for_blocks()
 
-    # -- the loop -----------------------------------------------------------------------------
+    # -- the loop (engine/step_loop.py) -------------------------------------------------------
     def step(self) -> list[StepDelta]:
         """Run a step and return its deltas. The step handled may be one launched by an earlier
         call (async scheduling, pipeline stages), and others may be on the device on return."""
-        if self.runner.dp is not None:
-            return self._lockstep()
-        cur = self._inflight.popleft() if self._inflight else self._launch()
-        # Nothing to run: requests may wait for blocks that prompts prefilled elsewhere hold.
-        self.stalled = cur is None and self.scheduler.num_reserved > 0
-        if cur is None:
-            if self.scheduler.has_unfinished() and not self.stalled:
-                raise RuntimeError("scheduler made no progress with requests pending")
-            return []
-        self._fill(cur)
-        if cur.handle.verify is not None:  # a step that verified draft tokens
-            return verified_step(self, cur)
-        # cur's next step, launched before its tokens are read, beside the other batches in
-        # flight (pipeline stages: then neither the device nor the host waits for the other).
-        if self.async_scheduling and len(self._inflight) < self.max_in_flight:
-            if cur.handle.sample is not None:  # pipeline stages: the tokens, on the device
-                cur.handle.sample()
-            nxt = self._launch_next(cur)
-            if nxt is not None:
-                self._inflight.append(nxt)
-        return self._handle(cur)
-
-    def _lockstep(self) -> list[StepDelta]:
-        """A step of a data-parallel replica under data-parallel attention: exactly one forward
-        launched (the replicas' MoE layers exchange tokens within each; a replica with nothing
-        to run joins with padding) and at most one handled. With async scheduling the forward
-        is the one after the step handled, launched before its tokens are read (or, when it
-        cannot be, a new schedule once they are): a new batch's tokens come a call later.
-        Sets `group_busy`: whether any rank ran anything in this call's step."""
-        cur = self._inflight.popleft() if self._inflight else None
-        self.group_busy = True
-        if cur is None or not self.async_scheduling:
-            launched = self._launch()
-            self.stalled = launched is None and self.scheduler.num_reserved > 0
-            if launched is None:
-                self.group_busy = self.runner.idle_step()
-                if self.scheduler.has_unfinished() and not self.stalled:
-                    raise RuntimeError("scheduler made no progress with requests pending")
-                return []
-            if not self.async_scheduling:
-                return self._handle(launched)
-            self._inflight.append(launched)
-            return []
-        nxt = self._launch_next(cur)
-        deltas = self._handle(cur)
-        if nxt is None:  # this call's forward: a new schedule, now that cur's tokens are read
-            nxt = self._launch()
-        if nxt is None:
-            self.group_busy = self.runner.idle_step() or bool(deltas)
-        else:
-            self._inflight.append(nxt)
-        return deltas
-
-    def _handle(self, cur: InFlight) -> list[StepDelta]:
-        """Read a launched step's tokens and output them; its deltas."""
-        with span("engine.collect"):  # waits for the step's tokens
-            asked = time.perf_counter()
-            sampled = self.runner.collect(cur.handle)
-        done = time.perf_counter()
-        # The step's time is known when its tokens were waited for, or read right after its
-        # launch (no async scheduling). Tokens read only after the loop idled (a prefill
-        # worker holding a finished prefill for its KV push) would count the idle time too:
-        # on two H200s such samples held every idle prefill worker's burst wait at its cap.
-        if not self.async_scheduling or done - asked > COLLECT_WAITED_S:
-            self.prefill_rate.observe(cur.batch, done - cur.started)
-        logprobs = self.runner.collect_logprobs(cur.handle, sampled)
-        self.record_prompt_logprobs(cur)
-        self.scheduler.complete(cur.batch)
-        deltas: list[StepDelta] = []
-        for i, (seq, token) in enumerate(zip(cur.batch.seqs, sampled, strict=True)):
-            if token is not None and not seq.is_finished:  # else aborted while the step ran
-                lp = logprobs[i] if logprobs is not None else None
-                deltas.append(self.append_token(self._requests[seq.request_id], seq, token, lp))
-        return mark_request_ends(deltas, self.is_finished)
-
-    def record_prompt_logprobs(self, cur: InFlight) -> None:
-        """Store the prompt logprobs a handled step computed with their requests."""
-        for i, position, entry in cur.handle.prompt_logprobs:
-            request = self._requests.get(cur.batch.seqs[i].request_id)
-            if request is not None and request.prompt_logprobs is not None:
-                request.prompt_logprobs[position + 1] = entry  # predicts the next token
-
-    def _launch(self, busy: Collection[Sequence] = ()) -> InFlight | None:
-        """Schedule a step and launch it (None: nothing to run). `busy`: the sequences of the
-        steps in flight, which sit this one out."""
-        if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
-        batch = self.scheduler.schedule(busy, self._batch_cap())
-        if not batch:
-            return None
-        started = time.perf_counter()
-        return InFlight(batch, self.runner.launch(batch), started)
-
-    def _batch_cap(self) -> int | None:
-        """With batches in flight for p stages, each takes about 1/p of the sequences."""
-        if self.max_in_flight == 1:
-            return None
-        s = self.scheduler
-        return -(-(len(s.running) + len(s.waiting)) // self.max_in_flight)
-
-    def _fill(self, cur: InFlight) -> None:
-        """Launch batches of other sequences while fewer than one per stage are in flight."""
-        while 1 + len(self._inflight) < self.max_in_flight:
-            busy = [seq for f in (cur, *self._inflight) for seq in f.batch.seqs]
-            launched = self._launch(busy)
-            if launched is None:
-                break
-            self._inflight.append(launched)
-        self.most_in_flight = max(self.most_in_flight, 1 + len(self._inflight))
-
-    def _launch_next(self, cur: InFlight) -> InFlight | None:
-        if self.runner.has_planner:
-            return None  # steps that push KV are planned one at a time
-        if self.speculator is not None and self.speculator.active(len(self.scheduler.running)):
-            return None  # drafts are proposed from every token so far
-        nxt = next_decode(cur, self.scheduler, self.max_model_len, self._inflight)
-        if nxt is None:
-            return None
-        batch, token_ids = nxt
-        with span("engine.launch_next"):
-            started = time.perf_counter()
-            return InFlight(batch, self.runner.launch(batch, next_ids=token_ids), started)
-
-    def _end(self, seq: Sequence, reason: str) -> None:
-        """Finish `seq`; its blocks are freed once no step on the device writes to them."""
-        in_flight = any(f.holds(seq) for f in self._inflight)
-        self.scheduler.finish(seq, reason, in_flight)
+        return self.steps.step()
 
     def append_token(
         self,
@@ -474,25 +314,54 @@ class LLMEngine:
     ) -> StepDelta:
         """Output one sampled token for `seq` (a choice of `request`); its delta, which may end
         the choice (EOS, stop ids and strings, max_tokens, the context)."""
-        try:
-            delta = request.add_token(
-                seq, token, self.info.eos_token_ids, self.max_model_len, logprobs
-            )
-        except RequestFailed as failure:
-            return self._fail(request, seq, failure.error)
-        if delta.finish_reason is not None:
-            self._end(seq, delta.finish_reason)
-        return delta
+        return self.steps.append_token(request, seq, token, logprobs)
 
-    def _fail(self, request: Request, seq: Sequence, error: RequestError) -> StepDelta:
-        """End every choice of `request` with finish_reason "error" (its blocks freed as for any
-        other end); the batch runs on. The delta is `seq`'s."""
-        log.warning("request %s ended early: %s", seq.request_id, error.message)
-        request.error = error
-        for choice in request.choices:
-            if not choice.seq.is_finished:
-                self._end(choice.seq, "error")
-        return StepDelta(seq.request_id, [], "", "error", index=seq.index)
+    def record_prompt_logprobs(self, cur: InFlight) -> None:
+        """Store the prompt logprobs a handled step computed with their requests."""
+        self.steps.record_prompt_logprobs(cur)
+
+    @property
+    def stalled(self) -> bool:
+        """The last step could do nothing: queued requests wait for blocks that prompts being
+        prefilled elsewhere hold."""
+        return self.steps.stalled
+
+    @property
+    def group_busy(self) -> bool:
+        """Under data-parallel attention: whether any rank ran anything in the last step."""
+        return self.steps.group_busy
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether a step's next one is launched before its tokens are read."""
+        return self.steps.async_scheduling
+
+    @property
+    def prefill_rate(self) -> PrefillRate:
+        """Seconds a token costs in prefill-heavy steps, as this engine measured them."""
+        return self.steps.prefill_rate
+
+    @prefill_rate.setter
+    def prefill_rate(self, rate: PrefillRate) -> None:
+        self.steps.prefill_rate = rate
+
+    @property
+    def max_in_flight(self) -> int:
+        """The most steps launched at once whose tokens are not read yet."""
+        return self.steps.max_in_flight
+
+    @max_in_flight.setter
+    def max_in_flight(self, n: int) -> None:
+        self.steps.max_in_flight = n
+
+    @property
+    def most_in_flight(self) -> int:
+        """The most batches on the device at once so far."""
+        return self.steps.most_in_flight
+
+    @most_in_flight.setter
+    def most_in_flight(self, n: int) -> None:
+        self.steps.most_in_flight = n
 
     # -- results ------------------------------------------------------------------------------
     def get_output(self, request_id: str) -> RequestOutput:
@@ -508,26 +377,13 @@ class LLMEngine:
 
     def expert_counts(self) -> list[int] | None:
         """Tokens routed to each expert since start, over every rank (None: a dense model)."""
-        counts = self.runner.expert_counts()
-        if counts is None or self.tp_driver is None or not self.config.enable_expert_parallel:
-            return counts  # without EP every rank routes every token: rank 0 saw them all
-        for reply in self.tp_driver.call(CountExperts()):
-            assert isinstance(reply, ExpertCounts)
-            counts = [a + b for a, b in zip(counts, reply.counts, strict=True)]
-        return counts
+        ep = self.config.enable_expert_parallel
+        return expert_counts(self.runner.expert_counts(), self.tp_driver, ep)
 
     def eplb_stats(self) -> EplbStats | None:
         """EPLB's figures over every rank, now (None: EPLB off). Between steps only: the
         followers are asked."""
-        balancer = self.runner.balancer
-        if balancer is None:
-            return None
-        counts = [balancer.counts()]
-        if self.tp_driver is not None:
-            for reply in self.tp_driver.call(CountEplb()):
-                assert isinstance(reply, EplbCounts)
-                counts.append(reply)
-        return balancer.stats(counts)
+        return eplb_stats(self.runner.balancer, self.tp_driver)
 
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel engine (nothing to do for one rank)."""
@@ -541,16 +397,16 @@ class LLMEngine:
         return driver.shutdown if driver is not None else lambda: None
 
     def stats(self) -> EngineStats:
-        stats, pool, bs = self.scheduler.stats(), self.runner.host_pool, self.config.block_size
-        if self.speculator is not None:
-            spec = self.speculator.stats
-            stats = dataclasses.replace(
-                stats, spec_draft_tokens=spec.proposed, spec_accepted_tokens=spec.accepted
-            )
-        if self.host_index is None or pool is None:
-            return stats
+        bs, spec = self.config.block_size, self.speculator
         block_bytes = self.info.kv_block_bytes(bs, self.runner.kv_spec.dtype.itemsize)
-        return dataclasses.replace(stats, **self.host_index.figures(bs, block_bytes, pool.seconds))
+        return with_spec_and_host_tier(
+            self.scheduler.stats(),
+            spec.stats if spec is not None else None,
+            self.host_index,
+            self.runner.host_pool,
+            bs,
+            block_bytes,
+        )
 
     def fork_stats(self) -> ForkStats:
         """Blocks shared by requests' choices and copies on write, since start."""

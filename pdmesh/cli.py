@@ -10,8 +10,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pdmesh import commands, drain, healthcheck, role
+from pdmesh import drain, healthcheck, role
 from pdmesh.bench import command as bench_command
+from pdmesh.commands import local, services
 from pdmesh.flags import env_defaults
 
 
@@ -21,9 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pdmesh", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    commands.add_generate(sub)
-    commands.add_up(sub)
-    commands.add_services(sub)
+    local.add_generate(sub)
+    local.add_up(sub)
+    services.add_services(sub)
     bench_command.add_bench(sub)
     healthcheck.add_healthcheck(sub)
     drain.add_drain(sub)

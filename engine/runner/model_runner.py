@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
@@ -25,8 +24,9 @@ from pdmesh.engine.parallel.group import SINGLE, ParallelGroup
 from pdmesh.engine.parallel.pipeline import SINGLE_STAGE, PipelineStage
 from pdmesh.engine.parallel.symm_all_reduce import symmetric_all_reduce
 from pdmesh.engine.runner.cuda_graphs import DecodeGraphs
+from pdmesh.engine.runner.dp_attention import agree, moe_exchange, note_rows, pad_idle_step
 from pdmesh.engine.runner.step_handle import StepHandle
-from pdmesh.engine.runner.step_inputs import HostInputs, StepInputs
+from pdmesh.engine.runner.step_inputs import StepInputs, prepare_inputs
 from pdmesh.engine.runner.step_sampling import StepSampler, greedy_tokens, plain_greedy
 from pdmesh.engine.sample import structured
 from pdmesh.engine.scheduling.scheduler import ScheduledBatch
@@ -92,9 +92,9 @@ class ModelRunner:
             torch.cuda.set_device(device)  # for this (the building) thread
         self.dtype = dtype = config.torch_dtype(device)
         self.block_size = block_size = config.block_size
-        tp = _moe_exchange(tp, config, device)
+        tp = moe_exchange(tp, config, device)
         # Data-parallel attention: the MoE layers' group is every data-parallel rank, and each
-        # step those ranks agree on its size (`_agree`); None otherwise.
+        # step those ranks agree on its size (`agree`, dp_attention.py); None otherwise.
         self.dp = tp.moe if tp.moe is not None and tp.moe.data_parallel else None
         with torch.device(device), _default_dtype(dtype):
             model = info.model_cls(info.hf_config, max_model_len, tp, stage)
@@ -201,65 +201,9 @@ class ModelRunner:
         return KVHeads.of_rank(self.info.num_kv_heads, self.tp.rank, self.tp.size)
 
     def prepare(self, batch: ScheduledBatch, next_ids: torch.Tensor | None = None) -> StepInputs:
-        """The step's inputs. next_ids ([B] on the device, decode-only batches): each sequence
-        runs the token a step still on the device samples for it, at position num_tokens (the
-        host does not know that token yet; see engine/scheduling/overlap.py)."""
-        bs = self.block_size
-        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] != 1)
-        # input_ids, positions, slots, decode tables and lens, cu_seqlens, prefill lens and
-        # tables, logits indices: filled below.
-        host = HostInputs([], [], [], [], [], [0], [], [], [])
-        host.block_copies = [b for pair in batch.block_copies for b in pair]
-        host.offloads = [x for pair in batch.host_copies.offloads for x in pair]
-        host.loads = [x for pair in batch.host_copies.loads for x in pair]
-        host.overlap_loads = batch.host_copies.overlap
-        sample_seq_index: list[int] = []
-        prompt_rows: list[tuple[int, int, int]] = []  # (sequence, position, flat index)
-        forked_from = dict(batch.forks)
-        last_flat: dict[int, int] = {}  # batch index -> flat index of its sampled token
-        for i in order:
-            seq, n = batch.seqs[i], batch.num_new_tokens[i]
-            if i in forked_from:  # a choice forked this step: its prompt's logits, resampled
-                host.logits_indices.append(last_flat[forked_from[i]])
-                sample_seq_index.append(i)
-                continue
-            start = seq.num_computed_tokens if next_ids is None else seq.num_tokens
-            end = start + n
-            table = seq.block_table
-            drafts = seq.spec_token_ids  # speculative decoding: run after its last token
-            if n == 1:  # a decode: most rows of most steps, without the ranges below
-                if next_ids is None:  # one token: never a draft (those follow the last one)
-                    host.input_ids.append(seq.token_ids[start])
-                host.positions.append(start)
-                host.slots.append(table[start // bs] * bs + start % bs)
-                host.decode_tables.append(table)
-                host.decode_lens.append(end)
-            else:
-                if next_ids is None:
-                    ids = seq.token_ids + drafts if drafts else seq.token_ids
-                    host.input_ids.extend(ids[start:end])
-                host.positions.extend(range(start, end))
-                host.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-                host.prefill_tables.append(table)
-                host.prefill_lens.append(end)
-                host.cu_seqlens.append(host.cu_seqlens[-1] + n)
-            if end >= seq.num_tokens:
-                # A row for the last token, then one per draft token it verifies.
-                verified = len(drafts) if next_ids is None else 0
-                last_flat[i] = len(host.positions) - 1 - verified
-                host.logits_indices.extend(range(last_flat[i], len(host.positions)))
-                sample_seq_index.append(i)
-            if seq.params.prompt_logprobs is not None:
-                # Prompt positions whose next token is a prompt token (the last one's is sampled).
-                first = len(host.positions) - n
-                upto = min(end, seq.num_prompt_tokens - 1)
-                prompt_rows += [(i, p, first + p - start) for p in range(start, upto)]
-        if next_ids is not None and (order != sorted(order) or host.num_tokens != len(order)):
-            raise ValueError("next_ids is for decode-only batches (one token per sequence)")
-        host.logits_indices += [flat for _, _, flat in prompt_rows]
-        inputs = host.to_device(self.device, sample_seq_index, next_ids)
-        inputs.prompt_rows = [(i, p) for i, p, _ in prompt_rows]
-        return inputs
+        """The step's inputs (`prepare_inputs`, step_inputs.py). next_ids ([B] on the device,
+        decode-only batches): the tokens a step still on the device samples for them."""
+        return prepare_inputs(batch, self.block_size, self.device, next_ids)
 
     @torch.inference_mode()
     def forward_logits(self, inputs: StepInputs) -> torch.Tensor | None:
@@ -276,7 +220,7 @@ class ModelRunner:
         fits = graphs is not None and graphs.covers(n, meta.num_decode_tokens, num_sampled)
         bucket = None
         if self.dp is not None:  # every data-parallel rank replays the same bucket, or none does
-            most, all_fit = _agree(self.dp, n, fits)
+            most, all_fit = agree(self.dp, n, fits)
             fits = fits and all_fit
             bucket = graphs.bucket(most) if fits and graphs is not None else None
             self.dp.step_tokens[:] = [0 if fits else most, 0]
@@ -308,32 +252,16 @@ class ModelRunner:
         """A data-parallel rank with nothing to run: join the step the other ranks run (their
         MoE layers' collectives) with padding rows only. False: no rank ran anything."""
         assert self.dp is not None, "idle steps are for data-parallel attention"
-        graphs = self.graphs
-        most, all_fit = _agree(self.dp, 0, graphs is not None)
-        if not most:
+        if not pad_idle_step(self.dp, self.graphs, self.model, self.device):
             return False
-        if graphs is not None and all_fit:
-            bs = graphs.bucket(most)
-            self.dp.step_tokens[:] = [0, bs]
-            graphs.run_padding(bs)
-        else:
-            # One token that stores nothing (slot -1) and reads one position of block 0.
-            host = HostInputs([0], [0], [-1], [[0]], [1], [0], [], [], [])
-            inputs = host.to_device(self.device, [])
-            self.dp.step_tokens[:] = [most, 1]
-            self._note_rows(inputs.meta)
-            self.model(inputs.input_ids, inputs.positions, inputs.meta, None)
-        self.dp.step_tokens[1] = 0
         if self.balancer is not None:
             self.balancer.after_step()
         return True
 
     def _note_rows(self, meta: AttentionMetadata) -> None:
-        """Under data-parallel attention: the rows the MoE layers are about to run, padding
-        rows being those that store no KV (slot -1), which their exchange leaves out of the
-        expert work (engine/layers/moe.py). In a graph's capture, the bucket's static buffer."""
+        """The rows the MoE layers are about to run (`note_rows`, dp_attention.py)."""
         assert self.dp is not None
-        self.dp.fast["slots"] = meta.slot_mapping
+        note_rows(self.dp, meta)
 
     def offload_now(self, pairs: tuple[tuple[int, int], ...]) -> None:
         """Copy these (evicted block, host slot) pairs to the host tier on every rank before
@@ -462,27 +390,3 @@ class ModelRunner:
         if not counts:
             return None
         return torch.stack(counts).sum(0).tolist()
-
-
-def _moe_exchange(tp: ParallelGroup, config: EngineConfig, device: torch.device) -> ParallelGroup:
-    """`tp` with its MoE group set up for expert parallelism: EPLB's redundant slots, and the
-    exchange (engine/layers/moe.py): on GPUs the all-reduce, or the gather and reduce-scatter
-    under data-parallel attention (no host sync, decode graphs), EPLB on or off; on CPUs the
-    all-to-all, whose outputs are bit-identical with EPLB on and off (EPLB's tests hold it to
-    that). Until 2026-11-27 EPLB kept GPUs on the all-to-all too, eager with a host sync per
-    layer: 4.4x slower than EPLB off on two H100s, and its bf16 tokens differed from EPLB off's
-    all the same (BENCHMARKS.md)."""
-    moe = tp.moe_group
-    if config.enable_eplb:  # the MoE layers hold E + R expert slots over the group
-        moe = dataclasses.replace(moe, redundant_experts=config.num_redundant_experts)
-    if moe.expert_parallel and moe.size > 1:
-        moe = dataclasses.replace(moe, moe_all_reduce=device.type == "cuda")
-    return dataclasses.replace(tp, moe=moe) if tp.moe is not None else moe
-
-
-def _agree(dp: ParallelGroup, num_tokens: int, fits: bool) -> tuple[int, bool]:
-    """Over the data-parallel ranks, on the host: (the most tokens any rank runs this step,
-    whether every rank's step fits a CUDA graph)."""
-    with torch.profiler.record_function("dp.agree"):
-        most, misfit = dp.fast["host_max"]([num_tokens, 0 if fits else 1])
-    return most, not misfit

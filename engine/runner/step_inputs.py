@@ -1,8 +1,9 @@
 """One step's model inputs: built on the host as integers, then moved to the device.
 
-Rank 0 builds `HostInputs` from the scheduled batch; tensor-parallel followers receive the same
-integers (`step_codec`) and turn them into the same `StepInputs`. Host to device goes through
-pinned memory without a host sync, so building a step never waits for the one before it.
+Rank 0 builds `HostInputs` from the scheduled batch (`prepare_inputs`); tensor-parallel
+followers receive the same integers (`step_codec`) and turn them into the same `StepInputs`.
+Host to device goes through pinned memory without a host sync, so building a step never waits
+for the one before it.
 """
 
 from __future__ import annotations
@@ -10,10 +11,14 @@ from __future__ import annotations
 import array
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdmesh.engine.layers.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from pdmesh.engine.scheduling.scheduler import ScheduledBatch
 
 
 @dataclass
@@ -113,6 +118,74 @@ class HostInputs:
             host=self,
             block_copies=copies,
         )
+
+
+def prepare_inputs(
+    batch: ScheduledBatch,
+    block_size: int,
+    device: torch.device,
+    next_ids: torch.Tensor | None = None,
+) -> StepInputs:
+    """A scheduled batch's inputs as one flat step, decodes first (`ModelRunner.prepare`).
+    next_ids ([B] on the device, decode-only batches): each sequence runs the token a step
+    still on the device samples for it, at position num_tokens (the host does not know that
+    token yet; see engine/scheduling/overlap.py)."""
+    bs = block_size
+    order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] != 1)
+    # input_ids, positions, slots, decode tables and lens, cu_seqlens, prefill lens and
+    # tables, logits indices: filled below.
+    host = HostInputs([], [], [], [], [], [0], [], [], [])
+    host.block_copies = [b for pair in batch.block_copies for b in pair]
+    host.offloads = [x for pair in batch.host_copies.offloads for x in pair]
+    host.loads = [x for pair in batch.host_copies.loads for x in pair]
+    host.overlap_loads = batch.host_copies.overlap
+    sample_seq_index: list[int] = []
+    prompt_rows: list[tuple[int, int, int]] = []  # (sequence, position, flat index)
+    forked_from = dict(batch.forks)
+    last_flat: dict[int, int] = {}  # batch index -> flat index of its sampled token
+    for i in order:
+        seq, n = batch.seqs[i], batch.num_new_tokens[i]
+        if i in forked_from:  # a choice forked this step: its prompt's logits, resampled
+            host.logits_indices.append(last_flat[forked_from[i]])
+            sample_seq_index.append(i)
+            continue
+        start = seq.num_computed_tokens if next_ids is None else seq.num_tokens
+        end = start + n
+        table = seq.block_table
+        drafts = seq.spec_token_ids  # speculative decoding: run after its last token
+        if n == 1:  # a decode: most rows of most steps, without the ranges below
+            if next_ids is None:  # one token: never a draft (those follow the last one)
+                host.input_ids.append(seq.token_ids[start])
+            host.positions.append(start)
+            host.slots.append(table[start // bs] * bs + start % bs)
+            host.decode_tables.append(table)
+            host.decode_lens.append(end)
+        else:
+            if next_ids is None:
+                ids = seq.token_ids + drafts if drafts else seq.token_ids
+                host.input_ids.extend(ids[start:end])
+            host.positions.extend(range(start, end))
+            host.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            host.prefill_tables.append(table)
+            host.prefill_lens.append(end)
+            host.cu_seqlens.append(host.cu_seqlens[-1] + n)
+        if end >= seq.num_tokens:
+            # A row for the last token, then one per draft token it verifies.
+            verified = len(drafts) if next_ids is None else 0
+            last_flat[i] = len(host.positions) - 1 - verified
+            host.logits_indices.extend(range(last_flat[i], len(host.positions)))
+            sample_seq_index.append(i)
+        if seq.params.prompt_logprobs is not None:
+            # Prompt positions whose next token is a prompt token (the last one's is sampled).
+            first = len(host.positions) - n
+            upto = min(end, seq.num_prompt_tokens - 1)
+            prompt_rows += [(i, p, first + p - start) for p in range(start, upto)]
+    if next_ids is not None and (order != sorted(order) or host.num_tokens != len(order)):
+        raise ValueError("next_ids is for decode-only batches (one token per sequence)")
+    host.logits_indices += [flat for _, _, flat in prompt_rows]
+    inputs = host.to_device(device, sample_seq_index, next_ids)
+    inputs.prompt_rows = [(i, p) for i, p, _ in prompt_rows]
+    return inputs
 
 
 _ARRAY_CODES = {torch.int64: "q", torch.int32: "i"}

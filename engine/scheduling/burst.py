@@ -25,7 +25,7 @@ from pdmesh.engine.scheduling.scheduler import ScheduledBatch, Scheduler
 BURST_SHARE = 0.05
 BURST_MAX_S = 0.05
 # Reading a step's tokens that took longer than this waited for the step (tokens already there
-# are only copied): only then does launch-to-read time the step (LLMEngine._handle).
+# are only copied): only then does launch-to-read time the step (StepLoop._handle).
 COLLECT_WAITED_S = 0.0002
 _MIN_TOKENS = 32  # a step counts as prefill-heavy with at least this many tokens
 _EMA = 0.3  # the newest step's weight in the estimate

@@ -17,11 +17,11 @@ from pdmesh.engine.outputs import PositionLogprobs, StepDelta, mark_request_ends
 from pdmesh.engine.spec_decode.verify import Verify
 
 if TYPE_CHECKING:
-    from pdmesh.engine.llm_engine import LLMEngine
     from pdmesh.engine.scheduling.overlap import InFlight
+    from pdmesh.engine.step_loop import StepLoop
 
 
-def verified_step(engine: LLMEngine, cur: InFlight) -> list[StepDelta]:
+def verified_step(loop: StepLoop, cur: InFlight) -> list[StepDelta]:
     """The deltas of `cur`, a step whose handle verifies drafts (`handle.verify`): one per
     sampled sequence, with every token it output this step."""
     handle, batch = cur.handle, cur.batch
@@ -32,30 +32,30 @@ def verified_step(engine: LLMEngine, cur: InFlight) -> list[StepDelta]:
     if handle.logprobs is not None:
         top, wanted = handle.logprobs
         entries = verify.logprobs(top, wanted, tokens, emitted)
-    engine.record_prompt_logprobs(cur)
-    engine.scheduler.complete(batch)
-    speculator = engine.speculator
+    loop.record_prompt_logprobs(cur)
+    loop.scheduler.complete(batch)
+    speculator = loop.speculator
     assert speculator is not None
     deltas: list[StepDelta] = []
     for j, i in enumerate(handle.sample_seq_index):
         seq, drafts = batch.seqs[i], verify.drafts[j]
         out: list[StepDelta] = []
         if not seq.is_finished:  # else aborted while the step ran
-            request = engine.request(seq.request_id)
+            request = loop.request(seq.request_id)
             assert request is not None  # a running sequence's request is known
             for t, token in enumerate(emitted[j]):
                 lp = entries[j][t] if entries is not None else None
-                out.append(engine.append_token(request, seq, token, lp))
+                out.append(loop.append_token(request, seq, token, lp))
                 if seq.is_finished:
                     break
         accepted = min(len(out), len(emitted[j]) - 1)  # drafts among the tokens appended
-        engine.scheduler.accept_drafts(seq, accepted)
+        loop.scheduler.accept_drafts(seq, accepted)
         if drafts:
             speculator.record(len(drafts), accepted)
         if out:
             deltas.append(_merged(out))
     speculator.stats.verify_steps += 1
-    return mark_request_ends(deltas, engine.is_finished)
+    return mark_request_ends(deltas, loop.is_finished)
 
 
 def _merged(deltas: list[StepDelta]) -> StepDelta:
