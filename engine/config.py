@@ -13,9 +13,12 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from pdmesh.engine.spec_decode.config import SpeculativeConfig
+from pdmesh.logger import get_logger
 
 if TYPE_CHECKING:
     import torch
+
+log = get_logger(__name__)
 
 # dtype names -> torch attribute names; torch itself is imported only when an engine is built, so
 # reading this config (the CLI's parser) stays light.
@@ -319,6 +322,14 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine option(s): {', '.join(unknown)}")
         return cls(**kwargs)
+
+    def max_len_for(self, max_position: int) -> int:
+        """The longest sequence served with a model of `max_position` positions (before the KV
+        cache's capacity may lower it)."""
+        max_len = self.max_model_len or max_position
+        if max_len > max_position:
+            log.warning("max_model_len %d exceeds the model's %d positions", max_len, max_position)
+        return max_len
 
     def torch_device(self) -> torch.device:
         import torch

@@ -34,7 +34,6 @@ from pdmesh.engine.scheduling.choices import (
     check_first_tokens,
     new_sequences,
 )
-from pdmesh.engine.scheduling.overlap import InFlight
 from pdmesh.engine.scheduling.request import Request
 from pdmesh.engine.scheduling.scheduler import Scheduler
 from pdmesh.engine.sequence import Sequence
@@ -51,14 +50,6 @@ from pdmesh.text.tokenizer import Tokenizer
 from pdmesh.validation import check_prompt_ids
 
 log = get_logger(__name__)
-
-
-def resolve_max_model_len(config: EngineConfig, info: ModelInfo) -> int:
-    """The longest sequence served (before the KV cache's capacity may lower it)."""
-    max_len = config.max_model_len or info.max_position
-    if max_len > info.max_position:
-        log.warning("max_model_len %d exceeds the model's %d positions", max_len, info.max_position)
-    return max_len
 
 
 class LLMEngine:
@@ -89,7 +80,7 @@ class LLMEngine:
         self.tokenizer = None if config.skip_tokenizer_init else Tokenizer.load(self.info.folder)
         device = config.torch_device()
         rank0 = rank_device(device, 0)
-        max_len = resolve_max_model_len(config, self.info)
+        max_len = config.max_len_for(self.info.max_position)
         self.tp_driver: TPDriver | None = None
         group, stage = SINGLE, SINGLE_STAGE
         if config.world_size > 1:
@@ -315,10 +306,6 @@ class LLMEngine:
         """Output one sampled token for `seq` (a choice of `request`); its delta, which may end
         the choice (EOS, stop ids and strings, max_tokens, the context)."""
         return self.steps.append_token(request, seq, token, logprobs)
-
-    def record_prompt_logprobs(self, cur: InFlight) -> None:
-        """Store the prompt logprobs a handled step computed with their requests."""
-        self.steps.record_prompt_logprobs(cur)
 
     @property
     def stalled(self) -> bool:

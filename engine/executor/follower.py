@@ -33,7 +33,6 @@ from pdmesh.engine.executor.driver import (
 )
 from pdmesh.engine.executor.profiling import ProfileRank, RankProfiler, span
 from pdmesh.engine.kv_cache.host.pool import OffloadNow
-from pdmesh.engine.llm_engine import resolve_max_model_len
 from pdmesh.engine.models.info import ModelInfo
 from pdmesh.engine.parallel.comm import broadcast_bytes, destroy, gather_bytes
 from pdmesh.engine.parallel.step_channel import StepChannel
@@ -65,7 +64,7 @@ def serve_rank(spec: dict[str, Any]) -> None:
     if options is not None and s.kv_host is not None:  # on another node than rank 0
         options = on_node(options, s.kv_host, s.kv_advertise)
     connector = create_connector(options) if options is not None else None
-    max_len = resolve_max_model_len(config, info)
+    max_len = config.max_len_for(info.max_position)
     runner = ModelRunner(info, config, device, max_len, tp, connector, stage=stage)
     profiler = RankProfiler()
     try:
