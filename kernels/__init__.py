@@ -13,6 +13,7 @@ from pdmesh.kernels.attention import (
 from pdmesh.kernels.linear import linear, silu_and_mul_linear
 from pdmesh.kernels.moe import RouteTally, Routing, SlotTable, moe_experts, moe_route
 from pdmesh.kernels.norm import fused_add_rms_norm, rms_norm
+from pdmesh.kernels.prologue import rotary_and_store_kv
 from pdmesh.kernels.rotary import apply_rotary
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "paged_decode_attention",
     "paged_prefill_attention",
     "rms_norm",
+    "rotary_and_store_kv",
     "silu_and_mul",
     "silu_and_mul_linear",
     "store_kv_cache",

@@ -7,7 +7,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pdmesh.kernels import paged_decode_attention, paged_prefill_attention, store_kv_cache
+from pdmesh.kernels import (
+    paged_decode_attention,
+    paged_prefill_attention,
+    rotary_and_store_kv,
+    store_kv_cache,
+)
 
 
 @dataclass
@@ -28,6 +33,19 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [P, max_blocks] int32
     max_prefill_query_len: int
     max_prefill_context_len: int
+
+
+@dataclass(frozen=True)
+class QKPrologue:
+    """What q and k go through before attention: per-head RMSNorm (Qwen3's q_norm / k_norm
+    weights; None: none), then rotary embedding at `positions` from `cos_sin_cache`. Attention
+    runs it together with storing K and V (one kernel on GPUs: kernels/prologue.py)."""
+
+    positions: torch.Tensor  # [T] int64
+    cos_sin_cache: torch.Tensor  # [max_pos, rot_dim] float32
+    q_norm: torch.Tensor | None = None  # [D]
+    k_norm: torch.Tensor | None = None
+    eps: float = 0.0
 
 
 class Attention(nn.Module):
@@ -52,11 +70,25 @@ class Attention(nn.Module):
         self.v_scale = 1.0
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        prologue: QKPrologue | None = None,
     ) -> torch.Tensor:
-        # q: [T, H, D], k/v: [T, Hkv, D] -> [T, H * D]
+        # q: [T, H, D], k/v: [T, Hkv, D] -> [T, H * D]; with a prologue q and k are taken
+        # before their norms and rotary embedding.
         scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
-        store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, **scales)
+        caches = (self.k_cache, self.v_cache, meta.slot_mapping)
+        if prologue is None:
+            store_kv_cache(k, v, *caches, **scales)
+        else:
+            p = prologue
+            q = rotary_and_store_kv(
+                p.positions, q, k, v, p.cos_sin_cache, *caches,
+                q_norm=p.q_norm, k_norm=p.k_norm, eps=p.eps, **scales,
+            )  # fmt: skip
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:
             out = self._decode(q, meta)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from pdmesh.engine.layers.attention import Attention, AttentionMetadata
+from pdmesh.engine.layers.attention import Attention, AttentionMetadata, QKPrologue
 from pdmesh.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pdmesh.engine.layers.linear import (
     MergedColumnParallelLinear,
@@ -70,11 +70,12 @@ class SelfAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        # Norms, rotary embedding and the KV store: one kernel on GPUs (kernels/prologue.py).
+        norms = (None, None, 0.0)
         if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, meta))
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        prologue = QKPrologue(positions, self.rotary_emb.cos_sin_cache, *norms)
+        return self.o_proj(self.attn(q, k, v, meta, prologue))
 
 
 class GatedMLP(nn.Module):

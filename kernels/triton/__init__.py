@@ -14,6 +14,7 @@ from pdmesh.kernels.triton import (
     moe_route,
     norm,
     prefill_attention,
+    rope_store,
     rotary,
 )
 
@@ -27,5 +28,6 @@ __all__ = [
     "moe_route",
     "norm",
     "prefill_attention",
+    "rope_store",
     "rotary",
 ]
