@@ -8,7 +8,9 @@ few microseconds each, more than their bytes take (bench/results/profile-moe-b1-
 cos/sin row once, normalises and rotates its query heads (written out: the attention reads
 them) and its key heads (written only to the cache, which is where attention reads keys), and
 copies its value heads to the cache. The arithmetic is each unfused kernel's in turn (norm.py,
-rotary.py, kv_store.py), so results are equal to theirs bit for bit.
+rotary.py, kv_store.py): without norms the results are theirs bit for bit; with them the sum of
+a head's squares may be added in another order than norm.py's (a GPU reduces each tile its own
+way), so an element may differ in its last bit.
 """
 
 from __future__ import annotations

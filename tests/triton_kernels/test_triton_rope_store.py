@@ -1,5 +1,7 @@
 """The attention's prologue in one kernel (per-head norms, rotary, the KV store) against its three
-kernels run in turn: the query and every cache byte equal, bit for bit."""
+kernels run in turn: without norms the query and every cache byte equal, bit for bit; with them
+equal up to the order in which the squares are summed (each kernel reduces a head its own way on
+a GPU), so within a rounding of the dtype, and of fp8 in the cache."""
 
 from __future__ import annotations
 
@@ -59,9 +61,16 @@ def test_fused_prologue_equals_its_kernels(
     args = (positions, q, k, v, cos_sin)
     fused = rotary_and_store_kv(*args, *caches[0], slots, **weights, **scales)
     unfused = rotary_and_store_kv_unfused(*args, *caches[1], slots, **weights, **scales)
-    assert torch.equal(fused, unfused)
+    if not norm:
+        assert torch.equal(fused, unfused)
+        for a, b in zip(caches[0], caches[1], strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        return
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(fused, unfused, rtol=2 * eps, atol=2 * eps)
+    step = 2**-3 if fp8 else 2 * eps  # e4m3 keeps 3 mantissa bits
     for a, b in zip(caches[0], caches[1], strict=True):
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        torch.testing.assert_close(a.float(), b.float(), rtol=step, atol=step)
 
 
 def test_norm_weights_come_together(device: torch.device) -> None:
