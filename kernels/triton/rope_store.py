@@ -85,8 +85,8 @@ def _heads(
 @triton.jit
 def _to_cache(x, scale, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
     """x as a cache stores it: an fp8 cache's x / scale, saturated and rounded (kv_store.py)."""
-    if FP8:
-        return round_to_e4m3(tl.minimum(tl.maximum(x.to(tl.float32) / scale, -FP8_MAX), FP8_MAX))
+    if FP8:  # one return: Triton types every return of a function, taken or not
+        x = round_to_e4m3(tl.minimum(tl.maximum(x.to(tl.float32) / scale, -FP8_MAX), FP8_MAX))
     return x
 
 
