@@ -21,6 +21,8 @@ from pdmesh.logger import get_logger
 
 _TRITON: dict[str, Callable[..., Any]] = {}
 _CPU: dict[str, Callable[..., Any]] = {}
+# Kernels run as their references whatever the backend (run_reference).
+_REFERENCE_ONLY: set[str] = set()
 # Whether importing pdmesh.kernels.triton has been tried (once per process, hit or miss).
 _TRITON_IMPORT_TRIED = False
 _CPU_IMPORTED = False
@@ -46,7 +48,7 @@ register_cpu = _registrar(_CPU)
 def pick(name: str, like: torch.Tensor, reference: Callable[..., Any]) -> Callable[..., Any]:
     """The implementation of kernel `name` for tensors like `like`."""
     backend = envs.kernel_backend()
-    if backend == "torch":
+    if backend == "torch" or name in _REFERENCE_ONLY:
         return reference
     if backend == "triton" or like.is_cuda:
         if not _TRITON_IMPORT_TRIED:
@@ -80,3 +82,17 @@ def _import_triton_kernels() -> None:
         import pdmesh.kernels.triton  # noqa: F401  (registers the Triton kernels)
     except ImportError as exc:
         get_logger(__name__).warning("Triton kernels unavailable, using torch references: %s", exc)
+
+
+
+def run_reference(name: str) -> None:
+    """From now on in this process, kernel `name` runs its reference on every device and
+    backend (for a fused kernel: the kernels it replaced). Benchmarks compare a kernel with what
+    it replaced this way (bench/without_kernel.py); nothing in the product calls it."""
+    if not _TRITON_IMPORT_TRIED:
+        _import_triton_kernels()
+    if not _CPU_IMPORTED:
+        _import_cpu_kernels()
+    if name not in _TRITON and name not in _CPU:
+        raise ValueError(f"no kernel {name!r} is registered")
+    _REFERENCE_ONLY.add(name)

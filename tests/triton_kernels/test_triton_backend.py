@@ -51,3 +51,29 @@ def test_forcing_triton_imports_the_kernels_on_first_use() -> None:
 def test_forcing_triton_without_triton_installed_says_so() -> None:
     message = _probe("triton", "device", block_triton=True)
     assert "RuntimeError" in message and "triton" in message.lower()
+
+
+REFERENCE_PROBE = """
+import torch
+from pdmesh.kernels import backend
+from pdmesh.kernels.prologue import rotary_and_store_kv_unfused
+
+x = torch.zeros(1, device="cuda" if torch.cuda.is_available() else "cpu")
+before = backend.pick("rotary_and_store_kv", x, rotary_and_store_kv_unfused)
+backend.run_reference("rotary_and_store_kv")
+after = backend.pick("rotary_and_store_kv", x, rotary_and_store_kv_unfused)
+print(before is not rotary_and_store_kv_unfused, after is rotary_and_store_kv_unfused)
+try:
+    backend.run_reference("no_such_kernel")
+except ValueError as e:
+    print(e)
+"""
+
+
+def test_run_reference_puts_a_kernel_back_to_its_reference() -> None:
+    """What bench/without_kernel.py relies on: the fused kernel picked, then its reference."""
+    env = dict(os.environ, PDMESH_KERNEL_BACKEND="triton", TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-c", REFERENCE_PROBE]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    lines = out.stdout.split("\n")[:2]
+    assert lines == ["True True", "no kernel 'no_such_kernel' is registered"], out.stderr[-2000:]
