@@ -1,6 +1,7 @@
 """A decode step of the default model on the CPU, and where it goes: the projections (plain, and
 the MLP's down projection with its SiLU-and-mul), the paged decode attention, the norms, the
-rotary embedding, the KV store, and the rest (the host's step, module calls, sampling).
+rotary embedding with the KV store (one kernel), and the rest (the host's step, module calls,
+sampling).
 
     python -m pdmesh.bench.decode_step_cpu [--batch 8] [--prompt-len 256] [--steps 60]
         [--temperature 0] [--top-p 1]
@@ -27,8 +28,7 @@ PARTS = {
     "paged_decode_attention": "attention",
     "fused_add_rms_norm": "norms",
     "rms_norm": "norms",
-    "apply_rotary": "rotary",
-    "store_kv_cache": "kv_store",
+    "rotary_and_store_kv": "rotary_and_kv_store",
 }
 
 

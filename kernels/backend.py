@@ -84,7 +84,6 @@ def _import_triton_kernels() -> None:
         get_logger(__name__).warning("Triton kernels unavailable, using torch references: %s", exc)
 
 
-
 def run_reference(name: str) -> None:
     """From now on in this process, kernel `name` runs its reference on every device and
     backend (for a fused kernel: the kernels it replaced). Benchmarks compare a kernel with what

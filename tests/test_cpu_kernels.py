@@ -16,9 +16,11 @@ from pdmesh.kernels.attention import paged_decode_attention_ref, store_kv_cache_
 from pdmesh.kernels.backend import pick
 from pdmesh.kernels.cpu import attention as cpu_attention
 from pdmesh.kernels.cpu import jit, kv_store, norm, onednn_linear, paged_decode
+from pdmesh.kernels.cpu import prologue as cpu_prologue
 from pdmesh.kernels.cpu import rotary as cpu_rotary
 from pdmesh.kernels.linear import linear_ref
 from pdmesh.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
+from pdmesh.kernels.prologue import rotary_and_store_kv_unfused
 from pdmesh.kernels.rotary import apply_rotary_ref
 
 
@@ -200,6 +202,28 @@ def test_cpu_rotary_equals_the_reference_bit_for_bit(tokens: int, rot_dim: int) 
         for g, w in zip(got16, apply_rotary_ref(positions, *halves, cache), strict=True)
     )
     assert pick("apply_rotary", q, apply_rotary_ref) is cpu_rotary.apply_rotary
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 100])  # decode steps, and a prefill on the pool
+@pytest.mark.parametrize("rot_dim", [32, 16])
+def test_cpu_prologue_equals_rotary_then_store_bit_for_bit(tokens: int, rot_dim: int) -> None:
+    """One Numba call for the query's rotation, the key's into its slot and the value's copy:
+    the query and both caches exactly as the rotary and store kernels leave them."""
+    qkv = torch.randn(tokens, (6 + 2 + 2) * 32)
+    q, k, v = (t.view(tokens, -1, 32) for t in qkv.split([6 * 32, 2 * 32, 2 * 32], dim=-1))
+    rope = torch.randn(4096, rot_dim)
+    positions = torch.randint(0, 4096, (tokens,))
+    slots = torch.randperm(16 * 16)[:tokens]
+    slots[tokens // 2] = -1  # a padding token: nothing of it stored
+    caches = [[torch.full((16, 16, 2, 32), 7.0) for _ in range(2)] for _ in range(2)]
+    args = (positions, q, k, v, rope)
+    got = cpu_prologue.rotary_and_store_kv(*args, *caches[0], slots)
+    want = rotary_and_store_kv_unfused(*args, *caches[1], slots)
+    assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(*caches, strict=True))
+    assert pick("rotary_and_store_kv", q, rotary_and_store_kv_unfused) is (
+        cpu_prologue.rotary_and_store_kv
+    )
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4)])

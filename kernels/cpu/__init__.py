@@ -4,6 +4,6 @@ Imported on demand by `backend.pick` the first time a kernel runs on a CPU tenso
 package registers every kernel below under its wrapper's name.
 """
 
-from pdmesh.kernels.cpu import attention, kv_store, norm, onednn_linear, rotary
+from pdmesh.kernels.cpu import attention, kv_store, norm, onednn_linear, prologue, rotary
 
-__all__ = ["attention", "kv_store", "norm", "onednn_linear", "rotary"]
+__all__ = ["attention", "kv_store", "norm", "onednn_linear", "prologue", "rotary"]

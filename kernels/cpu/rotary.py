@@ -24,7 +24,7 @@ PARALLEL_ROWS = 64
 
 
 @njit_cached()
-def _rotate_rows(x, positions, cache, out, lo, hi):  # pragma: no cover (compiled)
+def rotate_rows(x, positions, cache, out, lo, hi):  # pragma: no cover (compiled)
     half = cache.shape[1] // 2
     for i in range(lo, hi):
         p = positions[i]
@@ -41,7 +41,7 @@ def _rotate_rows(x, positions, cache, out, lo, hi):  # pragma: no cover (compile
 @njit_cached(parallel=True)
 def _rotate_parallel(x, positions, cache, out):  # pragma: no cover (compiled)
     for i in prange(x.shape[0]):
-        _rotate_rows(x, positions, cache, out, i, i + 1)
+        rotate_rows(x, positions, cache, out, i, i + 1)
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
@@ -51,7 +51,7 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
     if x.shape[0] >= PARALLEL_ROWS:
         _rotate_parallel(a, p, c, o)
     else:
-        _rotate_rows(a, p, c, o, 0, x.shape[0])
+        rotate_rows(a, p, c, o, 0, x.shape[0])
     return out
 
 
