@@ -17,7 +17,6 @@ from pdmesh.engine.outputs import (
     EngineStats,
     FirstTokens,
     ForkStats,
-    PositionLogprobs,
     RequestOutput,
     StepDelta,
     mark_request_ends,
@@ -249,7 +248,9 @@ class LLMEngine:
         if request.prompt_logprobs is not None and first.prompt_logprobs is not None:
             request.prompt_logprobs = first.prompt_logprobs
         deltas = [
-            self.append_token(request, seq, token, first.logprobs[i] if first.logprobs else None)
+            self.steps.append_token(
+                request, seq, token, first.logprobs[i] if first.logprobs else None
+            )
             for i, (seq, token) in enumerate(zip(seqs, first.token_ids, strict=True))
         ]
         return mark_request_ends(deltas, self.is_finished)
@@ -295,17 +296,6 @@ class LLMEngine:
         """Run a step and return its deltas. The step handled may be one launched by an earlier
         call (async scheduling, pipeline stages), and others may be on the device on return."""
         return self.steps.step()
-
-    def append_token(
-        self,
-        request: Request,
-        seq: Sequence,
-        token: int,
-        logprobs: PositionLogprobs | None = None,
-    ) -> StepDelta:
-        """Output one sampled token for `seq` (a choice of `request`); its delta, which may end
-        the choice (EOS, stop ids and strings, max_tokens, the context)."""
-        return self.steps.append_token(request, seq, token, logprobs)
 
     @property
     def stalled(self) -> bool:

@@ -30,6 +30,15 @@ def round_to_e4m3(x):
 
 
 @triton.jit
+def as_stored(x, scale, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+    """x as a cache stores it: for an fp8 cache x / scale in fp32, saturated, then rounded (as
+    kernels/kv_quant.py's quantize); otherwise x."""
+    if FP8:  # one return: Triton types every return of a function, taken or not
+        x = round_to_e4m3(tl.minimum(tl.maximum(x.to(tl.float32) / scale, -FP8_MAX), FP8_MAX))
+    return x
+
+
+@triton.jit
 def _store_kv_kernel(
     key_ptr,
     value_ptr,
@@ -65,9 +74,8 @@ def _store_kv_kernel(
     mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
     k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
-    if FP8:  # as kernels/kv_quant.py's quantize: divided in fp32, saturated, then rounded
-        k = round_to_e4m3(tl.minimum(tl.maximum(k.to(tl.float32) / k_scale, -FP8_MAX), FP8_MAX))
-        v = round_to_e4m3(tl.minimum(tl.maximum(v.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX))
+    k = as_stored(k, k_scale, FP8, FP8_MAX)
+    v = as_stored(v, v_scale, FP8, FP8_MAX)
     # int64 offsets: a layer's cache can exceed 2^31 elements.
     dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + h * stride_ch + d
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)

@@ -22,8 +22,9 @@ import triton.language as tl
 from pdmesh.kernels.backend import register_triton
 from pdmesh.kernels.kv_quant import is_fp8
 from pdmesh.kernels.triton.device import last_dim_contiguous
-from pdmesh.kernels.triton.kv_store import cache_strides, round_to_e4m3
+from pdmesh.kernels.triton.kv_store import as_stored, cache_strides
 from pdmesh.kernels.triton.pdl import pdl, pdl_launch, wait_for_previous
+from pdmesh.kernels.triton.rotary import rotate_halves
 
 
 @triton.jit
@@ -72,22 +73,8 @@ def _heads(
         x1 = _normed(x1, inv, w_ptr, i, HALF, 0)
         x2 = _normed(x2, inv, w_ptr, i, HALF, HALF)
         xp = _normed(xp, inv, w_ptr, j, HEAD_DIM - 2 * HALF, 2 * HALF)
-    dtype = x1.dtype
-    c = cos.to(dtype).to(tl.float32)[None, :]
-    s = sin.to(dtype).to(tl.float32)[None, :]
-    a = x1.to(tl.float32)
-    b = x2.to(tl.float32)
-    o1 = (a * c).to(dtype).to(tl.float32) - (b * s).to(dtype).to(tl.float32)
-    o2 = (b * c).to(dtype).to(tl.float32) + (a * s).to(dtype).to(tl.float32)
-    return o1.to(dtype), o2.to(dtype), xp
-
-
-@triton.jit
-def _to_cache(x, scale, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
-    """x as a cache stores it: an fp8 cache's x / scale, saturated and rounded (kv_store.py)."""
-    if FP8:  # one return: Triton types every return of a function, taken or not
-        x = round_to_e4m3(tl.minimum(tl.maximum(x.to(tl.float32) / scale, -FP8_MAX), FP8_MAX))
-    return x
+    o1, o2 = rotate_halves(x1, x2, cos, sin)
+    return o1.to(x1.dtype), o2.to(x1.dtype), xp
 
 
 @triton.jit
@@ -164,19 +151,19 @@ def _rope_store_kernel(
         # int64 offsets: a layer's cache can exceed 2^31 elements.
         at = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + hk * stride_ch
         cache_dtype = k_cache_ptr.dtype.element_ty
-        tl.store(k_cache_ptr + at + c, _to_cache(k1, k_scale, FP8, FP8_MAX).to(cache_dtype), kmask)
+        tl.store(k_cache_ptr + at + c, as_stored(k1, k_scale, FP8, FP8_MAX).to(cache_dtype), kmask)
         tl.store(
-            k_cache_ptr + at + HALF + c, _to_cache(k2, k_scale, FP8, FP8_MAX).to(cache_dtype), kmask
+            k_cache_ptr + at + HALF + c, as_stored(k2, k_scale, FP8, FP8_MAX).to(cache_dtype), kmask
         )
         tl.store(
             k_cache_ptr + at + 2 * HALF + j,
-            _to_cache(kp, k_scale, FP8, FP8_MAX).to(cache_dtype),
+            as_stored(kp, k_scale, FP8, FP8_MAX).to(cache_dtype),
             kpmask,
         )
         d = tl.arange(0, BLOCK_D)[None, :]
         vmask = (hk < NUM_KV_HEADS) & (d < HEAD_DIM)
         v = tl.load(v_ptr + t * stride_vt + hk * stride_vh + d, mask=vmask)
-        tl.store(v_cache_ptr + at + d, _to_cache(v, v_scale, FP8, FP8_MAX).to(cache_dtype), vmask)
+        tl.store(v_cache_ptr + at + d, as_stored(v, v_scale, FP8, FP8_MAX).to(cache_dtype), vmask)
 
 
 @register_triton("rotary_and_store_kv")

@@ -17,6 +17,21 @@ from pdmesh.kernels.triton.pdl import pdl, pdl_launch, wait_for_previous
 
 
 @triton.jit
+def rotate_halves(x1, x2, cos, sin):
+    """(x1 cos - x2 sin, x2 cos + x1 sin) in fp32 for halves [BLOCK_H, BLOCK_HALF] and cos / sin
+    [BLOCK_HALF]: cos and sin rounded to x's dtype, each product rounded to it before the sum,
+    as the reference computes them."""
+    dtype = x1.dtype
+    c = cos.to(dtype).to(tl.float32)[None, :]
+    s = sin.to(dtype).to(tl.float32)[None, :]
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    o1 = (a * c).to(dtype).to(tl.float32) - (b * s).to(dtype).to(tl.float32)
+    o2 = (b * c).to(dtype).to(tl.float32) + (a * s).to(dtype).to(tl.float32)
+    return o1, o2
+
+
+@triton.jit
 def _rotate_heads(
     x_ptr,
     out_ptr,
@@ -39,13 +54,7 @@ def _rotate_heads(
     dst = out_ptr + (t * NUM_HEADS + h) * HEAD_DIM  # out: a new [T, NUM_HEADS, HEAD_DIM]
     x1 = tl.load(src + i, mask=mask, other=0.0)  # [BLOCK_H, BLOCK_HALF]
     x2 = tl.load(src + HALF + i, mask=mask, other=0.0)
-    dtype = x1.dtype
-    c = cos.to(dtype).to(tl.float32)[None, :]
-    s = sin.to(dtype).to(tl.float32)[None, :]
-    a = x1.to(tl.float32)
-    b = x2.to(tl.float32)
-    o1 = (a * c).to(dtype).to(tl.float32) - (b * s).to(dtype).to(tl.float32)
-    o2 = (b * c).to(dtype).to(tl.float32) + (a * s).to(dtype).to(tl.float32)
+    o1, o2 = rotate_halves(x1, x2, cos, sin)
     tl.store(dst + i, o1.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + HALF + i, o2.to(out_ptr.dtype.element_ty), mask=mask)
     if BLOCK_PASS > 0:
