@@ -10,8 +10,8 @@ import pytest
 from support import random_prompts
 
 from pdmesh import LLM, SamplingParams
+from pdmesh.engine.scheduling.batch import ScheduledBatch
 from pdmesh.engine.scheduling.burst import BURST_MAX_S, BURST_SHARE, PrefillRate
-from pdmesh.engine.scheduling.scheduler import ScheduledBatch
 from pdmesh.serving.engine_loop import EngineLoop
 
 

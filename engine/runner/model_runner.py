@@ -29,7 +29,7 @@ from pdmesh.engine.runner.step_handle import StepHandle
 from pdmesh.engine.runner.step_inputs import StepInputs, prepare_inputs
 from pdmesh.engine.runner.step_sampling import StepSampler, greedy_tokens, plain_greedy
 from pdmesh.engine.sample import structured
-from pdmesh.engine.scheduling.scheduler import ScheduledBatch
+from pdmesh.engine.scheduling.batch import ScheduledBatch
 from pdmesh.engine.spec_decode.verify import Verify
 from pdmesh.engine.weights import init_dummy_weights, load_named, load_weights
 from pdmesh.kv_transfer.connector import KVBinding, KVConnector, KVHeads

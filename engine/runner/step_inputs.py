@@ -18,7 +18,7 @@ import torch
 from pdmesh.engine.layers.attention import AttentionMetadata
 
 if TYPE_CHECKING:
-    from pdmesh.engine.scheduling.scheduler import ScheduledBatch
+    from pdmesh.engine.scheduling.batch import ScheduledBatch
 
 
 @dataclass

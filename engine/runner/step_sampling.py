@@ -21,7 +21,7 @@ from pdmesh.engine.runner.step_inputs import StepInputs
 from pdmesh.engine.sample import penalties, structured
 from pdmesh.engine.sample.logprobs import TopLogprobs, prompt_logprobs, wanted_logprobs
 from pdmesh.engine.sample.sampler import Sampler, SamplingBatch
-from pdmesh.engine.scheduling.scheduler import ScheduledBatch
+from pdmesh.engine.scheduling.batch import ScheduledBatch
 
 
 def plain_greedy(seqs: list[Any], inputs: StepInputs, verify: Any) -> bool:

@@ -20,7 +20,8 @@ about what it would have cost joined.
 
 from __future__ import annotations
 
-from pdmesh.engine.scheduling.scheduler import ScheduledBatch, Scheduler
+from pdmesh.engine.scheduling.batch import ScheduledBatch
+from pdmesh.engine.scheduling.scheduler import Scheduler
 
 BURST_SHARE = 0.05
 BURST_MAX_S = 0.05

@@ -28,7 +28,8 @@ import torch
 from pdmesh.engine.parallel.comm import host_to_device
 from pdmesh.engine.runner.step_handle import StepHandle
 from pdmesh.engine.sample import penalties, structured
-from pdmesh.engine.scheduling.scheduler import ScheduledBatch, Scheduler
+from pdmesh.engine.scheduling.batch import ScheduledBatch
+from pdmesh.engine.scheduling.scheduler import Scheduler
 from pdmesh.engine.sequence import Sequence
 
 

@@ -17,45 +17,13 @@ import time
 from collections import deque
 from collections.abc import Collection
 from collections.abc import Sequence as Seq
-from typing import NamedTuple
 
 from pdmesh.engine.kv_cache.block_manager import BlockManager, Prefix
-from pdmesh.engine.kv_cache.host.index import HostCopies
 from pdmesh.engine.outputs import EngineStats, ForkStats
+from pdmesh.engine.scheduling.batch import NO_HOST_COPIES, Lookahead, ScheduledBatch
 from pdmesh.engine.sequence import Sequence, SequenceStatus
 from pdmesh.kv_transfer.connector import ExternalBlocks
 from pdmesh.sampling_params import SamplingParams
-
-NO_HOST_COPIES = HostCopies((), ())
-
-
-class ScheduledBatch(NamedTuple):
-    """One step's work: run `num_new_tokens[i]` tokens of `seqs[i]` (from its computed count)."""
-
-    seqs: list[Sequence]
-    num_new_tokens: list[int]
-    preempted: list[Sequence]
-    # Choices forked this step: (index in seqs of the choice, index of the sequence whose
-    # prompt this step completes). A choice runs no tokens and samples from that one's logits.
-    forks: tuple[tuple[int, int], ...] = ()
-    # Copy on write: (source, copy) block pairs whose KV every rank copies before the step.
-    block_copies: tuple[tuple[int, int], ...] = ()
-    # The host tier's copies, which every rank runs before those (engine/kv_cache/host/index.py).
-    host_copies: HostCopies = NO_HOST_COPIES
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    def __bool__(self) -> bool:
-        return bool(self.seqs)
-
-
-class Lookahead(NamedTuple):
-    """The decode step after one still on the device (see `Scheduler.schedule_lookahead`)."""
-
-    batch: ScheduledBatch
-    rows: list[int]  # for each of batch.seqs: the row of the previous step's sampled tokens
 
 
 def _last_token_is_next(seq: Sequence, max_model_len: int) -> bool:

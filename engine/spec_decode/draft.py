@@ -22,7 +22,7 @@ from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.kv_cache.block_manager import BlockManager
 from pdmesh.engine.models.info import ModelInfo
 from pdmesh.engine.runner.model_runner import ModelRunner
-from pdmesh.engine.scheduling.scheduler import ScheduledBatch
+from pdmesh.engine.scheduling.batch import ScheduledBatch
 from pdmesh.engine.sequence import Sequence
 from pdmesh.engine.spec_decode.config import SpeculativeConfig
 from pdmesh.engine.spec_decode.speculator import Proposer, register_proposer
