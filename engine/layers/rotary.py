@@ -8,8 +8,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from pdmesh.kernels import apply_rotary
-
 # RoPE types whose frequencies do not depend on the sequence being run.
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
@@ -50,6 +48,10 @@ def llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Ten
 
 
 class RotaryEmbedding(nn.Module):
+    """The cos/sin table of a model's rotary embedding ([max_position, rotary_dim]: cos halves
+    then sin halves, float32). Attention applies it with the KV store (layers/attention.py's
+    QKPrologue, kernels/prologue.py)."""
+
     def __init__(self, config: Any, head_dim: int, max_position: int) -> None:
         super().__init__()
         params = rope_parameters(config)
@@ -76,8 +78,3 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None] * inv_freq.to(cpu)[None, :]
         cache = torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1).to(target)
         self.register_buffer("cos_sin_cache", cache, persistent=False)  # [max_pos, rotary_dim]
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return apply_rotary(positions, q, k, self.cos_sin_cache)
