@@ -32,7 +32,7 @@ def _decode_tokens_per_s(batch: int, ctx: int, steps: int, one_batch: bool, **la
     with LLM(kv_cache_tokens=tokens, max_num_seqs=batch, **layout) as llm:
         engine = llm.engine
         if one_batch:
-            engine.max_in_flight = 1
+            engine.steps.max_in_flight = 1
         params = SamplingParams(max_tokens=steps + 8, ignore_eos=True, temperature=0)
         for i, prompt in enumerate(prompts(batch, ctx, 7, engine.info.vocab_size)):
             engine.add_request(f"r{i}", prompt, params)

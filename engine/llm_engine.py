@@ -318,27 +318,10 @@ class LLMEngine:
         """Seconds a token costs in prefill-heavy steps, as this engine measured them."""
         return self.steps.prefill_rate
 
-    @prefill_rate.setter
-    def prefill_rate(self, rate: PrefillRate) -> None:
-        self.steps.prefill_rate = rate
-
-    @property
-    def max_in_flight(self) -> int:
-        """The most steps launched at once whose tokens are not read yet."""
-        return self.steps.max_in_flight
-
-    @max_in_flight.setter
-    def max_in_flight(self, n: int) -> None:
-        self.steps.max_in_flight = n
-
     @property
     def most_in_flight(self) -> int:
         """The most batches on the device at once so far."""
         return self.steps.most_in_flight
-
-    @most_in_flight.setter
-    def most_in_flight(self, n: int) -> None:
-        self.steps.most_in_flight = n
 
     # -- results ------------------------------------------------------------------------------
     def get_output(self, request_id: str) -> RequestOutput:

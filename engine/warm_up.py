@@ -65,8 +65,8 @@ def warm_up(engine: LLMEngine) -> float:
         engine.release(request_id)
     engine.scheduler.reset_prefix_cache()
     engine.scheduler.reset_stats()
-    engine.prefill_rate = PrefillRate()  # its first samples held the compiles
-    engine.most_in_flight = 0
+    engine.steps.prefill_rate = PrefillRate()  # its first samples held the compiles
+    engine.steps.most_in_flight = 0
     seconds = time.perf_counter() - started
     log.info("warmed up in %.2f s (a %d-token prefill step, decode, sampling)", seconds, room)
     return seconds

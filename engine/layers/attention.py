@@ -7,12 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pdmesh.kernels import (
-    paged_decode_attention,
-    paged_prefill_attention,
-    rotary_and_store_kv,
-    store_kv_cache,
-)
+from pdmesh.kernels import paged_decode_attention, paged_prefill_attention, rotary_and_store_kv
 
 
 @dataclass
@@ -75,20 +70,18 @@ class Attention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         meta: AttentionMetadata,
-        prologue: QKPrologue | None = None,
+        prologue: QKPrologue,
     ) -> torch.Tensor:
-        # q: [T, H, D], k/v: [T, Hkv, D] -> [T, H * D]; with a prologue q and k are taken
-        # before their norms and rotary embedding.
-        scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
-        caches = (self.k_cache, self.v_cache, meta.slot_mapping)
-        if prologue is None:
-            store_kv_cache(k, v, *caches, **scales)
-        else:
-            p = prologue
-            q = rotary_and_store_kv(
-                p.positions, q, k, v, p.cos_sin_cache, *caches,
-                q_norm=p.q_norm, k_norm=p.k_norm, eps=p.eps, **scales,
-            )  # fmt: skip
+        # q: [T, H, D], k/v: [T, Hkv, D], before the prologue's norms and rotary -> [T, H * D]
+        p = prologue
+        q = rotary_and_store_kv(
+            p.positions, q, k, v, p.cos_sin_cache, self.k_cache, self.v_cache, meta.slot_mapping,
+            q_norm=p.q_norm, k_norm=p.k_norm, eps=p.eps, k_scale=self.k_scale, v_scale=self.v_scale,
+        )  # fmt: skip
+        return self._attend(q, meta)
+
+    def _attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # q: [T, H, D] -> [T, H * D], over the pages the KV cache holds
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:
             out = self._decode(q, meta)
@@ -100,7 +93,7 @@ class Attention(nn.Module):
 
     @torch.inference_mode()
     def warm_up(self, dtype: torch.dtype, max_context_len: int) -> None:
-        """Run a mixed step of one decode and one prefill row twice, storing nothing: first as
+        """Attend a mixed step of one decode and one prefill row twice, storing nothing: first as
         a short step (the decode written directly, the prefill's small query tile), then as a
         long one (the decode in splits, the large tile). Every variant of the attention kernels
         a step can launch is compiled before the first request, not in the middle of a step (a
@@ -109,8 +102,9 @@ class Attention(nn.Module):
         device = self.k_cache.device
         i32 = {"dtype": torch.int32, "device": device}
         q = torch.zeros(2, self.num_heads, self.head_dim, dtype=dtype, device=device)
-        kv = torch.zeros(2, self.num_kv_heads, self.head_dim, dtype=dtype, device=device)
         table, one = torch.zeros(1, 1, **i32), torch.ones(1, **i32)
+        # (The prologue and the KV store compile in the engine's warm-up step, which has the
+        # model's rotary table and norms: engine/warm_up.py.)
         # The split count and the query tile follow the step's longest context and query.
         for longest in (1, max_context_len):
             meta = AttentionMetadata(
@@ -125,7 +119,7 @@ class Attention(nn.Module):
                 max_prefill_query_len=longest,  # the kernel reads each row's own length
                 max_prefill_context_len=1,
             )
-            self(q, kv, kv, meta)
+            self._attend(q, meta)
 
     def _decode(self, q: torch.Tensor, m: AttentionMetadata) -> torch.Tensor:
         k, v, scale = self.k_cache, self.v_cache, self.scale
