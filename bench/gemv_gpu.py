@@ -2,7 +2,8 @@
 library, on the Llama-3.1-8B matrices whole (TP=1) and as one rank's shard of TP=2.
 
     python -m pdmesh.bench.gemv_gpu --out DIR [--quick] [--quantization fp8] [--shapes qkv,o]
-        [--rows 1]
+        [--rows 1]   (shapes: qkv o gate_up down lm_head down+silu, "tp2 " before each,
+                      moe-qkv moe-o moe-router)
 
 Each figure is one call's share of a CUDA graph that runs the same projection over 8+ copies of
 its weight in turn (the copies together several times the L2, as in a decode step, where each
@@ -51,6 +52,9 @@ def _tp2(name: str) -> tuple[str, int, int]:
 
 SHAPES = [(name, *WHOLE[name]) for name in WHOLE] + [_tp2(name) for name in WHOLE]
 SHAPES += [("down+silu", *WHOLE["down"]), ("tp2 down+silu", *_tp2("down")[1:])]
+# Qwen3-30B-A3B's dense projections (hidden 2,048, 32 query and 4 KV heads of 128, 128 experts'
+# router): the MoE shape's batch-1 step runs them at 1.7x their bytes (docs/benchmarks/one-gpu.md).
+SHAPES += [("moe-qkv", 5120, 2048), ("moe-o", 2048, 4096), ("moe-router", 128, 2048)]
 ROWS = (1, 2, 4)
 L2_SPAN = 400 * 2**20  # bytes of weight copies a graph cycles through (H100/H200 L2: 50 MiB)
 
