@@ -146,28 +146,17 @@ def prefill_time(engine: Any, tokens: int) -> tuple[float, float]:
 
 def moe_touched_experts(engine: Any, batch: int, ctx: int) -> tuple[float, int]:
     """(experts touched per MoE layer in one decode step, bytes of weights it reads), counted by
-    running one step eagerly with the routers observed."""
+    running one step eagerly: the experts whose routed-pair counts (`expert_counts`) grew."""
     from pdmesh.engine.layers.moe import FusedMoE
 
     runner = engine.runner
     moes = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
-    touched: list[int] = []
-
-    def observe(module: FusedMoE, inputs: Any, logits: torch.Tensor) -> None:
-        ids = torch.topk(logits.float(), module.parent_top_k, dim=-1).indices
-        touched.append(int(torch.unique(ids).numel()))
-
-    hooks = []
-    for m in moes:
-        m.gate.parent_top_k = m.top_k
-        hooks.append(m.gate.register_forward_hook(lambda mod, i, o: observe(mod, i, o)))
     graphs, runner.graphs = runner.graphs, None
     ids = _admit(engine, batch, ctx, max_tokens=4)
-    touched.clear()
+    before = [m.expert_counts.clone() for m in moes]
     engine.step()
+    touched = [int((m.expert_counts > b).sum()) for m, b in zip(moes, before, strict=True)]
     runner.graphs = graphs
-    for h in hooks:
-        h.remove()
     _drain(engine, ids)
     per_layer = sum(touched) / len(touched)
     m = moes[0]

@@ -3,10 +3,8 @@
 One program per (sequence, KV head, split): it holds all the query heads that share the KV head
 (GQA), so each page of K/V is read from memory once, and runs an online softmax over its part of
 the context. With one split it writes the output directly; with several, each writes a partial
-output and its log-sum-exp, and the last of a (sequence, KV head)'s splits to finish merges them
-(`arrivals.last_to_arrive`; a second merge kernel only where no counters could be had). The
-number of splits is chosen so that (sequences x KV heads x splits) fills the GPU when the batch
-alone does not.
+output and its log-sum-exp, and a second kernel merges the splits. The number of splits is chosen
+so that (sequences x KV heads x splits) fills the GPU when the batch alone does not.
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ import triton
 import triton.language as tl
 
 from pdmesh.kernels.backend import register_triton
-from pdmesh.kernels.triton.arrivals import arrival_counters, last_to_arrive
 from pdmesh.kernels.triton.device import dot_precision, last_dim_contiguous, num_sms
 from pdmesh.kernels.triton.kv_store import cache_strides
 from pdmesh.kernels.triton.pdl import pdl, pdl_launch, wait_for_previous
@@ -27,6 +24,7 @@ from pdmesh.kernels.triton.pdl import pdl, pdl_launch, wait_for_previous
 # A split shorter than this costs more in its partial write and merge than it gains.
 MIN_SPLIT_TOKENS = 128
 MAX_SPLITS = 64
+MERGE_BLOCK_S = triton.next_power_of_2(MAX_SPLITS)
 # Programs per SM wanted in flight: decode is bound by memory latency, so more than one.
 PROGRAMS_PER_SM = 4
 LOG2E = 1.4426950408889634
@@ -44,10 +42,8 @@ def _decode_split_kernel(
     v_cache_ptr,
     block_tables_ptr,
     context_lens_ptr,
-    out_ptr,  # [B, H, D]
-    part_ptr,  # [B, H, S, D] fp32 partial outputs (unused when DIRECT)
-    lse_ptr,  # [B, H, S] fp32 log2-sum-exps (unused when DIRECT)
-    arrivals_ptr,  # [B * Hkv] int32 zeros (MERGE_LAST)
+    out_ptr,
+    lse_ptr,
     scale_log2e,  # the softmax scale x log2(e), times an fp8 cache's K scale
     v_scale,  # an fp8 cache's V scale (1.0 otherwise), applied to the weighted sum
     num_splits,
@@ -59,16 +55,13 @@ def _decode_split_kernel(
     stride_bt,
     stride_ob,
     stride_oh,
-    stride_pb,
-    stride_ph,
-    stride_ps,
+    stride_os,
     stride_lb,
     stride_lh,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
     DIRECT: tl.constexpr,
-    MERGE_LAST: tl.constexpr,  # the last split of each (sequence, KV head) merges them
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -127,40 +120,9 @@ def _decode_split_kernel(
     if DIRECT:
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=gd_mask)
     else:
-        part_ptrs = part_ptr + b * stride_pb + heads[:, None] * stride_ph + d[None, :]
-        tl.store(part_ptrs + split * stride_ps, out, mask=gd_mask)
+        tl.store(o_ptrs + split * stride_os, out, mask=gd_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
-        lse_ptrs = lse_ptr + b * stride_lb + heads * stride_lh
-        tl.store(lse_ptrs + split, lse, mask=g < GROUP)
-        if MERGE_LAST:
-            counter = arrivals_ptr + b * tl.num_programs(1) + kvh
-            if last_to_arrive(counter, num_splits):
-                merge_splits(part_ptrs, lse_ptrs, o_ptrs, num_splits, stride_ps, gd_mask, g < GROUP)
-
-
-@triton.jit
-def merge_splits(part_ptrs, lse_ptrs, o_ptrs, num_splits, stride_ps, gd_mask, g_mask):
-    """Weights each split's partial output by exp2(its lse - the largest) and writes their
-    normalised sum: part_ptrs [BLOCK_G, BLOCK_D] at split 0 (the next split stride_ps on),
-    lse_ptrs [BLOCK_G] at split 0, o_ptrs [BLOCK_G, BLOCK_D]. Reads past the L1: the partials
-    may have been written by other SMs."""
-    m = tl.full(g_mask.shape, float("-inf"), tl.float32)
-    for s in range(num_splits):
-        m = tl.maximum(
-            m, tl.load(lse_ptrs + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
-        )
-    m = tl.where(m == float("-inf"), 0.0, m)  # a zero-length context: all weights 0
-    total = tl.zeros(g_mask.shape, tl.float32)
-    acc = tl.zeros(gd_mask.shape, tl.float32)
-    for s in range(num_splits):
-        w = tl.exp2(
-            tl.load(lse_ptrs + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg") - m
-        )
-        part = tl.load(part_ptrs + s * stride_ps, mask=gd_mask, other=0.0, cache_modifier=".cg")
-        acc += part * w[:, None]
-        total += w
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=gd_mask)
+        tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g < GROUP)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -176,25 +138,31 @@ def _decode_merge_kernel(
     stride_lh,
     stride_ob,
     stride_oh,
-    GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    BLOCK_G: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    # One program per (sequence, KV head): the merge the split kernel's last program does when
-    # it has counters (`arrival_counters` gives none while a graph is captured before any exist).
+    # One program per (sequence, query head): weight each split by exp2(lse - max lse).
     b = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1)
+    h = tl.program_id(1)
     wait_for_previous(USE_PDL)
-    g = tl.arange(0, BLOCK_G)
+    s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    heads = kvh * GROUP + g
-    gd_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
-    part_ptrs = part_ptr + b * stride_pb + heads[:, None] * stride_ph + d[None, :]
-    lse_ptrs = lse_ptr + b * stride_lb + heads * stride_lh
-    o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
-    merge_splits(part_ptrs, lse_ptrs, o_ptrs, num_splits, stride_ps, gd_mask, g < GROUP)
+    s_mask = s < num_splits
+    lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # a zero-length context: all weights 0
+    w = tl.exp2(lse - m)  # [BLOCK_S]
+    parts = tl.load(
+        part_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
+        mask=s_mask[:, None] & (d < HEAD_DIM)[None, :],
+        other=0.0,
+    )  # [BLOCK_S, BLOCK_D]
+    total = tl.sum(w, 0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    o_ptrs = out_ptr + b * stride_ob + h * stride_oh + d
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, sm_count: int) -> int:
@@ -249,7 +217,6 @@ def paged_decode_attention(
     k_scale: float = 1.0,  # an fp8 cache's keys are k_cache * k_scale: folded into `scale`
     v_scale: float = 1.0,
     tile: DecodeTile | None = None,  # None: `default_tile`'s (a benchmark sweeps others)
-    separate_merge: bool = False,  # merge the splits in a kernel of their own (tests, A/B)
 ) -> torch.Tensor:  # [B, H, D]
     batch, num_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = k_cache.shape
@@ -266,36 +233,29 @@ def paged_decode_attention(
     wide = query.element_size() > 2
     tile = tile or default_tile(query.dtype, k_cache.dtype)
     direct = num_splits == 1
-    part, lse, arrivals = out, out, None  # the partials are unused when writing directly
-    if not direct:
+    if direct:
+        part, lse = out, out  # lse is unused when writing directly
+    else:
         # Partials in fp32: [B, H, S, D] outputs and [B, H, S] log2-sum-exps.
         part = torch.empty(batch, num_heads, num_splits, head_dim, device=query.device)
         lse = torch.empty(batch, num_heads, num_splits, device=query.device)
-        if not separate_merge:
-            arrivals = arrival_counters(query.device, batch * num_kv_heads)
-    merge_last = arrivals is not None
     use_pdl = pdl(query.device)
-    block_g = max(16, triton.next_power_of_2(group))  # tl.dot needs M >= 16
-    block_d = triton.next_power_of_2(head_dim)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         query,
         k_cache,
         v_cache,
         block_tables,
         context_lens,
-        out,
         part,
         lse,
-        arrivals if merge_last else out,
         scale * LOG2E * k_scale,
         float(v_scale),
         num_splits,
         *query.stride()[:2],
         *cache_strides(k_cache, v_cache),
         block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        *part.stride()[:2],
+        part.stride(0),
+        part.stride(1),
         part.stride(2) if not direct else 0,
         lse.stride(0),
         lse.stride(1),
@@ -303,9 +263,8 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
         PAGE=page,
         DIRECT=direct,
-        MERGE_LAST=merge_last,
-        BLOCK_G=block_g,
-        BLOCK_D=block_d,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
+        BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=tile.block_n,
         DOT_PREC=dot_precision(query.dtype),
         F16_DOT=tile.f16_dot and not wide,
@@ -314,21 +273,22 @@ def paged_decode_attention(
         num_stages=tile.num_stages,
         **pdl_launch(use_pdl),
     )
-    if not direct and not merge_last:
-        _decode_merge_kernel[(batch, num_kv_heads)](
+    if not direct:
+        _decode_merge_kernel[(batch, num_heads)](
             part,
             lse,
             out,
             num_splits,
-            *part.stride()[:3],
+            part.stride(0),
+            part.stride(1),
+            part.stride(2),
             lse.stride(0),
             lse.stride(1),
             out.stride(0),
             out.stride(1),
-            GROUP=group,
             HEAD_DIM=head_dim,
-            BLOCK_G=block_g,
-            BLOCK_D=block_d,
+            BLOCK_S=MERGE_BLOCK_S,  # one size for every split count: one compile
+            BLOCK_D=triton.next_power_of_2(head_dim),
             USE_PDL=use_pdl,
             num_warps=4,
             **pdl_launch(use_pdl),

@@ -318,9 +318,11 @@ def _gate_route_kernel(
             )
 
 
-# The router's launch shape: Qwen3-30B-A3B's [128, 2,048] router in 32 programs.
+# The router's launch shape: Qwen3-30B-A3B's [128, 2,048] router in 32 programs of one K tile
+# each (the fastest GEMV shape for it on an H100: 1.6 us against 2.1 for the default's).
 GATE_BLOCK_N = 4
-GATE_BLOCK_H = 512
+GATE_BLOCK_H = 2048
+GATE_WARPS = 8
 
 
 @register_triton("moe_gate_route")
@@ -359,7 +361,7 @@ def moe_gate_route(
         BLOCK_M=triton.next_power_of_2(num_tokens),
         BLOCK_N=GATE_BLOCK_N,
         BLOCK_H=block_h,
-        num_warps=4,
+        num_warps=GATE_WARPS,
         **pdl_launch(use_pdl),
     )
     return args.routing
