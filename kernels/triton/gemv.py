@@ -114,16 +114,19 @@ def _gemv_kernel(
 
 def default_config(rows: int, n: int, k: int, gated: bool = False) -> GemvConfig:
     """Launch shape for `rows` rows of x against an [n, k] weight (`gated`: the down projection
-    from [gate | up]). One row: K tiles of 2,048 where K is 4,096 or more, else 512, and 4 output
-    rows a program where N is over 4,096, else 8 (the fastest or within 0.05 us of it on an H100
-    for Llama-3.1-8B's q/k/v and o, Qwen3-30B-A3B's q/k/v and o; bench/gemv_gpu.py, docs/gpu.md);
-    the gated projection 1,024 where N is at most 4,096, else 512. Several rows: 8 x 256."""
+    from [gate | up]). One row: K tiles of 2,048 where K is 4,096 or more or N at most 1,024 (few
+    programs: each keeps more bytes in flight), else 512; 4 output rows a program where N is over
+    4,096, else 8. On an H100 that is the fastest of 48 shapes, or within 0.15 us of it, for
+    Llama-3.1-8B's q/k/v and o and Qwen3-30B-A3B's q/k/v, o and router (bench/gemv_gpu.py,
+    docs/benchmarks/one-gpu.md). The gated projection: 1,024 where N is at most 4,096, else 512.
+    Several rows: 8 x 256."""
     if rows > 1:
         block_n, block_k = 8, 256
     elif gated:
         block_n, block_k = 8, 1024 if n <= 4096 else 512
     else:
-        block_n, block_k = 4 if n > 4096 else 8, 2048 if k >= 4096 else 512
+        block_n = 4 if n > 4096 else 8
+        block_k = 2048 if k >= 4096 or n <= 1024 else 512
     return GemvConfig(block_n, min(block_k, triton.next_power_of_2(k)), num_warps=4, num_stages=1)
 
 
