@@ -161,7 +161,7 @@ def measure(name: str, n: int, k: int, rows: int, quick: bool, bw: float) -> dic
     act = silu_and_mul if gated else (lambda t: t)
     cublas = per_call_us(lambda w: torch.nn.functional.linear(act(x), w), weights)
     tried: list[dict[str, Any]] = []
-    default = default_config(rows, n, k, gated)
+    default = default_config(rows, n, k)
     for cfg in [default, *[c for c in sweep(rows, quick) if c != default]]:
         err = rel_err(gemv(x, weights[0], config=cfg, gated=gated), reference(x, weights[0], gated))
         if not err < 1e-2:

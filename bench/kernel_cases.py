@@ -48,7 +48,7 @@ class Shapes:
 SMOKE = Shapes(
     heads=4, kv_heads=2, head_dim=64, hidden=128, inter=96,
     decode_batches=(2,), decode_contexts=(40,), prefills=(((33, 33),), ((20, 50), (7, 7))),
-    token_counts=(5,), experts=8, top_k=2, moe_hidden=64, moe_inter=32, moe_tokens=(1, 3),
+    token_counts=(5,), experts=8, top_k=2, moe_hidden=64, moe_inter=32, moe_tokens=(3,),
     projections=((40, 96),),
 )  # fmt: skip
 
@@ -217,7 +217,7 @@ def pointwise_cases(s: Shapes, dtype: torch.dtype, device: torch.device) -> Iter
 
 
 def moe_cases(s: Shapes, dtype: torch.dtype, device: torch.device) -> Iterator[Case]:
-    from pdmesh.kernels.moe import moe_experts_ref, moe_gate_route_ref, moe_route_ref
+    from pdmesh.kernels.moe import moe_experts_ref, moe_route_ref
     from pdmesh.kernels.triton import moe_experts, moe_route
 
     e, h, i = s.experts, s.moe_hidden, s.moe_inter
@@ -236,17 +236,6 @@ def moe_cases(s: Shapes, dtype: torch.dtype, device: torch.device) -> Iterator[C
             _nbytes(logits) + tokens * s.top_k * 12,
             0.0,
         )
-        if tokens == 1:  # a decode step's token: the router's projection joins the routing
-            x32 = torch.randn(tokens, h, device=device)
-            gate = torch.randn(e, h, device=device) / h**0.5
-            yield Case(
-                "moe_gate_route",
-                f"T={tokens} E={e} k={s.top_k} H={h} (fp32)",
-                lambda x=x32, w=gate: moe_route.moe_gate_route(x, w, s.top_k, True),
-                lambda x=x32, w=gate: moe_gate_route_ref(x, w, s.top_k, True),
-                _nbytes(gate) + _nbytes(x32) + tokens * s.top_k * 12,
-                2.0 * tokens * e * h,
-            )
         weights, ids, _ = moe_route_ref(logits, s.top_k, True)
         x = torch.randn(tokens, h, dtype=dtype, device=device)
         hit = int(torch.unique(ids).numel())

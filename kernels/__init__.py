@@ -11,14 +11,7 @@ from pdmesh.kernels.attention import (
     store_kv_cache,
 )
 from pdmesh.kernels.linear import linear, silu_and_mul_linear
-from pdmesh.kernels.moe import (
-    RouteTally,
-    Routing,
-    SlotTable,
-    moe_experts,
-    moe_gate_route,
-    moe_route,
-)
+from pdmesh.kernels.moe import RouteTally, Routing, SlotTable, moe_experts, moe_route
 from pdmesh.kernels.norm import fused_add_rms_norm, rms_norm
 from pdmesh.kernels.prologue import rotary_and_store_kv
 from pdmesh.kernels.rotary import apply_rotary
@@ -31,7 +24,6 @@ __all__ = [
     "fused_add_rms_norm",
     "linear",
     "moe_experts",
-    "moe_gate_route",
     "moe_route",
     "paged_decode_attention",
     "paged_prefill_attention",

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 from pdmesh.kernels.backend import pick
 from pdmesh.kernels.fp8 import dequantize_rows
-from pdmesh.kernels.linear import linear
 
 
 class SlotTable(NamedTuple):
@@ -74,26 +73,6 @@ def moe_route_ref(router_logits, top_k, renormalize, table=None, tally=None):
         if tally.slot_counts is not None:
             _count(tally.slot_counts, slots[tally.lo : tally.hi])
     return Routing(weights, ids, slots)
-
-
-def moe_gate_route(
-    x: torch.Tensor,  # [T, H]
-    gate_weight: torch.Tensor,  # [E, H], the router's projection
-    top_k: int,
-    renormalize: bool,
-    table: SlotTable | None = None,
-    tally: RouteTally | None = None,
-) -> Routing:
-    """`moe_route` of the router's logits `linear(x, gate_weight)`: on GPUs, for the few tokens
-    of a decode step, one kernel computes the logits and routes them (at batch 1 the projection
-    reads 0.5 MB and the routing a few hundred bytes: each kernel is mostly its launch)."""
-    fn = pick("moe_gate_route", x, moe_gate_route_ref)
-    return fn(x, gate_weight, top_k, renormalize, table, tally)
-
-
-def moe_gate_route_ref(x, gate_weight, top_k, renormalize, table=None, tally=None):
-    # The kernels the fused one replaces: the projection (the GEMV in a graph), then the routing.
-    return moe_route(linear(x, gate_weight), top_k, renormalize, table, tally)
 
 
 def _count(counts: torch.Tensor, ids: torch.Tensor) -> None:

@@ -44,7 +44,7 @@ from pdmesh.engine.layers.linear import ReplicatedLinear
 from pdmesh.engine.layers.quantization.rows import store_rows
 from pdmesh.engine.parallel.group import SINGLE, ParallelGroup
 from pdmesh.engine.weights import CheckpointTensor
-from pdmesh.kernels import RouteTally, moe_experts, moe_gate_route
+from pdmesh.kernels import RouteTally, moe_experts, moe_route
 
 
 class FusedMoE(nn.Module):
@@ -145,7 +145,7 @@ class FusedMoE(nn.Module):
                 return self._forward_all_reduce(x, self.experts)
             return self._forward_expert_parallel(x, self.experts)
         tally = RouteTally(0, x.shape[0], self.expert_counts)
-        r = moe_gate_route(x, self.gate.weight, self.top_k, self.renormalize, tally=tally)
+        r = moe_route(self.gate(x), self.top_k, self.renormalize, tally=tally)
         w13, w2, first = self.w13_weight, self.w2_weight, self.first_expert
         out = moe_experts(x, w13, w2, r.weights, r.ids, first, *self._scales())
         return self.tp.all_reduce(out)
@@ -158,9 +158,7 @@ class FusedMoE(nn.Module):
         per_rank = -(-num_tokens // g.size)
         lo, hi = min(g.rank * per_rank, num_tokens), min((g.rank + 1) * per_rank, num_tokens)
         tally = RouteTally(lo, hi, self.expert_counts, self.physical_counts)
-        r = moe_gate_route(
-            x, self.gate.weight, self.top_k, self.renormalize, experts.table(0), tally
-        )
+        r = moe_route(self.gate(x), self.top_k, self.renormalize, experts.table(0), tally)
         # Pairs of experts held elsewhere are skipped (they count zero here).
         w13, w2, first = self.w13_weight, self.w2_weight, self.first_expert
         out = moe_experts(x, w13, w2, r.weights, r.slots, first, *self._scales())
@@ -190,9 +188,7 @@ class FusedMoE(nn.Module):
         # Count this rank's own pairs (padding rows route too).
         lo, real = g.rank * width, t - g.step_tokens[1]
         tally = RouteTally(lo, lo + real, self.expert_counts, self.physical_counts)
-        r = moe_gate_route(
-            everyone, self.gate.weight, self.top_k, self.renormalize, experts.table(0), tally
-        )
+        r = moe_route(self.gate(everyone), self.top_k, self.renormalize, experts.table(0), tally)
         slots = r.slots
         if flagged:  # slot -1 is held nowhere: the kernels skip the pair
             slots = torch.where(keep.unsqueeze(1), slots, -1)
@@ -213,8 +209,7 @@ class FusedMoE(nn.Module):
         t, k = mine.shape[0], self.top_k
         real = t if split else t - g.step_tokens[1]  # an idle rank's padding is not counted
         tally = RouteTally(0, real, self.expert_counts, self.physical_counts)
-        gate = self.gate.weight
-        r = moe_gate_route(mine, gate, k, self.renormalize, experts.table(lo), tally)  # [t, k]
+        r = moe_route(self.gate(mine), k, self.renormalize, experts.table(lo), tally)  # [t, k]
         weights, ids = r.weights, r.ids
         # Pairs (token, slot) sorted by the rank that holds their expert's physical slot.
         pair_ids = r.slots.flatten()  # [t * k]

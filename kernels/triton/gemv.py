@@ -112,22 +112,14 @@ def _gemv_kernel(
     tl.store(out, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < N)[None, :])
 
 
-def default_config(rows: int, n: int, k: int, gated: bool = False) -> GemvConfig:
-    """Launch shape for `rows` rows of x against an [n, k] weight (`gated`: the down projection
-    from [gate | up]). One row: K tiles of 2,048 where K is 4,096 or more or N at most 1,024 (few
-    programs: each keeps more bytes in flight), else 512; 4 output rows a program where N is over
-    4,096, else 8. On an H100 that is the fastest of 48 shapes, or within 0.15 us of it, for
-    Llama-3.1-8B's q/k/v and o and Qwen3-30B-A3B's q/k/v, o and router (bench/gemv_gpu.py,
-    docs/benchmarks/one-gpu.md). The gated projection: 1,024 where N is at most 4,096, else 512.
-    Several rows: 8 x 256."""
-    if rows > 1:
-        block_n, block_k = 8, 256
-    elif gated:
-        block_n, block_k = 8, 1024 if n <= 4096 else 512
-    else:
-        block_n = 4 if n > 4096 else 8
-        block_k = 2048 if k >= 4096 or n <= 1024 else 512
-    return GemvConfig(block_n, min(block_k, triton.next_power_of_2(k)), num_warps=4, num_stages=1)
+def default_config(rows: int, n: int, k: int) -> GemvConfig:
+    """Launch shape for `rows` rows of x against an [n, k] weight: the fastest single shape over
+    Llama-3.1-8B's narrow projections, whole and as TP=2 shards, on an H200 (bench/gemv_gpu.py;
+    BENCHMARKS.md). Wider outputs take shorter K tiles: more programs per row block in flight."""
+    block_k = 256 if rows > 1 else 1024 if n <= 4096 else 512
+    return GemvConfig(
+        block_n=8, block_k=min(block_k, triton.next_power_of_2(k)), num_warps=4, num_stages=1
+    )
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
@@ -169,7 +161,7 @@ def gemv(
     m = x.shape[0]
     if x.shape[1] != k * (2 if gated else 1):
         raise ValueError(f"x has {x.shape[1]} features for a weight of {k}{' (gated)' * gated}")
-    cfg = config or default_config(m, n, k, gated)
+    cfg = config or default_config(m, n, k)
     use_pdl = pdl(x.device) if use_pdl is None else use_pdl
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](

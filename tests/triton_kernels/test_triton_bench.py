@@ -18,7 +18,6 @@ KERNELS = {
     "linear",
     "silu_and_mul_linear",
     "moe_route",
-    "moe_gate_route",
     "moe_experts",
 }
 

@@ -7,10 +7,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from pdmesh.kernels import RouteTally, SlotTable, moe_experts, moe_gate_route, moe_route
-from pdmesh.kernels.moe import moe_experts_ref, moe_gate_route_ref, moe_route_ref
-from pdmesh.kernels.triton.arrivals import arrival_counters
-from pdmesh.kernels.triton.gemv import fits
+from pdmesh.kernels import RouteTally, SlotTable, moe_experts, moe_route
+from pdmesh.kernels.moe import moe_experts_ref, moe_route_ref
 from pdmesh.kernels.triton.moe_align import moe_align_block_size
 from pdmesh.kernels.triton.moe_gemv import MAX_TOKENS
 
@@ -87,42 +85,6 @@ def test_moe_route_counts_slots_as_experts_without_a_table(device: torch.device)
     ref_counts, ref_slot_counts = counted(moe_route_ref)
     assert torch.equal(counts, ref_counts) and torch.equal(slot_counts, ref_slot_counts)
     assert torch.equal(slot_counts, counts) and int(counts.sum()) == 6 * 2
-
-
-@pytest.mark.parametrize(("num_tokens", "hidden", "num_experts"), [(1, 256, 8), (3, 96, 60)])
-def test_moe_gate_route_matches_the_projection_then_the_routing(
-    num_tokens: int, hidden: int, num_experts: int, device: torch.device, monkeypatch
-) -> None:
-    # The router's projection and the routing in one kernel (its last program routes), for the
-    # few tokens the GEMV takes; with EPLB's slot table and counts. fp32: no near-ties in top-k.
-    monkeypatch.setenv("PDMESH_GEMV_MAX_ROWS", "4")
-    g = torch.Generator().manual_seed(num_tokens)
-    x = torch.randn(num_tokens, hidden, generator=g).to(device)
-    gate = torch.randn(num_experts, hidden, generator=g).to(device) / hidden**0.5
-    assert fits(x, gate)  # the fused kernel runs, not the reference it falls back to
-    placement = [*range(num_experts), 1]  # expert 1 in two slots
-    log2phy = torch.zeros(num_experts, 2, dtype=torch.int64)
-    log2phy[:, 0] = torch.arange(num_experts)
-    log2phy[1, 1] = num_experts
-    replicas = torch.ones(num_experts, dtype=torch.int64)
-    replicas[1] = 2
-    table = SlotTable(log2phy.to(device), replicas.to(device), first_token=1)
-
-    def routed(route) -> tuple:
-        counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-        slot_counts = torch.zeros(len(placement), dtype=torch.int64, device=device)
-        r = route(x, gate, 4, True, table, RouteTally(0, num_tokens, counts, slot_counts))
-        return r, counts, slot_counts
-
-    (r, counts, slot_counts), (ref, ref_counts, ref_slot_counts) = (
-        routed(moe_gate_route),
-        routed(moe_gate_route_ref),
-    )
-    assert torch.equal(r.ids, ref.ids) and torch.equal(r.slots, ref.slots)
-    torch.testing.assert_close(r.weights, ref.weights, rtol=1e-5, atol=1e-6)
-    assert torch.equal(counts, ref_counts) and torch.equal(slot_counts, ref_slot_counts)
-    assert int(counts.sum()) == 4 * num_tokens
-    assert not arrival_counters(device, 1).any()  # the counter is back at zero
 
 
 @pytest.mark.parametrize(("first_expert", "block_m"), [(0, 4), (2, 16)])
