@@ -18,7 +18,8 @@ from collections import deque
 from collections.abc import Collection
 from collections.abc import Sequence as Seq
 
-from pdmesh.engine.kv_cache.block_manager import BlockManager, Prefix
+from pdmesh.engine.kv_cache.block_manager import BlockManager
+from pdmesh.engine.kv_cache.blocks import Prefix
 from pdmesh.engine.outputs import EngineStats, ForkStats
 from pdmesh.engine.scheduling.batch import NO_HOST_COPIES, Lookahead, ScheduledBatch
 from pdmesh.engine.sequence import Sequence, SequenceStatus
