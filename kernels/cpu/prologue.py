@@ -12,29 +12,20 @@ import torch
 
 from pdmesh.kernels.backend import register_cpu
 from pdmesh.kernels.cpu.jit import njit_cached
-from pdmesh.kernels.cpu.rotary import PARALLEL_ROWS, rotate, rotate_rows
+from pdmesh.kernels.cpu.rotary import PARALLEL_ROWS, rotate, rotate_rows, rotate_token
 from pdmesh.kernels.prologue import rotary_and_store_kv_unfused
 
 
 @njit_cached()
 def _rotate_key_into_cache(k, v, positions, cache, k_cache, v_cache, slots):  # pragma: no cover
     # k, v: [T, Hkv, D]; caches [NB, BS, Hkv, D]; slots [T] (-1: padding, nothing stored).
-    half = cache.shape[1] // 2
     block_size = k_cache.shape[1]
     for t in range(slots.shape[0]):
         slot = slots[t]
         if slot < 0:
             continue
         block, row = slot // block_size, slot % block_size
-        p = positions[t]
-        for h in range(k.shape[1]):
-            for j in range(half):
-                c, s = cache[p, j], cache[p, half + j]
-                x1, x2 = k[t, h, j], k[t, h, half + j]
-                k_cache[block, row, h, j] = x1 * c - x2 * s
-                k_cache[block, row, h, half + j] = x2 * c + x1 * s
-            for j in range(2 * half, k.shape[2]):
-                k_cache[block, row, h, j] = k[t, h, j]
+        rotate_token(k[t], positions[t], cache, k_cache[block, row])
         v_cache[block, row] = v[t]
 
 

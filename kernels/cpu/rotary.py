@@ -24,18 +24,23 @@ PARALLEL_ROWS = 64
 
 
 @njit_cached()
-def rotate_rows(x, positions, cache, out, lo, hi):  # pragma: no cover (compiled)
+def rotate_token(x, p, cache, out):  # pragma: no cover (compiled)
+    # One token's heads x [heads, D] rotated at position p into out [heads, D].
     half = cache.shape[1] // 2
+    for h in range(x.shape[0]):
+        for j in range(half):
+            c, s = cache[p, j], cache[p, half + j]
+            x1, x2 = x[h, j], x[h, half + j]
+            out[h, j] = x1 * c - x2 * s
+            out[h, half + j] = x2 * c + x1 * s
+        for j in range(2 * half, x.shape[1]):
+            out[h, j] = x[h, j]
+
+
+@njit_cached()
+def rotate_rows(x, positions, cache, out, lo, hi):  # pragma: no cover (compiled)
     for i in range(lo, hi):
-        p = positions[i]
-        for h in range(x.shape[1]):
-            for j in range(half):
-                c, s = cache[p, j], cache[p, half + j]
-                x1, x2 = x[i, h, j], x[i, h, half + j]
-                out[i, h, j] = x1 * c - x2 * s
-                out[i, h, half + j] = x2 * c + x1 * s
-            for j in range(2 * half, x.shape[2]):
-                out[i, h, j] = x[i, h, j]
+        rotate_token(x[i], positions[i], cache, out[i])
 
 
 @njit_cached(parallel=True)
