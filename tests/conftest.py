@@ -17,6 +17,11 @@ from support import make_small_default_model, make_tiny_model
 # so that tests run side by side (pytest -n 2) and their connections never take a port picked
 # for a service that has not bound it yet (pdmesh/processes.py). Children inherit it.
 os.environ.setdefault("PDMESH_PORT_RANGE", "20000-32000")
+# One CPU thread per process (children inherit it): `pytest -n 2` runs two tests side by side on
+# two cores, each often with worker processes of its own, and torch's parallel regions wait for
+# whichever of their threads another process descheduled. Measured on the 2-core build machine
+# (four of the longest files, -n 2): 210 s against 254 s with torch's default of one per core.
+os.environ.setdefault("PDMESH_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
@@ -96,6 +101,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     without it they are skipped, by design."""
     import torch
 
+    # This process's own torch (the transformers references) too, as PDMESH_NUM_THREADS says.
+    torch.set_num_threads(int(os.environ["PDMESH_NUM_THREADS"]))
     items.sort(key=_long_first)  # stable: each file's tests keep their order
     if torch.cuda.is_available():
         return
