@@ -108,3 +108,36 @@ def wait_until(predicate: object, timeout_s: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout_s} s: {what}")
         time.sleep(0.05)
+
+
+def decode_via(
+    decode: Service, prefill: Service, request_id: str, prompt: list[int], params: dict
+) -> list[int]:
+    """Drive the decode worker as the router does, naming the prefill worker to use: the
+    request's tokens (`params`: gen_pb.SamplingParams's fields)."""
+    with grpc.insecure_channel(decode.address) as ch:
+        stub = worker_pb2_grpc.DecodeWorkerStub(ch)
+        updates = stub.Subscribe(worker_pb2.SubscribeRequest(subscriber_id=request_id))
+        next(updates)  # the handshake
+        stub.Submit(
+            worker_pb2.DecodeRequest(
+                request_id=request_id,
+                subscriber_id=request_id,
+                prompt_token_ids=prompt,
+                sampling=gen_pb.SamplingParams(**params),
+                prefill_address=prefill.address,
+                disagg_min_tokens=16,
+            ),
+            timeout=10,
+        )
+        tokens: list[int] = []
+        for update in updates:
+            for d in update.deltas:
+                if d.request_id != request_id:
+                    continue
+                assert not d.error_code, d.error_message
+                tokens += d.token_ids
+                if d.finish_reason:
+                    updates.cancel()
+                    return tokens
+    raise AssertionError("the update stream ended before the request finished")

@@ -8,14 +8,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import grpc
 import pytest
 from mesh_support import free_port
-from service_support import Service, wait_until
+from service_support import Service, decode_via, wait_until
 
 from pdmesh import LLM, SamplingParams
-from pdmesh.v1 import generation_pb2 as gen_pb
-from pdmesh.v1 import worker_pb2, worker_pb2_grpc
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -59,36 +56,6 @@ def workers(tiny_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Wo
             s.stop()
 
 
-def _decode_via(decode: Service, prefill: Service, request_id: str, prompt: list[int]) -> list[int]:
-    """Drive the decode worker as the router does, naming the prefill worker to use."""
-    with grpc.insecure_channel(decode.address) as ch:
-        stub = worker_pb2_grpc.DecodeWorkerStub(ch)
-        updates = stub.Subscribe(worker_pb2.SubscribeRequest(subscriber_id=request_id))
-        next(updates)  # the handshake
-        stub.Submit(
-            worker_pb2.DecodeRequest(
-                request_id=request_id,
-                subscriber_id=request_id,
-                prompt_token_ids=prompt,
-                sampling=gen_pb.SamplingParams(**PARAMS),
-                prefill_address=prefill.address,
-                disagg_min_tokens=16,
-            ),
-            timeout=10,
-        )
-        tokens: list[int] = []
-        for update in updates:
-            for d in update.deltas:
-                if d.request_id != request_id:
-                    continue
-                assert not d.error_code, d.error_message
-                tokens += d.token_ids
-                if d.finish_reason:
-                    updates.cancel()
-                    return tokens
-    raise AssertionError("the update stream ended before the request finished")
-
-
 def test_fp8_blocks_move_between_workers_and_a_mismatch_is_recomputed(workers: Workers) -> None:
     prompts = [[(seed * 7919 + i * 104729) % 512 for i in range(80)] for seed in (1, 2)]
     outputs = workers.reference.generate(
@@ -96,14 +63,14 @@ def test_fp8_blocks_move_between_workers_and_a_mismatch_is_recomputed(workers: W
     )
     expected = [o.outputs[0].token_ids for o in outputs]
 
-    got = _decode_via(workers.decode, workers.fp8, "via-fp8", prompts[0])
+    got = decode_via(workers.decode, workers.fp8, "via-fp8", prompts[0], PARAMS)
     assert got == expected[0]
     d = workers.decode.stats()
     assert d.remote_prefills == 1 and d.prefill_fallbacks == 0
     assert d.kv_bytes_received == len(prompts[0]) // 16 * FP8_BLOCK_BYTES
 
     # fp32 frames into an fp8 cache: refused, nothing written; computed on the decode worker.
-    got = _decode_via(workers.decode, workers.fp32, "via-fp32", prompts[1])
+    got = decode_via(workers.decode, workers.fp32, "via-fp32", prompts[1], PARAMS)
     assert got == expected[1]
     d = workers.decode.stats()
     assert d.prefill_fallbacks == 1

@@ -14,7 +14,7 @@ import grpc
 import pytest
 from mesh_support import free_port
 from prometheus_client.parser import text_string_to_metric_families
-from service_support import Service, wait_until
+from service_support import Service, decode_via, wait_until
 
 from pdmesh import LLM, SamplingParams
 from pdmesh.v1 import generation_pb2 as gen_pb
@@ -84,36 +84,6 @@ def _prompt(seed: int, n: int = 80) -> list[int]:
     return [(seed * 7919 + i * 104729) % 512 for i in range(n)]
 
 
-def _decode_via(decode: Service, prefill: Service, request_id: str, prompt: list[int]) -> list[int]:
-    """Drive the decode worker as the router does, naming the prefill worker to use."""
-    with grpc.insecure_channel(decode.address) as ch:
-        stub = worker_pb2_grpc.DecodeWorkerStub(ch)
-        updates = stub.Subscribe(worker_pb2.SubscribeRequest(subscriber_id=request_id))
-        next(updates)  # the handshake
-        stub.Submit(
-            worker_pb2.DecodeRequest(
-                request_id=request_id,
-                subscriber_id=request_id,
-                prompt_token_ids=prompt,
-                sampling=gen_pb.SamplingParams(**PARAMS),
-                prefill_address=prefill.address,
-                disagg_min_tokens=16,
-            ),
-            timeout=10,
-        )
-        tokens: list[int] = []
-        for update in updates:
-            for d in update.deltas:
-                if d.request_id != request_id:
-                    continue
-                assert not d.error_code, d.error_message
-                tokens += d.token_ids
-                if d.finish_reason:
-                    updates.cancel()
-                    return tokens
-    raise AssertionError("the update stream ended before the request finished")
-
-
 def _kv_bytes(port: int) -> dict[tuple[str, str], float]:
     """(direction, transport) -> pdmesh_kv_transfer_bytes_total from a worker's /metrics."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
@@ -138,7 +108,8 @@ def test_each_pair_moves_kv_over_its_own_transport(pairs: Pairs) -> None:
         )
     }
     for name, prefill in (("tcp", pairs.tcp), ("gloo", pairs.gloo)):
-        assert _decode_via(pairs.decode, prefill, f"via-{name}", prompts[name]) == expected[name]
+        got = decode_via(pairs.decode, prefill, f"via-{name}", prompts[name], PARAMS)
+        assert got == expected[name]
 
     d = pairs.decode.stats()
     assert d.remote_prefills == 2 and d.prefill_fallbacks == 0
@@ -250,7 +221,7 @@ def test_a_prefix_cached_on_the_prefill_worker_is_pushed_whole(tiny_model, pairs
     hits = pairs.gloo.stats().prefix_hit_tokens
     sent = _kv_bytes(pairs.metrics["gloo"])[("send", "gloo")]
     received = pairs.decode.stats().kv_bytes_received
-    assert _decode_via(pairs.decode, pairs.gloo, "cached-there", prompt) == expected
+    assert decode_via(pairs.decode, pairs.gloo, "cached-there", prompt, PARAMS) == expected
     assert pairs.gloo.stats().prefix_hit_tokens - hits == 64
     block_bytes = 2 * 2 * 16 * 2 * 16 * 4
     assert _kv_bytes(pairs.metrics["gloo"])[("send", "gloo")] - sent == 6 * block_bytes
