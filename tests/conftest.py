@@ -17,11 +17,6 @@ from support import make_small_default_model, make_tiny_model
 # so that tests run side by side (pytest -n 2) and their connections never take a port picked
 # for a service that has not bound it yet (pdmesh/processes.py). Children inherit it.
 os.environ.setdefault("PDMESH_PORT_RANGE", "20000-32000")
-# One CPU thread per process (children inherit it): `pytest -n 2` runs two tests side by side on
-# two cores, each often with worker processes of its own, and torch's parallel regions wait for
-# whichever of their threads another process descheduled. Measured on the 2-core build machine
-# (four of the longest files, -n 2): 210 s against 254 s with torch's default of one per core.
-os.environ.setdefault("PDMESH_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
@@ -96,13 +91,24 @@ def _long_first(item: pytest.Item) -> int:
     return next((i for i, name in enumerate(LONG_FILES) if path.endswith(name)), len(LONG_FILES))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """One CPU thread for this process's torch and Numba (the in-process engines and the
+    transformers references): `pytest -n 2` runs two test processes side by side on two cores,
+    and a parallel region waits for whichever of its threads the other process descheduled.
+    The services a test starts keep their own default. On the 2-core build machine, -n 2, four
+    files of in-process engines: 213 s against 255 s with torch's one thread per core; four
+    files of meshes: 109 against 114 s. (PDMESH_NUM_THREADS=1 for every process as well: 136-141
+    against 105-129 s on the meshes.)"""
+    from pdmesh.kernels.cpu.threads import set_cpu_threads
+
+    set_cpu_threads(1)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The longest files first (see LONG_FILES). Tests marked `gpu` need CUDA; on a machine
     without it they are skipped, by design."""
     import torch
 
-    # This process's own torch (the transformers references) too, as PDMESH_NUM_THREADS says.
-    torch.set_num_threads(int(os.environ["PDMESH_NUM_THREADS"]))
     items.sort(key=_long_first)  # stable: each file's tests keep their order
     if torch.cuda.is_available():
         return
