@@ -18,6 +18,8 @@ import argparse
 import json
 import random
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from pdmesh.bench.report import timed_into
 
@@ -26,17 +28,33 @@ PARTS = {
     "linear": "projections",
     "silu_and_mul_linear": "gated_projection",
     "paged_decode_attention": "attention",
+    "paged_prefill_attention": "attention",
     "fused_add_rms_norm": "norms",
     "rms_norm": "norms",
     "rotary_and_store_kv": "rotary_and_kv_store",
 }
 
 
+@contextmanager
+def kernel_parts() -> Iterator[dict[str, float]]:
+    """Seconds spent in each part (PARTS) while the block runs: every CPU kernel `backend.pick`
+    hands out is wrapped in a wall clock, and put back afterwards."""
+    from pdmesh.kernels import backend
+
+    totals = dict.fromkeys(PARTS.values(), 0.0)
+    kernels = {name: backend._CPU[name] for name in PARTS}
+    for name, part in PARTS.items():
+        backend._CPU[name] = timed_into(totals, part, kernels[name])
+    try:
+        yield totals
+    finally:
+        backend._CPU.update(kernels)
+
+
 def measure(
     batch: int, prompt_len: int, steps: int, temperature: float = 0.0, top_p: float = 1.0
 ) -> dict[str, float]:
     from pdmesh import LLM, SamplingParams
-    from pdmesh.kernels import backend
 
     engine = LLM(kv_cache_tokens=max(32768, batch * (prompt_len + 20 + steps))).engine
     rng = random.Random(0)
@@ -48,17 +66,11 @@ def measure(
         engine.add_request(f"r{i}", prompt, params)
     for _ in range(20):
         engine.step()
-    totals = dict.fromkeys(PARTS.values(), 0.0)
-    kernels = {name: backend._CPU[name] for name in PARTS}
-    for name, part in PARTS.items():
-        backend._CPU[name] = timed_into(totals, part, kernels[name])
-    try:
+    with kernel_parts() as totals:
         start = time.perf_counter()
         for _ in range(steps):
             engine.step()
         elapsed = time.perf_counter() - start
-    finally:
-        backend._CPU.update(kernels)
     ms = {k: round(v / steps * 1000, 1) for k, v in totals.items()}
     step = round(elapsed / steps * 1000, 1)
     return {"batch": batch, "step_ms": step, **ms, "rest_ms": round(step - sum(ms.values()), 1)}

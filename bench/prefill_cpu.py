@@ -5,7 +5,9 @@ their rate against this machine's fp32 matrix-multiply rate measured in the same
 
 `--batch` prompts of `--prompt-len` random token ids are prefilled together (one output token
 each), once to warm up and then `--rounds` times, each timed with the minor page faults the
-process took meanwhile. The ceiling is oneDNN's rate on one layer's projections at the batch's
+process took meanwhile and the time in each part of the forward (`parts_ms`, medians: the
+projections, attention, norms, rotary with the KV store, and the rest, as `decode_step_cpu`
+splits a decode step). The ceiling is oneDNN's rate on one layer's projections at the batch's
 rows (weights packed, as the engine runs them), so the ratio is the share of the step's time the
 projections' arithmetic would take at that rate. `PDMESH_KEEP_FREED_MEMORY=0` runs it with
 glibc's default malloc (docs/gpu.md, CPU memory). Prints JSON.
@@ -19,6 +21,8 @@ import random
 import resource
 import statistics
 import time
+
+from pdmesh.bench.decode_step_cpu import kernel_parts
 
 
 def matmul_rate(rows: int, shapes: list[tuple[int, int]], repeats: int = 3) -> float:
@@ -50,16 +54,18 @@ def measure(batch: int, prompt_len: int, rounds: int) -> dict[str, object]:
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     vocab = engine.info.vocab_size
 
-    def prefill() -> tuple[float, int]:
+    def prefill() -> tuple[float, int, dict[str, float]]:
         prompts = [
             {"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(prompt_len)]}
             for _ in range(batch)
         ]
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        with kernel_parts() as parts:
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+        parts["rest"] = seconds - sum(parts.values())
+        return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults, parts
 
     prefill()  # warm-up: kernels compiled, weights packed, the first activations allocated
     runs = [prefill() for _ in range(rounds)]
@@ -75,13 +81,17 @@ def measure(batch: int, prompt_len: int, rounds: int) -> dict[str, object]:
     tokens = batch * prompt_len
     flops = 2 * tokens * layers * sum(n * k for n, k in shapes)
     rate = matmul_rate(tokens, shapes)
-    median = statistics.median(s for s, _ in runs)
+    median = statistics.median(s for s, _, _ in runs)
     llm.close()
     return {
         "batch": batch,
         "prompt_len": prompt_len,
-        "seconds": [round(s, 3) for s, _ in runs],
-        "page_faults": [f for _, f in runs],
+        "seconds": [round(s, 3) for s, _, _ in runs],
+        "page_faults": [f for _, f, _ in runs],
+        "parts_ms": {
+            part: round(statistics.median(p[part] for _, _, p in runs) * 1000, 1)
+            for part in runs[0][2]
+        },
         "median_s": round(median, 3),
         "tokens_per_s": round(tokens / median, 1),
         "projection_gflop": round(flops / 1e9, 1),

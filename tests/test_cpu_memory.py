@@ -83,11 +83,14 @@ def test_pdmesh_keep_freed_memory_0_leaves_glibcs_default() -> None:
 
 
 def test_the_prefill_bench_reports_time_faults_and_its_ceiling() -> None:
-    """`python -m pdmesh.bench.prefill_cpu`: each round's time and page faults, and the
-    projections' share of the time at the matrix-multiply rate measured beside them."""
+    """`python -m pdmesh.bench.prefill_cpu`: each round's time and page faults, the time in each
+    part of the forward, and the projections' share of the time at the matrix-multiply rate
+    measured beside them."""
     from pdmesh.bench.prefill_cpu import measure
 
     figures = measure(batch=2, prompt_len=32, rounds=2)
     assert len(figures["seconds"]) == len(figures["page_faults"]) == 2
     assert all(s > 0 for s in figures["seconds"])
     assert figures["matmul_gflops"] > 0 and 0 < figures["share_of_ceiling"] < 1.5, figures
+    parts = figures["parts_ms"]  # the prefill's own kernels are reached and timed
+    assert parts["projections"] > 0 and parts["attention"] > 0, parts
