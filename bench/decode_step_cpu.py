@@ -37,18 +37,13 @@ PARTS = {
 
 @contextmanager
 def kernel_parts() -> Iterator[dict[str, float]]:
-    """Seconds spent in each part (PARTS) while the block runs: every CPU kernel `backend.pick`
-    hands out is wrapped in a wall clock, and put back afterwards."""
+    """Seconds spent in each part (PARTS) while the block runs: every CPU kernel of PARTS is
+    wrapped in a wall clock (`backend.cpu_kernels_wrapped`)."""
     from pdmesh.kernels import backend
 
     totals = dict.fromkeys(PARTS.values(), 0.0)
-    kernels = {name: backend._CPU[name] for name in PARTS}
-    for name, part in PARTS.items():
-        backend._CPU[name] = timed_into(totals, part, kernels[name])
-    try:
+    with backend.cpu_kernels_wrapped(lambda name, fn: timed_into(totals, PARTS[name], fn), PARTS):
         yield totals
-    finally:
-        backend._CPU.update(kernels)
 
 
 def measure(

@@ -11,7 +11,8 @@ references.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -95,3 +96,24 @@ def run_reference(name: str) -> None:
     if name not in _TRITON and name not in _CPU:
         raise ValueError(f"no kernel {name!r} is registered")
     _REFERENCE_ONLY.add(name)
+
+
+@contextmanager
+def cpu_kernels_wrapped(
+    wrap: Callable[[str, Callable[..., Any]], Callable[..., Any]], names: Iterable[str]
+) -> Iterator[None]:
+    """While the block runs, the CPU kernel registered as each of `names` is `wrap(name,
+    kernel)`, and is put back afterwards. Benchmarks time a step's kernels this way
+    (bench/decode_step_cpu.py); nothing in the product calls it."""
+    if not _CPU_IMPORTED:
+        _import_cpu_kernels()
+    missing = [name for name in names if name not in _CPU]
+    if missing:
+        raise ValueError(f"no CPU kernel registered as {', '.join(map(repr, missing))}")
+    kernels = {name: _CPU[name] for name in names}
+    for name, fn in kernels.items():
+        _CPU[name] = wrap(name, fn)
+    try:
+        yield
+    finally:
+        _CPU.update(kernels)

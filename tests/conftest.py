@@ -95,10 +95,8 @@ def pytest_configure(config: pytest.Config) -> None:
     """One CPU thread for this process's torch and Numba (the in-process engines and the
     transformers references): `pytest -n 2` runs two test processes side by side on two cores,
     and a parallel region waits for whichever of its threads the other process descheduled.
-    The services a test starts keep their own default. On the 2-core build machine, -n 2, four
-    files of in-process engines: 213 s against 255 s with torch's one thread per core; four
-    files of meshes: 109 against 114 s. (PDMESH_NUM_THREADS=1 for every process as well: 136-141
-    against 105-129 s on the meshes.)"""
+    The services a test starts keep their own default, which was faster for them (measured
+    both ways: docs/development.md, Tests)."""
     from pdmesh.kernels.cpu.threads import set_cpu_threads
 
     set_cpu_threads(1)

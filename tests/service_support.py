@@ -111,7 +111,11 @@ def wait_until(predicate: object, timeout_s: float, what: str) -> None:
 
 
 def decode_via(
-    decode: Service, prefill: Service, request_id: str, prompt: list[int], params: dict
+    decode: Service,
+    prefill: Service,
+    request_id: str,
+    prompt: list[int],
+    params: dict[str, object],
 ) -> list[int]:
     """Drive the decode worker as the router does, naming the prefill worker to use: the
     request's tokens (`params`: gen_pb.SamplingParams's fields)."""

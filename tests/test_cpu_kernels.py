@@ -13,7 +13,7 @@ from test_kernel_references import MIXED, _dense_attention, _paged
 from pdmesh.kernels import linear, paged_decode_attention, silu_and_mul_linear
 from pdmesh.kernels.activation import silu_and_mul_ref
 from pdmesh.kernels.attention import paged_decode_attention_ref, store_kv_cache_ref
-from pdmesh.kernels.backend import pick
+from pdmesh.kernels.backend import cpu_kernels_wrapped, pick
 from pdmesh.kernels.cpu import attention as cpu_attention
 from pdmesh.kernels.cpu import jit, kv_store, norm, onednn_linear, paged_decode
 from pdmesh.kernels.cpu import prologue as cpu_prologue
@@ -315,3 +315,22 @@ def test_the_decode_step_bench_times_every_cpu_kernel_of_a_step() -> None:
     figures = measure(batch=2, prompt_len=8, steps=2)
     assert all(figures[part] > 0 for part in PARTS.values()), figures
     assert figures["step_ms"] >= sum(figures[part] for part in set(PARTS.values()))
+
+
+def test_a_wrapped_cpu_kernel_runs_its_wrapper_until_the_block_ends() -> None:
+    """What the CPU benches time kernels with: `linear` on a CPU tensor goes through the
+    wrapper inside the block, with the kernel's own result, and not after it."""
+    calls: list[str] = []
+
+    def wrap(name: str, fn: Any) -> Any:
+        return lambda *a, **k: (calls.append(name), fn(*a, **k))[1]
+
+    x, w = torch.randn(3, 8), torch.randn(5, 8)
+    with cpu_kernels_wrapped(wrap, ["linear"]):
+        torch.testing.assert_close(linear(x, w), x @ w.T)
+    assert calls == ["linear"]
+    linear(x, w)
+    assert calls == ["linear"]
+    missing = pytest.raises(ValueError, match="no CPU kernel registered as 'nonesuch'")
+    with missing, cpu_kernels_wrapped(wrap, ["nonesuch"]):
+        pass
