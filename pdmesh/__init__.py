@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 
-def _drop_checkout_root() -> None:
+def drop_checkout_root() -> None:
     """Take this checkout's root off sys.path (`python -m` from the checkout puts it there).
 
     Its folders install as pdmesh.* subpackages (kernels/ is pdmesh.kernels); seen from the root
@@ -32,7 +32,7 @@ def _drop_checkout_root() -> None:
             sys.path.remove(entry)
 
 
-_drop_checkout_root()
+drop_checkout_root()
 
 if TYPE_CHECKING:
     from pdmesh.engine.llm import LLM

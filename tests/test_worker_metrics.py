@@ -24,17 +24,21 @@ pytestmark = pytest.mark.timeout(240)
 
 @pytest.fixture(scope="module")
 def mesh(tiny_model) -> Iterator[Mesh]:
-    m = start_mesh(
-        "--model",
-        str(tiny_model("llama")),
-        "--prefill",
-        "1",
-        "--decode",
-        "1",
-        "--kv-cache-tokens",
-        "4096",
-        http=True,
-    )
+    # A request whose worker is lost fails at once (no failover): otherwise it waits for the
+    # worker's restart, which a warm start (pdmesh/warm_start.py) may bring back in time.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PDMESH_MAX_FAILOVERS", "0")
+        m = start_mesh(
+            "--model",
+            str(tiny_model("llama")),
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--kv-cache-tokens",
+            "4096",
+            http=True,
+        )
     try:
         yield m
     finally:

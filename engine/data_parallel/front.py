@@ -16,7 +16,6 @@ import dataclasses
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -40,8 +39,8 @@ from pdmesh.errors import InvalidRequest
 from pdmesh.kernels.cpu.threads import set_cpu_threads
 from pdmesh.kv_transfer.connector import decode
 from pdmesh.logger import get_logger
-from pdmesh.processes import die_with_parent
 from pdmesh.sampling_params import SamplingParams
+from pdmesh.warm_start import start_module
 
 log = get_logger(__name__)
 
@@ -55,10 +54,10 @@ class Replicas:
     def __init__(self, specs: list[ReplicaSpec], sockets: list[zmq.Socket[bytes]]) -> None:
         self.sockets = sockets
         self.procs = [
-            subprocess.Popen(
-                [sys.executable, "-m", "pdmesh.engine.data_parallel.replica"],
-                env={**os.environ, "PDMESH_DP_SPEC": spec.to_json()},
-                preexec_fn=die_with_parent,
+            start_module(
+                "pdmesh.engine.data_parallel.replica",
+                [],
+                {**os.environ, "PDMESH_DP_SPEC": spec.to_json()},
             )
             for spec in specs
         ]

@@ -1,24 +1,20 @@
 """Follower ranks as local processes (`python -m pdmesh.engine.executor.follower`), each started
-with its spec as JSON in its environment and dying with the process that started it."""
+with its spec as JSON in its environment, as a fork of a warm interpreter where it can be
+(pdmesh/warm_start.py), and dying with the process that started it."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 import subprocess
-import sys
 
 from pdmesh.engine.executor.base import FollowerSpec
-from pdmesh.processes import die_with_parent
+from pdmesh.warm_start import Process, start_module
 
 
-def spawn_follower(spec: FollowerSpec) -> subprocess.Popen[bytes]:
+def spawn_follower(spec: FollowerSpec) -> Process:
     env = {**os.environ, "PDMESH_TP_SPEC": spec.to_json()}
-    return subprocess.Popen(
-        [sys.executable, "-m", "pdmesh.engine.executor.follower"],
-        env=env,
-        preexec_fn=die_with_parent,
-    )
+    return start_module("pdmesh.engine.executor.follower", [], env)
 
 
 class LocalRanks:
@@ -26,7 +22,7 @@ class LocalRanks:
     on local rank `first_local`'s device."""
 
     def __init__(self, spec: FollowerSpec, ranks: range, first_local: int) -> None:
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.procs: dict[int, Process] = {}
         for i, rank in enumerate(ranks):
             rank_spec = dataclasses.replace(spec, rank=rank, local_rank=first_local + i)
             self.procs[rank] = spawn_follower(rank_spec)

@@ -1,0 +1,386 @@
+"""Processes started from a warm interpreter: `python -m MODULE ARGS` run in a fork of a process
+that has imported torch already, instead of in a new interpreter.
+
+Why: a worker, a follower rank or a data-parallel replica spent its first seconds importing torch
+and Numba (`python -X importtime` on the 2-core build machine: 3.4 s of the 4.3 s a decode
+worker imports, before any of pdmesh runs). `pdmesh up` starts one such process per worker, a
+tensor-parallel engine one per follower rank, and every restart or role change another. vLLM
+forks its workers for the same reason where CUDA is not initialised yet.
+
+How: a process's first warm start runs a zygote (`python -m pdmesh.warm_start FD`), which imports
+PRELOAD and nothing else, then forks a child per request. Requests and replies are JSON packets
+on a socket pair, no pickle; a request carries the caller's stdout and stderr (SCM_RIGHTS), so a
+child writes where a `subprocess.Popen` child of the caller would. The child takes the request's
+working directory and environment, dies with the zygote (which dies with the thread that started
+it: a daemon thread of this module, alive as long as the process), and runs the module as the
+interpreter would (`runpy`, `__main__`, its exit code). The zygote reaps its children and reports
+each exit code; `WarmProcess` answers as `subprocess.Popen` does.
+
+Safe to fork: the zygote has run nothing, only imported. No CUDA context, no OpenMP pool, no gRPC
+core, no thread but OpenBLAS's, which re-forms itself in a child. Each zygote's imports read its
+environment (OMP_NUM_THREADS, say), so a start is served by a zygote whose environment equals its
+own in every variable that the interpreter, the dynamic loader, torch, NumPy, OpenMP, BLAS or
+Numba may read at import (`read_at_import`); others (PDMESH_*, CUDA_VISIBLE_DEVICES, the test
+runner's PYTEST_CURRENT_TEST) are read when used, in the child. A start none serves gets a new
+zygote (at most MAX_ZYGOTES), else a new interpreter, as does every start where
+PDMESH_WARM_START=0 or off Linux.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import queue
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import pdmesh
+from pdmesh import envs
+from pdmesh.processes import die_with_parent
+
+# What the zygote imports: what every worker, follower and replica imports first, and what
+# costs the most (NumPy comes with torch). pdmesh's own modules stay out: they read PDMESH_*
+# variables (the log level), which a child may set otherwise.
+PRELOAD = ("torch", "numba")
+_PACKET = 1 << 20  # the largest packet read; a request larger than the socket takes fails
+# to send, and its process starts as a new interpreter
+START_TIMEOUT_S = 120.0  # the zygote's imports on a loaded 2-core machine take ~5 s
+
+
+def start_module(
+    module: str, args: list[str], env: dict[str, str] | None = None, quiet: bool = False
+) -> Process:
+    """`python -m MODULE ARGS` with `env` (None: this process's environment) and this process's
+    stdout (`quiet`: none), dying with this process (`die_with_parent`): a fork of this process's
+    zygote where it can serve the environment, else a new interpreter."""
+    env = dict(os.environ if env is None else env)
+    if envs.warm_start() and sys.platform == "linux":
+        zygote = _zygote(env)
+        if zygote is not None:
+            proc = zygote.start(module, args, env, quiet)
+            if proc is not None:
+                return proc
+    return subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        env=env,
+        stdout=subprocess.DEVNULL if quiet else None,
+        preexec_fn=die_with_parent,
+    )
+
+
+class WarmProcess:
+    """A zygote's child as `subprocess.Popen` shows one: `pid`, `returncode` (negative: the
+    signal that ended it), `poll`, `wait`, `send_signal`, `terminate`, `kill`."""
+
+    def __init__(self, pid: int, zygote: _Zygote, args: list[str]) -> None:
+        self.pid = pid
+        self.args = args
+        self.returncode: int | None = None
+        self._exited = threading.Event()
+        self._zygote = zygote
+
+    def _ended(self, code: int) -> None:
+        self.returncode = code
+        self._exited.set()
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not self._zygote.alive:
+            # Its zygote died, and with it the reports of its exit: the child got SIGTERM
+            # (it dies with the zygote) and is gone once no signal reaches it.
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                self._ended(-signal.SIGTERM)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit code once the child has exited; subprocess.TimeoutExpired after `timeout`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
+            if left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            self._exited.wait(left)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+Process = subprocess.Popen[bytes] | WarmProcess  # what start_module returns
+
+
+# -- this side of the zygote --------------------------------------------------------------------
+
+
+class _Zygote:
+    """This process's zygote: started, and its reports read, by a daemon thread of its own (the
+    zygote dies with that thread, so with this process); one request at a time, answered in
+    order."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self.alive = False
+        self._sock, self._theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._lock = threading.Lock()  # one request at a time
+        self._state = threading.Lock()  # the two dictionaries below
+        self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._children: dict[int, WarmProcess] = {}
+        self._early: dict[int, int] = {}  # exits reported before this side saw the start
+        threading.Thread(target=self._run, name="pdmesh-zygote", daemon=True).start()
+        ready = self._replies.get(timeout=START_TIMEOUT_S)
+        self.alive = "ready" in ready
+
+    def start(
+        self, module: str, args: list[str], env: dict[str, str], quiet: bool
+    ) -> WarmProcess | None:
+        """A child running `module`, or None if the zygote is gone (the caller starts a new
+        interpreter)."""
+        request = {"module": module, "args": args, "env": env, "cwd": os.getcwd()}
+        out = os.open(os.devnull, os.O_WRONLY) if quiet else 1  # where Popen's child writes
+        try:
+            with self._lock:
+                data = json.dumps(request).encode()
+                socket.send_fds(self._sock, [data], [out, 2])
+                reply = self._replies.get(timeout=START_TIMEOUT_S)
+                if "started" not in reply:
+                    return None
+                pid = reply["started"]
+                proc = WarmProcess(pid, self, [module, *args])
+                with self._state:
+                    if pid in self._early:
+                        proc._ended(self._early.pop(pid))
+                    else:
+                        self._children[pid] = proc
+                return proc
+        except (OSError, queue.Empty):
+            self.alive = False  # gone, or too slow to trust its order of replies: none is used
+            return None
+        finally:
+            if quiet:
+                os.close(out)
+
+    def _run(self) -> None:
+        try:
+            zygote = subprocess.Popen(
+                [sys.executable, "-m", "pdmesh.warm_start", str(self._theirs.fileno())],
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                pass_fds=[self._theirs.fileno()],
+                preexec_fn=die_with_parent,
+            )
+        except OSError:
+            self._replies.put({"error": "could not start"})
+            return
+        self._theirs.close()
+        while True:
+            try:
+                data = self._sock.recv(_PACKET)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            message = json.loads(data)
+            if "exited" in message:
+                pid, code = message["exited"], message["code"]
+                with self._state:
+                    child = self._children.pop(pid, None)
+                    if child is None:
+                        self._early[pid] = code
+                if child is not None:
+                    child._ended(code)
+            else:
+                self._replies.put(message)
+        self.alive = False
+        zygote.wait()
+        self._replies.put({"error": "the zygote exited"})
+
+
+MAX_ZYGOTES = 2  # per process: each holds torch's ~300 MB, mostly shared with its children
+_ImportEnv = frozenset[tuple[str, str]]
+_zygotes: dict[_ImportEnv, _Zygote] = {}  # by the environment their imports read
+_failed: set[_ImportEnv] = set()  # a zygote with this environment never became ready
+_owner = os.getpid()  # a fork of this process starts zygotes of its own
+_zygotes_lock = threading.Lock()
+
+
+def _zygote(env: dict[str, str]) -> _Zygote | None:
+    """The zygote of this process whose imports read what `env` holds, started on first use and
+    again if it died; None where one could not start, or MAX_ZYGOTES others run."""
+    global _owner
+    key = frozenset((k, v) for k, v in env.items() if read_at_import(k))
+    with _zygotes_lock:
+        if _owner != os.getpid():
+            _owner = os.getpid()
+            _zygotes.clear()
+            _failed.clear()
+        zygote = _zygotes.get(key)
+        if zygote is not None and zygote.alive:
+            return zygote
+        if key in _failed or (zygote is None and len(_zygotes) >= MAX_ZYGOTES):
+            return None
+        try:
+            zygote = _Zygote(env)
+        except queue.Empty:
+            zygote = None
+        if zygote is None or not zygote.alive:
+            _failed.add(key)
+            _zygotes.pop(key, None)
+            return None
+        _zygotes[key] = zygote
+        return zygote
+
+
+# What the interpreter (PYTHON*), the dynamic loader (LD_*), torch, NumPy, OpenMP, MKL, OpenBLAS,
+# Numba and the CUDA libraries read of their environment, some of it when loaded.
+_IMPORT_PREFIXES = ("PYTHON", "LD_", "TORCH", "PYTORCH", "NUMPY", "OMP_", "GOMP_", "KMP_", "MKL_")
+_IMPORT_PREFIXES += ("OPENBLAS", "NUMBA_", "CUDA_", "NVIDIA_")
+
+
+def read_at_import(name: str) -> bool:
+    """Whether a variable may be read while PRELOAD is imported (the zygote's, then). The GPUs a
+    process may see are read when CUDA initialises, in the child."""
+    return name.startswith(_IMPORT_PREFIXES) and name != "CUDA_VISIBLE_DEVICES"
+
+
+# -- the zygote ---------------------------------------------------------------------------------
+
+
+def _serve(sock: socket.socket) -> None:
+    """Import PRELOAD, say so, then fork a child per request and report each child's exit, until
+    the other side closes the socket (its process exited)."""
+    import importlib
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the children; the zygote
+    # ends with its parent
+    for name in PRELOAD:
+        importlib.import_module(name)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    _send(sock, {"ready": os.getpid()})
+    selector = selectors.DefaultSelector()
+    selector.register(sock, selectors.EVENT_READ)
+    selector.register(wake_r, selectors.EVENT_READ)
+    mine = [sock.fileno(), wake_r, wake_w, selector.fileno()]  # closed in each child
+    while True:
+        for key, _ in selector.select():
+            if key.fileobj is sock:
+                data, fds, _, _ = socket.recv_fds(sock, _PACKET, 2)
+                if not data:
+                    return
+                pid = os.fork()
+                if pid == 0:
+                    _child(json.loads(data), fds, mine)
+                for fd in fds:
+                    os.close(fd)
+                _send(sock, {"started": pid})
+            else:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wake_r, 4096)
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            _send(sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _send(sock: socket.socket, message: dict[str, Any]) -> None:
+    sock.send(json.dumps(message).encode())
+
+
+def _child(request: dict[str, Any], fds: list[int], zygote_fds: list[int]) -> None:
+    """In the fork: become `python -m MODULE ARGS` started by the requester, its command line
+    shown as such; never returns."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for fd in zygote_fds:
+            os.close(fd)
+        die_with_parent()
+        for target, fd in zip((1, 2), fds, strict=True):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.chdir(request["cwd"])
+        # `python -m` puts its working directory first on sys.path, and pdmesh takes it off
+        # again where it is the checkout's root: the same for the child's directory.
+        if _START_CWD in sys.path[:1]:
+            sys.path.pop(0)
+        sys.path.insert(0, request["cwd"])
+        pdmesh.drop_checkout_root()
+        _show_command([sys.executable, "-m", request["module"], *request["args"]])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        code = _run_module(request["module"], request["args"])
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def _show_command(argv: list[str]) -> None:
+    """Show `argv` where `ps`, `top` and /proc/PID/cmdline show a process's command line, not
+    the zygote's (setproctitle; where it is missing, the zygote's stays)."""
+    try:
+        from setproctitle import setproctitle
+    except ImportError:
+        return
+    setproctitle(" ".join(argv))
+
+
+def _run_module(module: str, args: list[str]) -> int:
+    """Run `module` as `python -m` runs it, then what the interpreter does at exit: wait for
+    threads that are not daemons, run the atexit handlers, flush. Its exit code."""
+    import runpy
+
+    sys.argv = [module, *args]
+    code = 0
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    with contextlib.suppress(Exception):
+        threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's own exit step
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    return code
+
+
+_START_CWD = os.getcwd()
+
+if __name__ == "__main__":
+    _serve(socket.socket(fileno=int(sys.argv[1])))
