@@ -22,7 +22,7 @@ environment (OMP_NUM_THREADS, say), so a start is served by a zygote whose envir
 own in every variable that the interpreter, the dynamic loader, torch, NumPy, OpenMP, BLAS or
 Numba may read at import (`read_at_import`); others (PDMESH_*, CUDA_VISIBLE_DEVICES, the test
 runner's PYTEST_CURRENT_TEST) are read when used, in the child. A start none serves gets a new
-zygote (at most MAX_ZYGOTES), else a new interpreter, as does every start where
+zygote (at most MAX_ZYGOTES running), else a new interpreter, as does every start where
 PDMESH_WARM_START=0 or off Linux.
 """
 
@@ -178,6 +178,18 @@ class _Zygote:
             if quiet:
                 os.close(out)
 
+    def has_children(self) -> bool:
+        """Whether a child of this zygote may still run (its exit not reported yet)."""
+        with self._state:
+            return bool(self._children)
+
+    def end(self) -> None:
+        """End the zygote: it exits once it reads the end of the socket (its children, none
+        running, would get SIGTERM)."""
+        self.alive = False
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+
     def _run(self) -> None:
         try:
             zygote = subprocess.Popen(
@@ -214,7 +226,8 @@ class _Zygote:
         self._replies.put({"error": "the zygote exited"})
 
 
-MAX_ZYGOTES = 2  # per process: each holds torch's ~300 MB, mostly shared with its children
+MAX_ZYGOTES = 2  # per process: each holds torch's ~300 MB, mostly shared with its children;
+# beyond them, the least recently used one without a child running ends to make room
 _ImportEnv = frozenset[tuple[str, str]]
 _zygotes: dict[_ImportEnv, _Zygote] = {}  # by the environment their imports read
 _failed: set[_ImportEnv] = set()  # a zygote with this environment never became ready
@@ -224,7 +237,7 @@ _zygotes_lock = threading.Lock()
 
 def _zygote(env: dict[str, str]) -> _Zygote | None:
     """The zygote of this process whose imports read what `env` holds, started on first use and
-    again if it died; None where one could not start, or MAX_ZYGOTES others run."""
+    again if it died; None where one could not start, or MAX_ZYGOTES others have children."""
     global _owner
     key = frozenset((k, v) for k, v in env.items() if read_at_import(k))
     with _zygotes_lock:
@@ -232,10 +245,11 @@ def _zygote(env: dict[str, str]) -> _Zygote | None:
             _owner = os.getpid()
             _zygotes.clear()
             _failed.clear()
-        zygote = _zygotes.get(key)
+        zygote = _zygotes.pop(key, None)
         if zygote is not None and zygote.alive:
+            _zygotes[key] = zygote  # the most recently used last
             return zygote
-        if key in _failed or (zygote is None and len(_zygotes) >= MAX_ZYGOTES):
+        if key in _failed or not _make_room():
             return None
         try:
             zygote = _Zygote(env)
@@ -253,6 +267,18 @@ def _zygote(env: dict[str, str]) -> _Zygote | None:
 # Numba and the CUDA libraries read of their environment, some of it when loaded.
 _IMPORT_PREFIXES = ("PYTHON", "LD_", "TORCH", "PYTORCH", "NUMPY", "OMP_", "GOMP_", "KMP_", "MKL_")
 _IMPORT_PREFIXES += ("OPENBLAS", "NUMBA_", "CUDA_", "NVIDIA_")
+
+
+def _make_room() -> bool:
+    """Whether another zygote may start: fewer than MAX_ZYGOTES run, or the least recently used
+    of those without a running child was ended (`_zygotes` lists them least recent first)."""
+    for key, zygote in list(_zygotes.items()):
+        if len(_zygotes) < MAX_ZYGOTES:
+            break
+        if not zygote.alive or not zygote.has_children():
+            zygote.end()
+            del _zygotes[key]
+    return len(_zygotes) < MAX_ZYGOTES
 
 
 def read_at_import(name: str) -> bool:

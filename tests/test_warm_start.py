@@ -83,18 +83,34 @@ def test_signals_waits_and_timeouts_answer_as_popen_does(probe_dir: Path) -> Non
     procs[1].kill()  # already gone: nothing to signal, no error
 
 
-def test_an_environment_read_at_import_gets_a_zygote_of_its_own(probe_dir, capfd) -> None:
+def test_an_environment_read_at_import_gets_a_zygote_of_its_own(probe_dir: Path) -> None:
     """OMP_NUM_THREADS is read when torch loads its OpenMP runtime, in the zygote: a child that
-    sets it comes from a zygote started with it; a PDMESH_ variable changes no zygote."""
-    reports = []
-    for extra in ({"PDMESH_PROBE": "a"}, {"OMP_NUM_THREADS": "1"}, {"PDMESH_PROBE": "b"}):
-        assert start_module("probe_main", ["0"], {**os.environ, **extra}).wait(60) == 0
-        reports.append(_report(capfd.readouterr().out))
-    plain, one, again = reports
-    assert plain["warm"] and one["warm"] and again["warm"]
-    assert one["threads"] == 1 < plain["threads"]  # type: ignore[operator]
+    sets it comes from a zygote started with it; a PDMESH_ variable changes no zygote. A third
+    environment ends the least recently used zygote that has no child running (MAX_ZYGOTES is
+    2). In a process of its own: this one may hold zygotes of other environments already."""
+    driver = (
+        "import os, sys\n"
+        "from pdmesh.warm_start import MAX_ZYGOTES, start_module\n"
+        "assert MAX_ZYGOTES == 2\n"
+        "for extra in ({'PDMESH_PROBE': 'a'}, {'OMP_NUM_THREADS': '1'}, {'PDMESH_PROBE': 'b'},\n"
+        "              {'OMP_NUM_THREADS': '2'}):\n"
+        "    assert start_module('probe_main', ['0'], {**os.environ, **extra}).wait(60) == 0\n"
+        "import json, pathlib, time\n"
+        "time.sleep(1)  # for an ended zygote to have exited\n"
+        "tasks = pathlib.Path('/proc/self/task').glob('*/children')\n"
+        "print(json.dumps(sorted(int(c) for t in tasks for c in t.read_text().split())))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", driver], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    *reports, zygotes = (json.loads(line) for line in out.splitlines())
+    plain, one, again, two = reports
+    assert plain["warm"] and one["warm"] and again["warm"] and two["warm"]
+    assert one["threads"] == 1 < plain["threads"] and two["threads"] == 2
     assert one["ppid"] != plain["ppid"] == again["ppid"]
     assert (plain["env"], again["env"]) == ("a", "b")
+    # The zygote of OMP_NUM_THREADS=1, used least recently, made room for the fourth start's.
+    assert zygotes == sorted([plain["ppid"], two["ppid"]])
 
 
 def test_children_die_with_the_process_that_started_them(probe_dir: Path) -> None:
