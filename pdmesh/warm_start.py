@@ -143,10 +143,14 @@ class _Zygote:
     def start(
         self, module: str, args: list[str], env: dict[str, str], quiet: bool
     ) -> WarmProcess | None:
-        """A child running `module`, or None if the zygote is gone (the caller starts a new
-        interpreter)."""
+        """A child running `module`, or None (the caller starts a new interpreter) if the zygote
+        is gone or this process has no stdout or stderr to hand it."""
         request = {"module": module, "args": args, "env": env, "cwd": os.getcwd()}
-        out = os.open(os.devnull, os.O_WRONLY) if quiet else 1  # where Popen's child writes
+        try:  # where Popen's child would write; closed in a daemon, say: no warm start then
+            os.fstat(2)
+            out = os.open(os.devnull, os.O_WRONLY) if quiet else os.dup(1)
+        except OSError:
+            return None
         try:
             with self._lock:
                 data = json.dumps(request).encode()
@@ -166,8 +170,7 @@ class _Zygote:
             self.alive = False  # gone, or too slow to trust its order of replies: none is used
             return None
         finally:
-            if quiet:
-                os.close(out)
+            os.close(out)
 
     def has_children(self) -> bool:
         """Whether a child of this zygote may still run (its exit not reported yet)."""

@@ -113,6 +113,28 @@ def test_an_environment_read_at_import_gets_a_zygote_of_its_own(probe_dir: Path)
     assert zygotes == sorted([plain["ppid"], two["ppid"]])
 
 
+def test_a_process_without_a_stdout_starts_a_new_interpreter(probe_dir: Path) -> None:
+    """Its zygote's child would have nowhere to write; a new interpreter inherits the closed
+    descriptor as `subprocess.Popen` gives it, and the zygote stays in use."""
+    driver = (
+        "import os, sys\n"
+        "from pdmesh.warm_start import start_module\n"
+        "first = start_module('probe_main', ['0'], quiet=True)\n"
+        "os.close(1)\n"
+        "second = start_module('probe_main', ['0'])\n"
+        "os.dup2(2, 1)\n"
+        "third = start_module('probe_main', ['0'], quiet=True)\n"
+        "codes = [p.wait(60) for p in (first, second, third)]\n"
+        "print([type(p).__name__ for p in (first, second, third)], codes, file=sys.stderr)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", driver], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    kinds = "['WarmProcess', 'Popen', 'WarmProcess']"
+    assert done.stderr.strip().splitlines()[-1] == f"{kinds} [0, 0, 0]"
+
+
 def test_children_die_with_the_process_that_started_them(probe_dir: Path) -> None:
     """SIGKILL the starter: its zygote and the zygote's children go with it; a new zygote
     serves the next start of a process whose zygote died."""
