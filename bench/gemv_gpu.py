@@ -97,7 +97,7 @@ def measure_fp8(name: str, n: int, k: int, quick: bool, bw: float) -> dict[str, 
 
     library_us = per_call_us(library, pairs)
     tried: list[dict[str, Any]] = []
-    default = fp8_gemv_config(1, n, k)
+    default = fp8_gemv_config(1, n, k, gated)
     for cfg in [default, *([] if quick else [c for c in sweep_fp8() if c != default])]:
         out = gemv(x, pairs[0][0], config=cfg, gated=gated, scale=pairs[0][1])
         err = rel_err(out, ref)

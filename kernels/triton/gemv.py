@@ -33,6 +33,10 @@ class GemvConfig(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
+    # Sum each K tile's products at once into a [BLOCK_M, BLOCK_N] accumulator, instead of
+    # elementwise into [BLOCK_M, BLOCK_N, BLOCK_K] and over K once at the end: a reduction
+    # across threads every tile, for far fewer registers held across the loop.
+    reduce_each_tile: bool = False
 
 
 @triton.jit
@@ -78,6 +82,7 @@ def _gemv_kernel(
     GATED: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr,
+    REDUCE_EACH: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -96,14 +101,20 @@ def _gemv_kernel(
     wait_for_previous(USE_PDL)
     x = load_x_tile(x_ptrs, x_tile_mask(row_ok, k_ok, EVEN_K), K, GATED)
     acc = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    if REDUCE_EACH:
+        acc = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         k_ok = (k0 + ks) < K
         w = load_weight_tile(w_ptrs, k_ok, EVEN_K)
         x = load_x_tile(x_ptrs, x_tile_mask(row_ok, k_ok, EVEN_K), K, GATED)
-        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-    y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
+        products = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        if REDUCE_EACH:
+            acc += tl.sum(products, axis=2)
+        else:
+            acc += products
+    y = acc if REDUCE_EACH else tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
     if HAS_SCALE:  # an fp8 weight: row n of W is w[n] * scale[n]
         y *= tl.load(s_ptr + w_rows)[None, :]
     if HAS_BIAS:
@@ -181,6 +192,7 @@ def gemv(
         GATED=gated,
         EVEN_K=k % cfg.block_k == 0,
         USE_PDL=use_pdl,
+        REDUCE_EACH=cfg.reduce_each_tile,
         BLOCK_M=triton.next_power_of_2(m),
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,

@@ -47,7 +47,8 @@ def test_quantize_rows_gated_fuses_silu_and_mul(dtype, device) -> None:
 
 
 @pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize(("n", "k"), [(64, 512), (45, 200), (13, 1100)])
+# Wider than deep (300 x 96, 520 x 256): one row sums each K tile at once (fp8_gemv_config).
+@pytest.mark.parametrize(("n", "k"), [(64, 512), (45, 200), (13, 1100), (300, 96), (520, 256)])
 def test_fp8_gemv_is_the_dequantized_weights_product(
     n: int, k: int, gated: bool, dtype, device, assert_close: Check
 ) -> None:

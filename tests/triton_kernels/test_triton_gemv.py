@@ -69,14 +69,23 @@ def test_gated_gemv_matches_silu_and_mul_then_linear(
         gemv.gemv(gate_up[:, :k], weight, gated=True)
 
 
+@pytest.mark.parametrize("reduce_each_tile", [False, True])
 @pytest.mark.parametrize(("block_n", "block_k"), [(4, 64), (16, 128), (8, 1024)])
 def test_gemv_launch_shapes_agree(
-    block_n: int, block_k: int, dtype: torch.dtype, device: torch.device, assert_close: Check
+    block_n: int,
+    block_k: int,
+    reduce_each_tile: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+    assert_close: Check,
 ) -> None:
     """Every launch shape the benchmark tries computes the same product."""
     x, weight, _ = _inputs(2, 45, 300, dtype, device, seed=block_n + block_k)
-    cfg = gemv.GemvConfig(block_n, block_k, num_warps=4, num_stages=1)
+    cfg = gemv.GemvConfig(block_n, block_k, 4, 1, reduce_each_tile)
     assert_close(gemv.gemv(x, weight, config=cfg), linear_ref(x, weight))
+    gate_up = torch.cat([x, x.flip(0)], dim=1) * 3
+    want = silu_and_mul_linear_ref(gate_up, weight)
+    assert_close(gemv.gemv(gate_up, weight, config=cfg, gated=True), want)
 
 
 def test_what_the_gemv_is_for(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
