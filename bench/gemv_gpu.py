@@ -74,12 +74,18 @@ def sweep(rows: int, quick: bool) -> list[GemvConfig]:
 
 
 def sweep_fp8() -> list[GemvConfig]:
-    return [
+    elementwise = [
         GemvConfig(bn, bk, w, s)
         for bn, bk in ((4, 2048), (8, 1024), (8, 2048), (16, 512), (16, 1024))
         for w in (4, 8)
         for s in (1, 2, 3)
     ]
+    each_tile = [
+        GemvConfig(bn, bk, w, 1, reduce_each_tile=True)
+        for bn, bk in ((8, 1024), (8, 2048), (8, 4096), (16, 1024), (16, 2048), (32, 1024))
+        for w in (4, 8)
+    ]
+    return elementwise + each_tile
 
 
 def measure_fp8(name: str, n: int, k: int, quick: bool, bw: float) -> dict[str, Any]:
