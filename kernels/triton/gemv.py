@@ -5,9 +5,12 @@ the activation is computed as each tile of x is loaded, so it needs no kernel of
 One program per BLOCK_N output features: it streams those rows of W (contiguous along K, 16-byte
 loads, evicted first: nothing reads them again this step) and multiplies each tile by every row
 of x. Products accumulate elementwise in a [BLOCK_M, BLOCK_N, BLOCK_K] fp32 tile and are summed
-over K once at the end, so the loop has no cross-thread reduction. Rows past N re-read row N - 1
-(never stored) instead of masking, which keeps the loads along K unmasked. An fp8 weight (with
-per-row scales) is widened to fp32 as it is loaded and its sums scaled once at the end.
+over K once at the end, so the loop has no cross-thread reduction; or, with
+`GemvConfig.reduce_each_tile`, each tile is summed at once, holding fewer registers across the
+loop (faster for fp8 weights wider than deep, measured: fp8_linear.fp8_gemv_config). Rows past
+N re-read row N - 1 (never stored) instead of masking, which keeps the loads along K unmasked. An
+fp8 weight (with per-row scales) is widened to fp32 as it is loaded and its sums scaled once at
+the end.
 """
 
 from __future__ import annotations
